@@ -1,0 +1,155 @@
+"""GPT-2 shapes, and the arithmetic every lesson leans on.
+
+A GPT-2 is fully described by five numbers: layers, heads, width, context and
+vocabulary. Everything a serving engineer needs to budget follows from them:
+
+    parameters      ~ 12 · n_layer · n_embd²  +  (vocab + n_ctx) · n_embd
+    weight bytes    = parameters · bytes per element
+    KV bytes/token  = 2 · n_layer · n_embd · bytes per element   (a K and a V per layer)
+    FLOPs/token     ~ 2 · parameters  +  4 · n_layer · n_embd · context   (matmuls + attention)
+
+Worked example, fp16: `gpt2` has 124M parameters (249 MB) and its KV cache
+costs 2 · 12 · 768 · 2 = 36 KiB per token; `gpt2-xl` has 1.56B parameters
+(3.1 GB) and costs 2 · 48 · 1600 · 2 = 300 KiB per token, so 10,000 tokens of
+context in flight already weigh as much as the model itself.
+
+The presets are named exactly as the Hugging Face checkpoints are. `tiny` and
+`mini` are made-up shapes for tests and quick runs: same architecture, small
+enough that a CPU runs them in milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+EOS_TOKEN_ID = 50256  # "<|endoftext|>" in GPT-2's vocabulary
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_ctx: int = 1024  # the longest sequence the position table covers
+    vocab_size: int = 50257
+    layer_norm_epsilon: float = 1e-5
+    eos_token_id: int | None = EOS_TOKEN_ID
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                             "every head must get the same width")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id={self.eos_token_id} is outside the vocabulary "
+                             f"[0, {self.vocab_size}); pass eos_token_id=None for a vocabulary without one")
+
+    @classmethod
+    def from_preset(cls, name: str) -> "GPT2Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "GPT2Config":
+        """Read a Hugging Face GPT-2 `config.json` (its keys are n_layer, n_head, n_embd, n_positions, ...)."""
+        return cls(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"],
+                   n_ctx=d.get("n_positions", d.get("n_ctx", 1024)), vocab_size=d["vocab_size"],
+                   layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+                   eos_token_id=d.get("eos_token_id", EOS_TOKEN_ID if d["vocab_size"] > EOS_TOKEN_ID else None))
+
+    def to_hf_dict(self) -> dict:
+        """The `config.json` another GPT-2 tool expects for these shapes."""
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                "n_positions": self.n_ctx, "n_ctx": self.n_ctx, "vocab_size": self.vocab_size,
+                "layer_norm_epsilon": self.layer_norm_epsilon, "activation_function": "gelu_new",
+                "bos_token_id": self.eos_token_id, "eos_token_id": self.eos_token_id,
+                "n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}
+
+    def with_(self, **changes) -> "GPT2Config":
+        return replace(self, **changes)
+
+    # ---- derived figures ---------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def num_params(self) -> int:
+        """Exact parameter count; the LM head is tied to `wte`, so it adds nothing."""
+        C, L = self.n_embd, self.n_layer
+        per_block = (2 * C                 # ln_1
+                     + C * 3 * C + 3 * C   # attn.c_attn
+                     + C * C + C           # attn.c_proj
+                     + 2 * C               # ln_2
+                     + C * 4 * C + 4 * C   # mlp.c_fc
+                     + 4 * C * C + C)      # mlp.c_proj
+        return self.vocab_size * C + self.n_ctx * C + L * per_block + 2 * C
+
+    def weight_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        return self.num_params() * dtype_bytes(dtype)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """2 (K and V) · n_layer · n_embd · bytes per element."""
+        return 2 * self.n_layer * self.n_embd * dtype_bytes(dtype)
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token: the blocks' projections and the LM head."""
+        C = self.n_embd
+        return self.n_layer * 12 * C * C + self.vocab_size * C
+
+    def flops_per_token(self, context_len: int = 0, lm_head: bool = True) -> int:
+        """FLOPs to push one token through the model while it attends to `context_len` tokens.
+
+        2 FLOPs (a multiply and an add) per weight in every projection, plus the
+        attention itself: q·kᵀ and p·v each cost 2 · n_embd per context token per layer.
+        """
+        C = self.n_embd
+        proj = 2 * self.n_layer * 12 * C * C
+        attn = 4 * self.n_layer * C * context_len
+        head = 2 * self.vocab_size * C if lm_head else 0
+        return proj + attn + head
+
+    def check_prompt(self, token_ids, max_tokens: int = 0) -> None:
+        """Raise a ValueError naming the value, the limit and the fix, if a prompt cannot run.
+
+        Cheap enough to call once per request; the model's forward pass itself
+        does not check, so the hot path stays lean.
+        """
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: a GPT-2 needs at least one token to condition on "
+                             "(encode some text, or start from the end-of-text token)")
+        if n > self.n_ctx:
+            raise ValueError(f"the prompt has {n} tokens but the context holds n_ctx={self.n_ctx}; "
+                             f"truncate the prompt to at most {self.n_ctx} tokens")
+        if max_tokens and n + max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                             f"the context n_ctx={self.n_ctx}; lower max_tokens to at most {self.n_ctx - n} "
+                             "or shorten the prompt")
+        bad = [(i, t) for i, t in enumerate(token_ids) if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(f"token id {t!r} at position {i} is outside the vocabulary [0, {self.vocab_size}); "
+                             "was the prompt encoded with a different tokenizer?")
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+    # Made-up shapes for tests and quick runs. The vocabulary of 512 is what the
+    # offline byte-level fallback tokenizer needs (256 bytes + end-of-text, padded).
+    "tiny": GPT2Config(n_layer=2, n_head=4, n_embd=64, n_ctx=128, vocab_size=512, eos_token_id=256),
+    "mini": GPT2Config(n_layer=4, n_head=4, n_embd=128, n_ctx=256, vocab_size=512, eos_token_id=256),
+}
+
+HF_CHECKPOINTS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+__all__ = ["GPT2Config", "PRESETS", "HF_CHECKPOINTS", "EOS_TOKEN_ID", "dtype_bytes"]

@@ -1,0 +1,167 @@
+"""GPT-2, from scratch, in the order you would explain it.
+
+    input_ids (B, T) ─ wte + wpe ─► [ Block × n_layer ] ─► ln_f ─► x · wteᵀ ─► logits
+    Block:  x + attn(ln_1(x)),  then  x + mlp(ln_2(x))          (pre-LayerNorm)
+    attn:   c_attn → q, k, v per head → attention → c_proj
+    mlp:    c_fc → GELU (tanh approximation) → c_proj
+
+Module names are the checkpoint's names (`wte`, `h.3.attn.c_attn`, `ln_f`, ...),
+so loading the official weights is renaming and transposing, nothing more.
+
+The seam between the model and memory
+-------------------------------------
+Attention is the only place where one token looks at another, so it is the
+only place where *how keys and values are stored* matters. The model does not
+decide that. Each attention layer computes its q, k, v for the new tokens and
+hands them to the cache it was given:
+
+    out = cache.attend(layer_idx, q, k, v)      # q, k, v: (B, n_head, T, head_dim)
+
+The cache stores k and v however it likes, attends q over everything the
+sequence has seen so far, and returns the output in q's shape. With no cache
+the model runs plain causal self-attention over the tokens it was given.
+`naive_decode`, `kv_cache` and `paged_cache` are three answers to that one
+call; adding a fourth never means editing this file. Anything a cache needs to
+know about the step (where each sequence's tokens go, how long each context
+is) it is told by its owner before the forward pass, never by the model.
+
+Logits for chosen positions only
+--------------------------------
+The LM head is the single largest matmul in a small GPT-2 (50257 × 768).
+Prefill needs the next-token distribution only at each sequence's last
+position, so `forward(..., logits_indices=idx)` applies `ln_f` and the head to
+those rows of the flattened (B·T) batch and nothing else.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import GPT2Config
+
+
+class AttentionCache(Protocol):
+    """What the model asks of any KV store: attend these new queries over the
+    sequence so far, after storing these new keys and values."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + causal mask)·v over one block of tokens; (B, H, T, D) in and out.
+
+    Token t may look at tokens 0..t and never at a later one: that is what lets
+    a model trained on whole texts generate them one token at a time.
+    """
+    # >>> exercise model-causal-attention (lesson 01, 2 pts): causal self-attention over the given tokens
+    # hint: scores = q @ kᵀ / √head_dim; set scores above the diagonal to -inf; softmax over the last dim; @ v
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # <<< exercise
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k and v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        # >>> exercise model-heads (lesson 01, 2 pts): split the fused qkv projection into heads
+        # hint: c_attn(x) is (B, T, 3C): split it into q, k, v, then view each as (B, T, n_head, head_dim) and move heads to dim 1
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # <<< exercise
+        y = causal_attention(q, k, v) if cache is None else cache.attend(self.layer_idx, q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2 was trained with the tanh approximation of GELU; the exact erf form drifts by ~1e-3.
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config, seed: int | None = 0):
+        """Build the model with GPT-2's initialisation, seeded (seed=None leaves torch's default init)."""
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        # The LM head is tied to wte: the same matrix embeds a token and scores it.
+        if seed is not None and not any(p.is_meta for p in self.parameters()):
+            self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2's scheme: N(0, 0.02) weights, zero biases, unit LayerNorms, and the
+        residual projections (`c_proj`) scaled by 1/√(2·n_layer) so the residual
+        stream's variance does not grow with depth."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln_" in name or name.startswith("ln_f"):
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith("c_proj.weight") else 0.02
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: AttentionCache | None = None,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, T) → logits (B, T, vocab), or (N, vocab) for the N rows of
+        the flattened (B·T) batch named by `logits_indices`.
+
+        `positions` (B, T) defaults to 0..T-1; a cache's owner passes the real
+        positions of the new tokens. Inputs are trusted here: validate prompts
+        once per request with `GPT2Config.check_prompt`, not once per step.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.wte(input_ids) + self.wpe(positions)  # (B, T, C)
+        for block in self.h:
+            x = block(x, cache)
+        if logits_indices is not None:
+            x = x.reshape(B * T, -1)[logits_indices]  # (N, C): only the rows we will sample from
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
