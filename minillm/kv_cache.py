@@ -95,9 +95,15 @@ class KVCache:
         return self._step.positions
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The model's seam: store the new k, v, then attend the new queries over the sequence so far."""
+        self.write(layer_idx, k, v)
+        return self.read(layer_idx, q, k, v)
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's keys and values, (b, H, T, D), in each sequence's next T slots."""
         s = self._step
         # >>> exercise kv-cache-write (lesson 02, 2 pts): store the new keys and values in their slots
-        # hint: q, k, v are (b, H, T, D); sequence s.rows[i] writes its T tokens at slots s.starts[i] .. s.starts[i]+T-1 of self.k[layer_idx]
+        # hint: sequence s.rows[i] writes its T tokens at slots s.starts[i] .. s.starts[i]+T-1 of self.k[layer_idx]; s.positions holds those slots
         if s.uniform:  # every row starts at the same slot: a plain slice write
             self.k[layer_idx, s.row_index, :, s.start:s.start + s.num_new] = k
             self.v[layer_idx, s.row_index, :, s.start:s.start + s.num_new] = v
@@ -105,8 +111,12 @@ class KVCache:
             self.k[layer_idx, s.row_index[:, None], :, s.positions] = k.transpose(1, 2)
             self.v[layer_idx, s.row_index[:, None], :, s.positions] = v.transpose(1, 2)
         # <<< exercise
+
+    def read(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attend q (b, H, T, D) over the cached keys and values, after `write` stored this step's."""
+        s = self._step
         # >>> exercise kv-cache-read (lesson 02, 2 pts): attend the new queries over the cached keys and values
-        # hint: read slots 0 .. s.context_len-1 of the rows; a query at position p sees keys 0..p (s.mask, or is_causal for a fresh prefill)
+        # hint: read slots 0 .. s.context_len-1 of the rows; a query at position p sees keys 0..p (s.mask; a fresh prefill can use is_causal on k, v)
         if s.fresh_prefill:  # nothing cached before: plain causal attention over the new tokens
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         keys = self.k[layer_idx, s.row_index, :, :s.context_len]     # (b, H, L, D)
