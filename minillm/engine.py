@@ -1,0 +1,221 @@
+"""LLMEngine: continuous batching over the paged KV cache.
+
+Serving means many requests of unknown length at once. Continuous batching
+lets them join and leave the batch *between steps*: a finished request frees
+its blocks at once and a waiting one takes its place on the next step, instead
+of the whole batch waiting for its longest member.
+
+One step, data flowing one way:
+
+    scheduler.schedule()   → a plan: which sequences feed how many tokens
+                             (and which were preempted to make room)
+    cache.prepare(plan)    → step metadata: positions, slot mapping, block tables
+    model(ids, positions)  → one forward pass over the flattened ragged batch,
+                             logits only at the rows that will sample
+    sample, update, record → new tokens, finished requests free their blocks,
+                             per-request times and a per-step timeline
+
+Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
+`SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
+`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`.
+
+Sizing the pool: give `num_blocks` directly; or a byte budget
+`kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
+the GPU's memory the engine may fill: weights and everything else already
+allocated are subtracted and the rest becomes KV blocks. On the CPU the
+default budget is 1 GiB.
+
+Invariant held by the tests: every request's greedy tokens are identical to
+`kv_cache.generate` run on it alone, whatever the batch, arrival pattern,
+block size, budget or preemptions.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .chunked_prefill import Scheduler, SchedulerConfig, SchedulerOutput
+from .model import GPT2
+from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from .sampling import FINISH_ABORT, SamplingParams, finish_reason, make_generator, sample
+from .sequence import RequestMetrics, Sequence, SequenceStatus
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # everything generated so far
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    num_preemptions: int = 0
+
+
+@dataclass
+class StepStats:
+    """One row of the engine's timeline."""
+    start: float
+    duration: float          # schedule + forward + sample, synchronised
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+    num_free_blocks: int     # after the step
+
+
+class LLMEngine:
+    def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9):
+        self.model = model.eval()
+        self.config = model.config
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        num_blocks = num_blocks or self._num_blocks_for_budget(block_size, kv_cache_memory_bytes,
+                                                               gpu_memory_utilization)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.device, model.dtype)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache)
+        self.requests: dict[str, Sequence] = {}
+        self.timeline: list[StepStats] = []
+        self._aborted: list[Sequence] = []
+        self._next_id = 0
+
+    def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float) -> int:
+        block_bytes = block_size * self.config.kv_bytes_per_token(self.model.dtype)
+        if budget is None and self.model.device.type == "cuda":
+            if not 0 < utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization={utilization} must be in (0, 1]")
+            free, total = torch.cuda.mem_get_info(self.model.device)
+            budget = int(total * utilization) - (total - free)  # what is left of our share after the weights
+        elif budget is None:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget of {budget / 2**20:.1f} MiB holds no block of {block_bytes / 2**20:.2f} MiB "
+                             f"({block_size} tokens); raise kv_cache_memory_bytes or gpu_memory_utilization, "
+                             "or use a smaller model")
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; it joins the running batch at a coming step. Returns its id."""
+        params = params or SamplingParams()
+        prompt_token_ids = list(prompt_token_ids)
+        self.config.check_prompt(prompt_token_ids, params.max_tokens)
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
+        seq = Sequence(request_id, prompt_token_ids, params,
+                       RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+                       make_generator(params, self.model.device))
+        self._check_fits(seq)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """Reject now a request that could never run, rather than let it wait forever."""
+        tokens, bs = seq.max_total_tokens(), self.cache.block_size
+        blocks = -(-tokens // bs)
+        if blocks > self.cache.num_blocks:
+            raise ValueError(f"request needs up to {tokens} tokens of KV = {blocks} blocks of {bs}, but the whole "
+                             f"pool has {self.cache.num_blocks} blocks; lower max_tokens, shorten the prompt, "
+                             "or give the engine more KV memory (num_blocks / kv_cache_memory_bytes)")
+        budget = self.scheduler_config.max_num_batched_tokens
+        if not self.scheduler_config.enable_chunked_prefill and tokens > budget:
+            raise ValueError(f"with chunked prefill off, a request is (re)computed in one step, and this one can "
+                             f"reach {tokens} tokens > max_num_batched_tokens={budget}; raise the budget to at "
+                             f"least {tokens} or set enable_chunked_prefill=True")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort")."""
+        if request_id not in self.requests:
+            raise KeyError(f"no request with id {request_id!r}; known ids: {sorted(self.requests)[:10]}")
+        seq = self.requests[request_id]
+        if seq.is_finished:
+            return
+        self.scheduler.remove(seq)
+        self._finish(seq, FINISH_ABORT, time.perf_counter())
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; return the requests that got a token or finished."""
+        start = time.perf_counter()
+        outputs = [self._output(s) for s in self._aborted]
+        self._aborted = []
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
+            return outputs
+        sampled = self._execute(plan)
+        now = time.perf_counter()
+        for seq, token in sampled:
+            seq.output_token_ids.append(token)
+            seq.metrics.token_times.append(now)
+            reason = finish_reason(token, len(seq.output_token_ids), seq.num_tokens, seq.params,
+                                   self.config.eos_token_id, self.config.n_ctx)
+            if reason:
+                self.scheduler.remove(seq)
+                self._finish(seq, reason, now)
+            outputs.append(self._output(seq))
+        self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
+                                       len(plan.chunks), len(plan.preempted), self.cache.num_free_blocks))
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
+        """Run the plan as one ragged forward pass; returns (sequence, new token) for those that sample."""
+        ids, segments, sample_rows, samplers = [], [], [], []
+        for chunk in plan.chunks:
+            seq, n = chunk.seq, chunk.num_tokens
+            start = seq.num_computed_tokens
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+            ids.extend(seq.token_ids[start:start + n])
+            segments.append((seq.seq_id, n))
+            if start + n == seq.num_tokens:  # its last pending token is in: it samples this step
+                sample_rows.append(len(ids) - 1)
+                samplers.append(seq)
+            seq.num_computed_tokens += n
+        device = self.model.device
+        positions = self.cache.prepare(segments)
+        logits = self.model(torch.tensor([ids], device=device), positions, cache=self.cache,
+                            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device))
+        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        return list(zip(samplers, tokens))
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finished_time = now
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
+                             seq.finish_reason, seq.metrics, seq.num_preemptions)
+
+    # ---- convenience --------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of the prompts."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        finals: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[i] for i in ids]

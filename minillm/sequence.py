@@ -1,0 +1,96 @@
+"""One request's life in the engine: its tokens, how far its KV is computed, and its clock.
+
+A sequence's tokens are its prompt followed by what it has generated so far.
+`num_computed_tokens` counts the leading tokens whose keys and values are in
+the cache. Everything the scheduler needs follows from the gap between the two:
+
+    remaining = len(tokens) - num_computed_tokens
+    remaining == 1 and it has output  → decoding: feed the last sampled token
+    otherwise                         → prefilling: feed the next chunk of the
+                                        prompt (or, after a preemption, of
+                                        prompt + output, recomputed)
+
+A step that feeds a sequence's last pending token yields logits for its next
+token; only then does the engine sample for it. That single rule keeps TTFT
+exact under chunked prefill: the first token comes after the last chunk.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"    # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"    # holds KV blocks and is scheduled step by step
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) of one request."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+    finished_time: float | None = None
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival → first output token (queueing included, as a user sees it)."""
+        return None if not self.token_times else self.token_times[0] - self.arrival_time
+
+    @property
+    def itls(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive output tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    seq_id: int = field(default_factory=lambda: next(_ids))  # the cache's key for this sequence
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens to feed before this sequence can sample again."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_remaining == 1 and bool(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def max_total_tokens(self) -> int:
+        """The most tokens whose KV this request can ever hold: its last sampled token is never fed."""
+        return len(self.prompt_token_ids) + self.params.max_tokens - 1
