@@ -1,0 +1,207 @@
+"""The from-scratch GPT-2, sampling, naive decode and the contiguous KV cache, on random weights."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
+from minillm import kv_cache, naive_decode
+from minillm.kv_cache import KVCache
+from minillm.sampling import apply_top_k, apply_top_p, finish_reason, sample
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GPT2(CFG, seed=0).eval()
+
+
+def ids(*shape, seed=0):
+    return torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- config ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, layers, heads, width, params", [
+    ("gpt2", 12, 12, 768, 124_439_808), ("gpt2-medium", 24, 16, 1024, 354_823_168),
+    ("gpt2-large", 36, 20, 1280, 774_030_080), ("gpt2-xl", 48, 25, 1600, 1_557_611_200)])
+def test_presets_match_the_checkpoints(name, layers, heads, width, params):
+    c = GPT2Config.from_preset(name)
+    assert (c.n_layer, c.n_head, c.n_embd, c.n_ctx, c.vocab_size) == (layers, heads, width, 1024, 50257)
+    assert c.num_params() == params  # the published parameter counts of the four checkpoints
+
+
+def test_derived_figures(model):
+    assert CFG.num_params() == sum(p.numel() for p in model.parameters())
+    gpt2 = PRESETS["gpt2"]
+    assert gpt2.kv_bytes_per_token(torch.float16) == 2 * 12 * 768 * 2 == 36_864
+    assert gpt2.weight_bytes(torch.bfloat16) == 2 * gpt2.num_params()
+    assert gpt2.flops_per_token(context_len=100) - gpt2.flops_per_token(0) == 4 * 12 * 768 * 100
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ValueError, match="unknown preset 'gpt3'.*gpt2-xl"):
+        GPT2Config.from_preset("gpt3")
+
+
+@pytest.mark.parametrize("prompt, max_tokens, match", [
+    ([], 0, "prompt is empty"),
+    ([1] * 129, 0, "129 tokens but the context holds n_ctx=128"),
+    ([1] * 100, 40, "lower max_tokens to at most 28"),
+    ([1, 512], 0, "token id 512 at position 1 is outside the vocabulary \\[0, 512\\)"),
+    ([1, -3], 0, "token id -3"),
+])
+def test_bad_prompts_get_clear_errors(prompt, max_tokens, match):
+    with pytest.raises(ValueError, match=match):
+        CFG.check_prompt(prompt, max_tokens)
+
+
+def test_naive_decode_rejects_bad_prompts_before_running(model):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        naive_decode.generate(model, [], SamplingParams(temperature=0, max_tokens=1))
+
+
+# ---- the model -----------------------------------------------------------------
+
+def test_a_batch_gives_each_row_its_own_logits(model):
+    x = ids(3, 17)
+    with torch.no_grad():
+        batched = model(x)
+        rows = torch.cat([model(x[i:i + 1]) for i in range(3)])
+    torch.testing.assert_close(batched, rows, atol=1e-5, rtol=1e-5)
+
+
+def test_later_tokens_never_change_earlier_logits(model):
+    a, b = ids(1, 20, seed=1), ids(1, 20, seed=1)
+    b[0, 12:] = (b[0, 12:] + 1) % CFG.vocab_size
+    with torch.no_grad():
+        la, lb = model(a), model(b)
+    torch.testing.assert_close(la[:, :12], lb[:, :12])
+    assert not torch.allclose(la[:, 12:], lb[:, 12:])
+
+
+def test_logits_only_at_chosen_positions(model):
+    x = ids(2, 9)
+    with torch.no_grad():
+        full = model(x)
+        chosen = model(x, logits_indices=torch.tensor([8, 17]))  # each row's last token in the (B·T) batch
+    assert chosen.shape == (2, CFG.vocab_size)
+    torch.testing.assert_close(chosen, full[:, -1])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-2), (torch.bfloat16, 5e-2)])
+def test_half_precision_runs_and_agrees(model, dtype, tol):
+    x = ids(1, 16)
+    half = GPT2(CFG, seed=0).to(dtype).eval()
+    with torch.no_grad():
+        ref, got = model(x), half(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float().softmax(-1), ref.softmax(-1), atol=tol, rtol=0)
+
+
+def test_a_new_cache_plugs_in_without_touching_the_model(model):
+    """The seam: any object with attend(layer, q, k, v) can be the cache."""
+    class FullRecompute:
+        def __init__(self):
+            self.calls = []
+
+        def attend(self, layer, q, k, v):
+            self.calls.append((layer, tuple(q.shape)))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    cache, x = FullRecompute(), ids(2, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, cache=cache), model(x))
+    H, D = CFG.n_head, CFG.head_dim
+    assert cache.calls == [(0, (2, H, 5, D)), (1, (2, H, 5, D))]
+
+
+def test_seeded_init_is_reproducible():
+    a, b, c = GPT2(CFG, seed=1), GPT2(CFG, seed=1), GPT2(CFG, seed=2)
+    assert torch.equal(a.h[0].attn.c_attn.weight, b.h[0].attn.c_attn.weight)
+    assert not torch.equal(a.h[0].attn.c_attn.weight, c.h[0].attn.c_attn.weight)
+
+
+# ---- sampling ------------------------------------------------------------------
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0]])
+    assert torch.isinf(apply_top_k(logits, 2)).tolist() == [[True, False, True, False]]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25]]))
+    kept = ~torch.isinf(apply_top_p(logits, 0.7))
+    assert kept.tolist() == [[False, True, False, True]]  # 0.5 + 0.25 ≥ 0.7
+    assert (~torch.isinf(apply_top_p(logits, 0.01))).sum() == 1  # the top token always survives
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    gen = lambda: [torch.Generator().manual_seed(7) for _ in range(4)]  # noqa: E731
+    assert sample(logits, [sp] * 4, gen()) == sample(logits, [sp] * 4, gen())
+    assert sample(logits, [SamplingParams(temperature=0)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_finish_reasons():
+    sp = SamplingParams(max_tokens=3, stop_token_ids=[9])
+    assert finish_reason(9, 1, 10, sp, eos_token_id=5, n_ctx=100) == "stop"
+    assert finish_reason(5, 1, 10, sp, eos_token_id=5, n_ctx=100) == "stop"
+    assert finish_reason(5, 1, 10, SamplingParams(ignore_eos=True), eos_token_id=5, n_ctx=100) is None
+    assert finish_reason(1, 3, 10, sp, eos_token_id=5, n_ctx=100) == "length"
+    assert finish_reason(1, 1, 100, sp, eos_token_id=5, n_ctx=100) == "length"
+
+
+@pytest.mark.parametrize("bad, match", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                        (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens")])
+def test_bad_sampling_params(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+# ---- naive decode and the KV cache ----------------------------------------------
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def test_greedy_naive_decode_is_deterministic(model):
+    assert naive_decode.generate(model, [1, 2, 3], GREEDY) == naive_decode.generate(model, [1, 2, 3], GREEDY)
+
+
+def test_kv_cache_matches_naive_decode_for_many_prompts_and_a_batch(model):
+    prompts = [ids(n, seed=n)[:].tolist() for n in (1, 2, 7, 16, 33, 50)]
+    naive = [naive_decode.generate(model, p, GREEDY) for p in prompts]
+    for p, want in zip(prompts, naive):
+        assert kv_cache.generate(model, [p], GREEDY) == [want]
+    assert kv_cache.generate(model, prompts, GREEDY) == naive  # ragged batch
+    same_len = [ids(12, seed=s).tolist() for s in range(3)]
+    assert kv_cache.generate(model, same_len, GREEDY) == [naive_decode.generate(model, p, GREEDY) for p in same_len]
+
+
+def test_kv_cache_logits_agree_with_full_recompute(model):
+    x = ids(2, 24, seed=3)
+    cache = KVCache(CFG, 2, 24)
+    with torch.no_grad():
+        full = model(x)
+        steps = [model(x[:, :10], cache.prepare([0, 1], 10), cache=cache)]
+        for t in range(10, 24):
+            steps.append(model(x[:, t:t + 1], cache.prepare([0, 1], 1), cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_generation_is_reproducible(model):
+    sp = SamplingParams(temperature=0.8, top_k=40, max_tokens=15, seed=3, ignore_eos=True)
+    assert naive_decode.generate(model, [4, 5], sp) == naive_decode.generate(model, [4, 5], sp)
+    assert kv_cache.generate(model, [[4, 5]], sp) == kv_cache.generate(model, [[4, 5]], sp)
+
+
+def test_kv_cache_accounts_its_bytes():
+    cache = KVCache(CFG, 2, 64)
+    assert cache.nbytes == 2 * 64 * CFG.kv_bytes_per_token(torch.float32)
+    cache.prepare([0, 1], 16)
+    assert cache.used_bytes() == cache.nbytes // 4
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        cache.prepare([0], 60)
+    with pytest.raises(ValueError, match="exceeds the model's context n_ctx=128"):
+        KVCache(CFG, 1, 129)
