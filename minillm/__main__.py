@@ -1,0 +1,118 @@
+"""The command line: `python -m minillm <command> ...`.
+
+    python -m minillm generate --model gpt2 --prompt "The meaning of life is" --max-tokens 40
+
+`generate` prints the text, then the two numbers that describe a request's
+speed: TTFT (time to first token: the prefill, one forward pass over the whole
+prompt) and decode tokens/s (one forward pass per token, reading the KV cache).
+
+Each command is one `add_<name>_command(subparsers)` function that adds its
+parser and sets `func`; `COMMANDS` lists them. A new command is one such
+function and one entry in that list.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .kv_cache import generate as cached_generate
+from .sampling import SamplingParams
+from .tokenizer import load_tokenizer
+from .weights import CheckpointError, load_model, resolve_device, resolve_dtype
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype, --weights-dir: shared by every command that loads a model."""
+    parser.add_argument("--model", default="gpt2",
+                        help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, mini) or a checkpoint folder")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    parser.add_argument("--weights-dir", default=None,
+                        help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(args.model, device, dtype, args.weights_dir)
+    tokenizer = load_tokenizer(args.model, args.weights_dir)
+    prompt_ids = tokenizer.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    model.config.check_prompt(prompt_ids, params.max_tokens)
+
+    marks: list[float] = []  # wall time after each forward pass; marks[0] ends the prefill
+
+    def on_step(step: int, num_tokens: int) -> None:
+        _sync(device)
+        marks.append(time.perf_counter())
+
+    _sync(device)
+    start = time.perf_counter()
+    new_ids = cached_generate(model, [prompt_ids], params, on_step=on_step)[0]
+
+    print(tokenizer.decode(prompt_ids + new_ids))
+    print("-" * 60)
+    print(f"model    {args.model} ({model.weights_source}) on {device}, {str(dtype).removeprefix('torch.')}")
+    print(f"tokens   prompt {len(prompt_ids)}, generated {len(new_ids)}; tokenizer: {tokenizer.name}")
+    ttft = marks[0] - start
+    line = f"TTFT     {ttft * 1e3:.1f} ms (prefill {len(prompt_ids) / ttft:.0f} tok/s)"
+    if len(marks) > 1:
+        decode_s = marks[-1] - marks[0]
+        line += f"   decode {(len(marks) - 1) / decode_s:.1f} tok/s over {len(marks) - 1} steps"
+    print(line)
+    return 0
+
+
+def add_generate_command(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt and time it",
+                              description="Generate with the KV cache; print the text, TTFT and decode tok/s.")
+    add_model_arguments(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="seeds the sampling, so a run is reproducible")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    p.set_defaults(func=run_generate)
+
+
+def add_bench_command(subparsers) -> None:
+    from . import bench
+    p = subparsers.add_parser("bench", help="prefill and decode speed against this device's measured ceilings",
+                              description=bench.__doc__.splitlines()[0])
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)
+
+
+COMMANDS = [add_generate_command, add_bench_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minillm", description="minillm: a teaching-grade LLM engine")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for add_command in COMMANDS:
+        add_command(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, CheckpointError) as e:  # bad input: the message is the whole story
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

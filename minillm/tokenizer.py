@@ -1,0 +1,129 @@
+"""Text ↔ token ids: GPT-2's byte-level BPE, or an offline byte fallback.
+
+What GPT-2's tokenizer does
+---------------------------
+Byte-level BPE starts from the 256 byte values, so any text encodes with no
+unknown token, and then applies ~50,000 learned merges of frequent byte pairs,
+so common words become one id (" the" → 262). English averages ~4 characters
+per token. The vocabulary and merges live in the checkpoint's `tokenizer.json`,
+which the `tokenizers` library (Rust, the same one transformers uses) runs.
+
+The fallback
+------------
+With no `tokenizer.json` (offline, or the `tiny`/`mini` shapes that never had
+one) `ByteTokenizer` maps each UTF-8 byte to its own id 0..255: about 4× more
+tokens than BPE for English, and meaningless to the real GPT-2 weights, whose
+ids 0..255 are not bytes. It exists so every lesson runs offline; a model
+with random weights produces noise either way. Ids outside 0..255 decode as
+`<|id|>` so nothing is silently lost.
+
+Invariant held by the tests: decode(encode(text)) == text, for the BPE
+tokenizer and for the fallback.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
+from .weights import CONFIG_FILE, locate, read_config
+
+TOKENIZER_FILE = "tokenizer.json"
+EOS_TEXT = "<|endoftext|>"
+
+
+class BPETokenizer:
+    """GPT-2's byte-level BPE from a `tokenizer.json`."""
+
+    is_fallback = False
+
+    def __init__(self, path: str | Path, eos_token_id: int | None = None):
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # the Rust side raises a plain Exception for malformed files
+            raise ValueError(f"{self.path} is not a valid tokenizer.json ({e}); delete it and re-download "
+                             "with `python weights_download.py <name>`") from e
+        found = self._tok.token_to_id(EOS_TEXT)
+        self.eos_token_id = found if found is not None else eos_token_id
+        self.name = f"byte-level BPE ({self.path})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class ByteTokenizer:
+    """The offline fallback: one id per UTF-8 byte; `eos_token_id` from the model's config."""
+
+    is_fallback = True
+
+    def __init__(self, eos_token_id: int | None, vocab_size: int):
+        if vocab_size < 256:
+            raise ValueError(f"the byte fallback needs a vocabulary of at least 256 ids, the model has "
+                             f"vocab_size={vocab_size}; give the model a tokenizer.json instead")
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.name = f"byte fallback (UTF-8 bytes as ids 0..255, eos={eos_token_id})"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(EOS_TEXT if i == self.eos_token_id else f"<|{i}|>")
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+_warned = False
+
+
+def _warn_fallback(where: Path) -> None:
+    global _warned
+    if not _warned:
+        print(f"WARNING: no {TOKENIZER_FILE} in {where}; using the byte fallback tokenizer "
+              "(UTF-8 bytes as ids; not GPT-2's vocabulary).", file=sys.stderr, flush=True)
+        _warned = True
+
+
+def _config(folder: Path, preset: str | None) -> GPT2Config:
+    if (folder / CONFIG_FILE).is_file():
+        return read_config(folder)
+    if preset is not None:
+        return PRESETS[preset]
+    raise ValueError(f"{folder} has no {CONFIG_FILE}, so the fallback tokenizer cannot know the "
+                     "vocabulary size or end-of-text id; point at a checkpoint folder")
+
+
+def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = None):
+    """The tokenizer for a preset (looked up in `<weights_dir>/<name>/`) or a checkpoint folder.
+
+    Returns a BPETokenizer when `tokenizer.json` is there, else a ByteTokenizer
+    (with a one-time warning). Both offer encode, decode, eos_token_id,
+    is_fallback and name.
+    """
+    folder, preset = locate(name_or_path, weights_dir)
+    config = _config(folder, preset)
+    if (folder / TOKENIZER_FILE).is_file():
+        return BPETokenizer(folder / TOKENIZER_FILE, config.eos_token_id)
+    if preset is None or preset in HF_CHECKPOINTS:  # tiny and mini never had a tokenizer.json to miss
+        _warn_fallback(folder)
+    return ByteTokenizer(config.eos_token_id, config.vocab_size)
+
+
+__all__ = ["BPETokenizer", "ByteTokenizer", "load_tokenizer", "TOKENIZER_FILE"]

@@ -1,0 +1,131 @@
+"""weights.py: where a model comes from (folder, downloaded preset, random init), on which device, in which dtype."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import PRESETS, GPT2
+from minillm import weights
+from minillm.weights import (CheckpointError, default_weights_dir, load_model, random_model, resolve_device,
+                             resolve_dtype, save_pretrained)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- device and dtype -------------------------------------------------------
+
+def test_auto_device_is_cuda_when_available_else_cpu():
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == want and resolve_device(None).type == want
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_bad_device_names_the_value():
+    with pytest.raises(ValueError, match="'tpu7'"):
+        resolve_device("tpu7")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_says_so():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda")
+
+
+@pytest.mark.parametrize("name, want", [("fp32", torch.float32), ("float32", torch.float32),
+                                        ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16),
+                                        ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                        ("torch.bfloat16", torch.bfloat16), (torch.float16, torch.float16)])
+def test_dtype_names(name, want):
+    assert resolve_dtype(name, "cpu") == want
+
+
+def test_auto_dtype_is_bf16_on_cuda_and_fp32_on_cpu():
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+
+
+def test_unknown_dtype_lists_the_choices():
+    with pytest.raises(ValueError, match=r"'int3'.*bf16"):
+        resolve_dtype("int3", "cpu")
+
+
+# ---- random init -------------------------------------------------------------
+
+def test_random_model_is_gpt2_init_built_in_place():
+    config = PRESETS["tiny"]
+    model = random_model(config, "cpu", "fp32", seed=5)
+    reference = GPT2(config, seed=5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), name
+    assert model.weights_source == "random-init (seed 5)" and not model.training
+
+
+def test_random_model_seeds_differ_and_dtype_is_cast_from_the_same_values():
+    config = PRESETS["tiny"]
+    a, b = random_model(config, "cpu", "fp32", seed=0), random_model(config, "cpu", "fp32", seed=1)
+    assert not torch.equal(a.wte.weight, b.wte.weight)
+    half = random_model(config, "cpu", "bf16", seed=0)
+    assert half.dtype == torch.bfloat16 and torch.equal(half.wte.weight, a.wte.weight.to(torch.bfloat16))
+
+
+# ---- load_model: by path, by preset, or random -------------------------------
+
+def test_load_by_path_and_by_preset_name(tmp_path):
+    model = random_model(PRESETS["tiny"], "cpu", "fp32", seed=2)
+    save_pretrained(model, tmp_path / "tiny")
+    ids = torch.randint(0, 512, (1, 9))
+    by_path = load_model(tmp_path / "tiny", "cpu", "fp32")
+    by_name = load_model("tiny", "cpu", "fp32", weights_dir=tmp_path)
+    with torch.no_grad():
+        assert torch.equal(by_path(ids), model(ids)) and torch.equal(by_name(ids), model(ids))
+    assert by_name.weights_source == str(tmp_path / "tiny") and not by_name.training
+
+
+def test_absent_checkpoint_falls_back_to_random_init_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(PRESETS, "gpt2", PRESETS["tiny"])  # the gpt2 code path, at a tiny cost
+    model = load_model("gpt2", "cpu", "fp32", weights_dir=tmp_path, seed=4)
+    err = capsys.readouterr().err
+    assert "RANDOM" in err and "python weights_download.py gpt2" in err and "Timing and memory" in err
+    assert model.weights_source == "random-init (seed 4)" and model.config == PRESETS["tiny"]
+
+
+def test_made_up_shapes_init_randomly_without_a_warning(tmp_path, capsys):
+    model = load_model("mini", "cpu", "fp32", weights_dir=tmp_path)
+    assert model.config == PRESETS["mini"] and capsys.readouterr().err == ""
+
+
+def test_folder_with_missing_files_lists_them_and_the_download_command(tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors.part").write_bytes(b"half")
+    with pytest.raises(CheckpointError) as e:
+        load_model("gpt2", "cpu", weights_dir=tmp_path)
+    msg = str(e.value)
+    assert "missing model.safetensors" in msg and "python weights_download.py gpt2" in msg and "resume" in msg
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match=r"unknown model 'gpt5'.*gpt2-medium"):
+        load_model("gpt5", "cpu")
+
+
+def test_a_path_that_does_not_exist_says_so(tmp_path):
+    with pytest.raises(ValueError, match="there is no folder"):
+        load_model(str(tmp_path / "nothing"), "cpu")
+
+
+def test_weights_dir_is_the_repo_one_unless_overridden(monkeypatch, tmp_path):
+    monkeypatch.delenv("MINILLM_WEIGHTS_DIR", raising=False)
+    assert default_weights_dir() == REPO_ROOT / "weights"
+    monkeypatch.setenv("MINILLM_WEIGHTS_DIR", str(tmp_path))
+    assert default_weights_dir() == tmp_path
+    assert weights.locate("gpt2") == (tmp_path / "gpt2", "gpt2")
+
+
+def test_saved_config_round_trips(tmp_path):
+    config = PRESETS["mini"].with_(layer_norm_epsilon=1e-6)
+    save_pretrained(random_model(config, "cpu"), tmp_path)
+    assert load_model(tmp_path, "cpu").config == config
