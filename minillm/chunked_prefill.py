@@ -186,7 +186,7 @@ class Scheduler:
         scheduled = {id(c.seq) for c in out.chunks}
         while not self.blocks.can_append(seq.seq_id, num_tokens):
             # >>> exercise scheduler-preempt (lesson 05, 2 pts): free blocks by preempting the newest running sequence
-            # hint: the victim is the last of self.running that is neither `seq` nor already in this step's plan (`scheduled` holds their id()); if there is none, `seq` itself; self._preempt(victim, out); return False if the victim was `seq`
+            # hint: the victim is the newest running sequence that is neither `seq` nor already in this step's plan (`scheduled` holds their id()), else `seq` itself; preempt it with `self._preempt`; give up (False) if that was `seq`
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self._preempt(victim, out)
