@@ -5,8 +5,9 @@
     attn:   c_attn → q, k, v per head → attention → c_proj
     mlp:    c_fc → GELU (tanh approximation) → c_proj
 
-Module names are the checkpoint's names (`wte`, `h.3.attn.c_attn`, `ln_f`, ...),
-so loading the official weights is renaming and transposing, nothing more.
+Module names and weight layouts are the checkpoint's (`wte`, `h.3.attn.c_attn`,
+`ln_f`, ...; projections stored [in, out]), so loading the official weights is
+reading tensors by name, nothing more.
 
 The seam between the model and memory
 -------------------------------------
@@ -63,13 +64,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     # <<< exercise
 
 
+class Conv1D(nn.Module):
+    """y = x·W + b, with W stored [in_features, out_features] as GPT-2's checkpoints store it.
+
+    (The name is historical: OpenAI's code called this projection a 1-wide
+    convolution.) Why not nn.Linear, which stores [out, in]? A decode step has
+    one token per sequence, so every projection is a matrix-vector product that
+    streams W from memory once. On the CPU this engine was measured on, MKL
+    streams the [in, out] layout ~1.7× faster (21 vs 12.6 GB/s), and on a GPU
+    either layout is fine; for prefill the two are equally fast.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # (B·T, out)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k and v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = Conv1D(config.n_embd, 3 * config.n_embd)  # q, k and v in one matmul
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -88,8 +110,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = Conv1D(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Conv1D(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # GPT-2 was trained with the tanh approximation of GELU; the exact erf form drifts by ~1e-3.

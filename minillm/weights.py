@@ -4,8 +4,8 @@ What a checkpoint is
 --------------------
 A Hugging Face GPT-2 checkpoint is a folder with `config.json` (the five
 shape numbers) and `model.safetensors` (a JSON header naming every tensor, its
-dtype, shape and byte range, then the raw bytes). Our module names are the
-checkpoint's names, so loading is renaming and transposing:
+dtype, shape and byte range, then the raw bytes). Our module names and layouts
+are the checkpoint's, so loading is reading tensors by name:
 
     wte.weight, wpe.weight, h.{i}.ln_1.*, h.{i}.attn.c_attn.*, h.{i}.attn.c_proj.*,
     h.{i}.ln_2.*, h.{i}.mlp.c_fc.*, h.{i}.mlp.c_proj.*, ln_f.*
@@ -17,8 +17,8 @@ Layout variants that all load:
     - `h.{i}.attn.bias` / `h.{i}.attn.masked_bias`: causal-mask buffers that
       old GPT-2 code saved with the weights; not parameters, ignored.
 
-The four projections are stored as Conv1D, [in_features, out_features]; our
-nn.Linear keeps [out, in], so they are transposed on load and back on save.
+The four projections are stored as Conv1D, [in_features, out_features], and
+the model keeps that layout (model.Conv1D says why), so nothing is transposed.
 
 What it costs
 -------------
@@ -126,7 +126,7 @@ def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
         model = GPT2(config, seed=None)
     shapes = {}
     for name, p in model.state_dict().items():
-        shapes[name] = tuple(p.shape[::-1]) if _CONV1D.match(name) else tuple(p.shape)
+        shapes[name] = tuple(p.shape)
     return shapes
 
 
@@ -224,7 +224,7 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
             # copy=True: on CPU safetensors hands back views of the memory-mapped file,
             # which would crash the model if the file were later truncated or rewritten.
             t = t.to(device=device, dtype=dtype, copy=True)
-            state[name] = t.t().contiguous() if _CONV1D.match(name) else t  # Conv1D [in, out] → Linear [out, in]
+            state[name] = t
     with torch.device("meta"):
         model = GPT2(config, seed=None)
     model.load_state_dict(state, strict=True, assign=True)
@@ -260,10 +260,7 @@ def save_pretrained(model: GPT2, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, p in model.state_dict().items():
-        t = p.detach()
-        if _CONV1D.match(name):
-            t = t.t()
-        tensors[name] = t.to("cpu").contiguous()
+        tensors[name] = p.detach().to("cpu").contiguous()
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     return folder

@@ -76,11 +76,7 @@ def test_save_then_load_gives_identical_logits(tmp_path):
 
 def checkpoint_tensors(model: GPT2) -> dict[str, torch.Tensor]:
     """The official layout: unprefixed keys, Conv1D projections as [in, out]."""
-    out = {}
-    for name, p in model.state_dict().items():
-        conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
-        out[name] = (p.t() if conv1d else p).contiguous().clone()
-    return out
+    return {name: p.contiguous().clone() for name, p in model.state_dict().items()}
 
 
 def write(folder, config, tensors):

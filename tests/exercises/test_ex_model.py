@@ -106,7 +106,7 @@ def run_heads(B=2, T=3, seed=0):
     cache = RecordingCache((B, cfg.n_head, T, cfg.head_dim))
     with torch.no_grad():
         attn(x, cache)
-        fused = x @ attn.c_attn.weight.T + attn.c_attn.bias   # (B, T, 3C): q | k | v
+        fused = x @ attn.c_attn.weight + attn.c_attn.bias   # (B, T, 3C): q | k | v
     assert len(cache.calls) == 1, f"CausalSelfAttention.forward called cache.attend {len(cache.calls)} times, expected once"
     return cfg, fused, cache.calls[0]
 
