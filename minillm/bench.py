@@ -1,0 +1,133 @@
+"""`python -m minillm bench`: prefill and decode speed, as fractions of this device's own limits.
+
+    python -m minillm bench --model gpt2 --device cpu --dtype fp32 [--prompt-len 512 --batch 1 --context-len 512]
+
+It measures the device's ceilings first (matmul FLOP/s in the working dtype,
+copy bandwidth; see `metrics.py`), then times one prefill of `--prompt-len`
+tokens per sequence and one decode step after `--context-len` cached tokens,
+both through the contiguous KV cache, and prints for each phase:
+
+    tokens/s, achieved FLOP/s (% of the matmul ceiling), achieved bytes/s (% of the copy bandwidth)
+
+For decode it also prints the *weight-read floor*: weight bytes ÷ bandwidth,
+the fastest any step could be that reads every weight once. A batch-1 decode
+step is judged by how close it comes to that floor (weight bytes read per step
+÷ step time, as a share of the bandwidth), a prefill by its share of matmul
+FLOP/s. Small models on big GPUs stay far from the floor: each step is a few
+hundred kernel launches from Python, and launching, not memory, sets the pace.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .metrics import achieved, decode_cost, environment, measure_ceilings, prefill_cost, time_decode, time_prefill
+from .weights import load_model, resolve_device, resolve_dtype
+
+# Issue 3's speed targets on the CPU in fp32 (benchmarks, not tests).
+CPU_DECODE_TARGET = 0.80   # batch-1 decode: weight bytes per step ÷ step time, as a share of copy bandwidth
+CPU_PREFILL_TARGET = 0.60  # 512-token prefill: share of matmul FLOP/s
+GPU_DECODE_TARGET = 2.0    # decode step time within this factor of the weight-read floor
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt2", help="preset or checkpoint folder (random init when absent)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    parser.add_argument("--weights-dir", default=None, help="where preset folders live")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prefill tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--context-len", type=int, default=None,
+                        help="cached tokens before the timed decode step (default: --prompt-len)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
+
+
+def _check(args: argparse.Namespace, n_ctx: int) -> int:
+    context = args.prompt_len if args.context_len is None else args.context_len
+    if args.batch < 1 or args.prompt_len < 1 or args.repeats < 1:
+        raise ValueError(f"--batch {args.batch}, --prompt-len {args.prompt_len} and --repeats {args.repeats} "
+                         "must all be at least 1")
+    if args.prompt_len > n_ctx or context + 1 > n_ctx:
+        raise ValueError(f"--prompt-len {args.prompt_len} / --context-len {context} (+1 new token) exceed the "
+                         f"model's n_ctx={n_ctx}; use at most {n_ctx} and {n_ctx - 1}")
+    return context
+
+
+def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int = 2, repeats: int = 7) -> dict:
+    """Time one prefill and one decode step; return each against the measured ceilings."""
+    cfg, device, dtype = model.config, model.device, model.dtype
+    ceilings = measure_ceilings(device, dtype)
+    t_prefill = time_prefill(model, prompt_len, batch, warmup, repeats).median_s
+    t_decode = time_decode(model, context_len, batch, warmup, repeats).median_s
+    pre = achieved(prefill_cost(cfg, prompt_len, batch, dtype), t_prefill, ceilings)
+    dec = achieved(decode_cost(cfg, context_len, batch, dtype), t_decode, ceilings)
+    weight_floor = dec["seconds"] * dec["weight_bytes_per_s"] / ceilings.bandwidth  # weight bytes ÷ bandwidth
+    return {"prefill": {**pre, "tokens_per_s": batch * prompt_len / t_prefill},
+            "decode": {**dec, "tokens_per_s": batch / t_decode,
+                       "weight_frac_bandwidth": dec["weight_bytes_per_s"] / ceilings.bandwidth,
+                       "weight_read_floor_s": weight_floor, "times_floor": t_decode / weight_floor},
+            "ceilings": ceilings.as_dict(), "prompt_len": prompt_len, "context_len": context_len, "batch": batch}
+
+
+def _fmt(x: float, unit: str) -> str:
+    for f, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= f:
+            return f"{x / f:.3g} {p}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def report(result: dict, on_gpu: bool) -> list[str]:
+    """The printed lines, including whether issue 3's speed targets are met."""
+    c, p, d = result["ceilings"], result["prefill"], result["decode"]
+    lines = [f"ceilings (measured): matmul {_fmt(c['matmul_flops'], 'FLOP/s')}, copy bandwidth "
+             f"{_fmt(c['bandwidth'], 'B/s')}, ridge {c['ridge']:.1f} FLOP/B"]
+    if c.get("datasheet"):
+        lines.append(f"  {c['datasheet']['source']}: {_fmt(c['datasheet']['matmul_flops'], 'FLOP/s')}, "
+                     f"{_fmt(c['datasheet']['bandwidth'], 'B/s')}")
+    lines += [
+        f"prefill  batch {result['batch']} × {result['prompt_len']} tokens: {p['seconds'] * 1e3:.2f} ms, "
+        f"{_fmt(p['tokens_per_s'], 'tok/s')}, {_fmt(p['flops_per_s'], 'FLOP/s')} "
+        f"({p['frac_matmul_flops']:.0%} of matmul), {_fmt(p['bytes_per_s'], 'B/s')} ({p['frac_bandwidth']:.0%} of bw)",
+        f"decode   batch {result['batch']} after {result['context_len']} tokens: {d['seconds'] * 1e3:.2f} ms, "
+        f"{_fmt(d['tokens_per_s'], 'tok/s')}, {_fmt(d['flops_per_s'], 'FLOP/s')} ({d['frac_matmul_flops']:.0%} of matmul), "
+        f"{_fmt(d['bytes_per_s'], 'B/s')} ({d['frac_bandwidth']:.0%} of bw)",
+        f"         weights read {_fmt(d['weight_bytes_per_s'], 'B/s')} ({d['weight_frac_bandwidth']:.0%} of bw); "
+        f"weight-read floor {d['weight_read_floor_s'] * 1e3:.2f} ms → step is {d['times_floor']:.2f}× the floor",
+    ]
+    if on_gpu:
+        ok = d["times_floor"] <= GPU_DECODE_TARGET
+        lines.append(f"target: decode within {GPU_DECODE_TARGET:g}× of the weight-read floor: "
+                     f"{'MET' if ok else 'MISSED'} ({d['times_floor']:.2f}×)")
+    else:
+        lines.append(f"target: batch-1 decode weight reads ≥ {CPU_DECODE_TARGET:.0%} of bw: "
+                     f"{'MET' if d['weight_frac_bandwidth'] >= CPU_DECODE_TARGET else 'MISSED'} "
+                     f"({d['weight_frac_bandwidth']:.0%}); prefill ≥ {CPU_PREFILL_TARGET:.0%} of matmul: "
+                     f"{'MET' if p['frac_matmul_flops'] >= CPU_PREFILL_TARGET else 'MISSED'} ({p['frac_matmul_flops']:.0%})")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_model(args.model, device, dtype, args.weights_dir)
+    context = _check(args, model.config.n_ctx)
+    result = bench(model, args.prompt_len, context, args.batch, args.warmup, args.repeats)
+    env = environment(device, dtype)
+    print(f"bench    {args.model} ({model.weights_source}) on {env['device_name']}, {env['dtype']}, "
+          f"{env['torch_threads']} threads, torch {env['torch']}")
+    print("\n".join(report(result, device.type == "cuda")))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"model": args.model, "weights_source": model.weights_source,
+                                    "environment": env, **result}, indent=2) + "\n")
+        print(f"results: {path}")
+    return 0

@@ -1,0 +1,446 @@
+"""Measuring a forward step, and knowing how close it came to the hardware.
+
+A speed figure on its own ("40 ms per token") says little. The same figure as a
+fraction of what the device can do ("82% of the memory bandwidth") says whether
+there is anything left to win, and where. This module gives every lesson and the
+`bench` command four things:
+
+Timing
+    `time_fn(fn, device)` runs warm-up calls, then repeats, and reports the
+    median. On a GPU work is queued asynchronously, so it times with CUDA events
+    (or a synchronize) around the work; on the CPU `time.perf_counter` suffices.
+    `Stopwatch` times the laps of a loop, such as the steps of one generation.
+
+Memory
+    On CUDA the allocator's own statistics (allocated now, peak since a reset).
+    On the CPU there is no such allocator to ask, so we count the bytes that the
+    weights and the caches own: *accounted* bytes, labelled as such, not measured.
+
+The analytic cost of one forward step (`step_cost`)
+    For a step that pushes n_i new tokens through sequence i, which already holds
+    c_i cached tokens, with L layers, width C, vocabulary V and b bytes per element:
+
+        FLOPs  = 2 · 12·L·C² · Σ n_i                        (the block matmuls)
+               + 4 · L · C · Σ_i Σ_{j<n_i} (c_i + j + 1)     (q·kᵀ and p·v, causal)
+               + 2 · V · C · rows                            (LM head, only the rows we sample)
+        bytes  = block weights + ln_f + (V·C if rows > 0)    (every weight read once)
+               + 2 · L · C · b · Σ c_i                       (cached K and V read)
+               + 2 · L · C · b · Σ n_i                       (new K and V written)
+               + embedding rows gathered + logits written
+        arithmetic intensity = FLOPs / bytes
+
+    These are the *minimum* bytes: activations are assumed to stay in cache, so
+    a real step moves at least this much. Decode (n = 1) does ~2 FLOPs per weight
+    read, i.e. 0.5 FLOP/byte in fp32; a 512-token prefill does ~512 times that.
+
+The device's ceilings (`measure_ceilings`)
+    Measured on the device itself, in the working dtype: matmul FLOP/s from a
+    large square matmul, memory bandwidth from a large copy (read + write bytes
+    counted), and their ratio, the *ridge point* in FLOP/byte. A step whose
+    intensity lies left of the ridge is memory-bound (time ≈ bytes / bandwidth),
+    right of it compute-bound (time ≈ FLOPs / FLOP/s). Datasheet figures, where
+    known, are reported beside them and labelled as datasheet.
+
+Invariants held by the tests: `step_cost` equals a hand count for the tiny
+shape; a decode step's FLOPs equal `GPT2Config.flops_per_token`; half precision
+halves the bytes, not the FLOPs; `time_fn` runs warm-up + repeats and reports
+their median.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .config import GPT2Config, dtype_bytes
+
+# ---- timing --------------------------------------------------------------------
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until all queued work on `device` has finished (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """Seconds per call: the median of `times_s`, the list of every timed repeat."""
+    median_s: float
+    times_s: list[float]
+    warmup: int
+    method: str  # "cuda-events" or "perf_counter"
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device | str = "cpu",
+            warmup: int = 2, repeats: int = 5) -> Timing:
+    """Call `fn` `warmup` times untimed, then `repeats` times timed; report the median.
+
+    Warm-up matters: the first calls pay for allocation, kernel selection and
+    cold caches. The median ignores the odd repeat disturbed by another process.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1; pass repeats=1 or more")
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    if device.type == "cuda":
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)  # ms → s
+        method = "cuda-events"
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        method = "perf_counter"
+    return Timing(statistics.median(times), times, warmup, method)
+
+
+class Stopwatch:
+    """Lap times of a loop, device-aware: `start()` once, `lap()` after each step.
+
+    On CUDA each lap records an event, and the durations are read out at the end
+    with a single synchronize, so timing adds no stall inside the loop. The loop
+    itself must consume its results (e.g. pick tokens on the host) for the laps
+    to mean latency as a user sees it; generation loops do.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self._marks: list = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._marks = [self._mark()]
+
+    def lap(self) -> None:
+        if not self._marks:
+            raise RuntimeError("Stopwatch.lap() before start(); call start() before the loop")
+        self._marks.append(self._mark())
+
+    def laps_s(self) -> list[float]:
+        """Seconds between consecutive marks: lap i is the time of step i."""
+        if self.cuda:
+            self._marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+
+
+# ---- memory ----------------------------------------------------------------------
+
+
+def cuda_memory(device: torch.device | str) -> dict:
+    """The CUDA allocator's statistics in bytes: allocated now, peak, reserved."""
+    device = torch.device(device)
+    return {"allocated": torch.cuda.memory_allocated(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device), "kind": "measured"}
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def tensor_bytes(module_or_tensors) -> int:
+    """Bytes owned by a module's parameters and buffers, or by a list of tensors."""
+    if isinstance(module_or_tensors, torch.nn.Module):
+        tensors = list(module_or_tensors.parameters()) + list(module_or_tensors.buffers())
+    else:
+        tensors = list(module_or_tensors)
+    return sum(t.nbytes for t in tensors)
+
+
+def accounted_memory(model: torch.nn.Module | None = None, caches: Sequence = ()) -> dict:
+    """Bytes the weights and the caches own; on the CPU this stands in for a measurement."""
+    weights = tensor_bytes(model) if model is not None else 0
+    kv = sum(c.nbytes for c in caches)
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv, "kind": "accounted"}
+
+
+def memory_budget(device: torch.device | str) -> dict:
+    """The memory a device offers: CUDA's total, or the machine's RAM on the CPU (a stated budget)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"bytes": total, "free_bytes": free, "source": "torch.cuda.mem_get_info total"}
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"bytes": total, "free_bytes": None,
+            "source": "stated budget: total RAM from os.sysconf (shared with the OS and other processes)"}
+
+
+# ---- the analytic cost of one forward step -----------------------------------------
+
+
+@dataclass
+class StepCost:
+    """Minimum work of one forward step; bytes split by what they are."""
+    flops: int
+    weight_bytes: int      # every weight the step touches, read once (LM head included when used)
+    kv_read_bytes: int     # cached keys and values read by attention
+    kv_write_bytes: int    # this step's new keys and values stored
+    other_bytes: int       # embedding rows gathered, logits written
+    tokens: int            # new tokens pushed through the model
+    lm_head_rows: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.other_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity in FLOP per byte."""
+        return self.flops / self.bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "bytes": self.bytes, "intensity": self.intensity}
+
+
+def step_cost(config: GPT2Config, new_tokens: Sequence[int], cached_lens: Sequence[int],
+              dtype: torch.dtype = torch.float32, lm_head_rows: int | None = None) -> StepCost:
+    """The analytic cost of one forward pass over a batch of sequences.
+
+    new_tokens[i]  tokens sequence i pushes through the model this step
+    cached_lens[i] tokens sequence i already holds in its KV cache
+    lm_head_rows   rows the LM head is applied to (default: one per sequence,
+                   as prefill with `logits_indices` and decode both do)
+    """
+    if len(new_tokens) != len(cached_lens) or not new_tokens:
+        raise ValueError(f"new_tokens ({len(new_tokens)}) and cached_lens ({len(cached_lens)}) must "
+                         "name the same, non-zero number of sequences")
+    if any(n < 1 for n in new_tokens) or any(c < 0 for c in cached_lens):
+        raise ValueError(f"new_tokens={list(new_tokens)} must be ≥ 1 and cached_lens={list(cached_lens)} ≥ 0")
+    L, C, V = config.n_layer, config.n_embd, config.vocab_size
+    b = dtype_bytes(dtype)
+    rows = len(new_tokens) if lm_head_rows is None else lm_head_rows
+    tokens = sum(new_tokens)
+    # Keys each new token attends to: token j of sequence i sees c_i + j + 1 of them.
+    attended = sum(n * c + n * (n + 1) // 2 for n, c in zip(new_tokens, cached_lens))
+    flops = 2 * L * 12 * C * C * tokens + 4 * L * C * attended + 2 * V * C * rows
+
+    block_params = config.num_params() - (V + config.n_ctx) * C  # blocks and ln_f
+    head_params = V * C if rows else 0
+    kv_per_token = config.kv_bytes_per_token(dtype)
+    return StepCost(
+        flops=flops,
+        weight_bytes=(block_params + head_params) * b,
+        kv_read_bytes=kv_per_token * sum(cached_lens),
+        kv_write_bytes=kv_per_token * tokens,
+        other_bytes=2 * C * b * tokens + V * b * rows,  # wte + wpe rows in, logits out
+        tokens=tokens, lm_head_rows=rows)
+
+
+def prefill_cost(config: GPT2Config, prompt_len: int, batch: int = 1,
+                 dtype: torch.dtype = torch.float32) -> StepCost:
+    """A prefill of `batch` fresh prompts of `prompt_len` tokens, LM head on each last token."""
+    return step_cost(config, [prompt_len] * batch, [0] * batch, dtype)
+
+
+def decode_cost(config: GPT2Config, cached_len: int, batch: int = 1,
+                dtype: torch.dtype = torch.float32) -> StepCost:
+    """One decode step: `batch` sequences each add one token after `cached_len` cached ones."""
+    return step_cost(config, [1] * batch, [cached_len] * batch, dtype)
+
+
+# ---- the device's ceilings ----------------------------------------------------------
+
+# Vendor figures, dense (no sparsity), for labelling only; the lessons use measured ceilings.
+DATASHEET = {
+    "H200": {"bf16_flops": 989e12, "fp16_flops": 989e12, "fp32_flops": 67e12, "bytes_per_s": 4.8e12},
+    "H100": {"bf16_flops": 989e12, "fp16_flops": 989e12, "fp32_flops": 67e12, "bytes_per_s": 3.35e12},
+    "A100": {"bf16_flops": 312e12, "fp16_flops": 312e12, "fp32_flops": 19.5e12, "bytes_per_s": 2.0e12},
+}
+
+
+@dataclass
+class Ceilings:
+    device: str
+    dtype: str
+    matmul_flops: float        # FLOP/s, measured
+    bandwidth: float           # bytes/s, measured by a copy (read + write counted)
+    matmul_size: int
+    copy_bytes: int
+    datasheet: dict = field(default_factory=dict)
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte at which compute time equals memory time."""
+        return self.matmul_flops / self.bandwidth
+
+    def attainable(self, intensity: float) -> float:
+        """The roofline: the best FLOP/s a step of this intensity can reach."""
+        return min(self.matmul_flops, intensity * self.bandwidth)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ridge": self.ridge,
+                "method": {"matmul_flops": f"median of a {self.matmul_size}² @ {self.matmul_size}² matmul in {self.dtype}",
+                           "bandwidth": f"median of a {self.copy_bytes / 2**20:.0f} MiB tensor copy, read + write bytes counted"}}
+
+
+_CEILINGS: dict[tuple[str, str, bool], Ceilings] = {}
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def datasheet_for(device: torch.device | str, dtype: torch.dtype) -> dict:
+    """The vendor's figures for this GPU and dtype, if we know them (labelled, never used to judge)."""
+    name = device_name(device)
+    for key, figures in DATASHEET.items():
+        if torch.device(device).type == "cuda" and key in name:
+            short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+            return {"source": f"datasheet ({key}, dense)", "matmul_flops": figures[f"{short}_flops"],
+                    "bandwidth": figures["bytes_per_s"]}
+    return {}
+
+
+def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> Ceilings:
+    """Measure matmul FLOP/s and copy bandwidth on `device` in `dtype`; cached per process.
+
+    Sizes are chosen to defeat caches: the copy moves far more than any CPU's L3,
+    and the matmul is large enough to reach the units' steady state.
+    """
+    device = torch.device(device)
+    key = (str(device), str(dtype), quick)
+    if key in _CEILINGS:
+        return _CEILINGS[key]
+    on_gpu = device.type == "cuda"
+    n = (4096 if quick else 8192) if on_gpu else (1024 if quick else 2048)
+    copy_bytes = (1 << 30 if on_gpu else 128 << 20) if quick else (2 << 30 if on_gpu else 512 << 20)
+
+    a = torch.randn(n, n, device=device).to(dtype)
+    bm = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    t_mm = time_fn(lambda: torch.matmul(a, bm, out=out), device, warmup=2, repeats=3 if quick else 7)
+    del a, bm, out
+
+    elems = copy_bytes // dtype_bytes(dtype)
+    src = torch.ones(elems, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    t_copy = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=3 if quick else 7)
+    del src, dst
+
+    result = Ceilings(device=device_name(device), dtype=str(dtype).replace("torch.", ""),
+                      matmul_flops=2 * n ** 3 / t_mm.median_s,
+                      bandwidth=2 * elems * dtype_bytes(dtype) / t_copy.median_s,
+                      matmul_size=n, copy_bytes=elems * dtype_bytes(dtype),
+                      datasheet=datasheet_for(device, dtype))
+    _CEILINGS[key] = result
+    return result
+
+
+def achieved(cost: StepCost, seconds: float, ceilings: Ceilings) -> dict:
+    """Where a timed step lands against the ceilings: achieved FLOP/s and bytes/s, and their fractions."""
+    flops_per_s = cost.flops / seconds
+    bytes_per_s = cost.bytes / seconds
+    return {"seconds": seconds, "flops": cost.flops, "bytes": cost.bytes, "intensity": cost.intensity,
+            "flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s,
+            "weight_bytes_per_s": cost.weight_bytes / seconds,
+            "frac_matmul_flops": flops_per_s / ceilings.matmul_flops,
+            "frac_bandwidth": bytes_per_s / ceilings.bandwidth,
+            "frac_roofline": flops_per_s / ceilings.attainable(cost.intensity),
+            "bound": "compute" if cost.intensity >= ceilings.ridge else "memory"}
+
+
+# ---- timed steps with the contiguous KV cache ------------------------------------------
+
+
+def time_prefill(model, prompt_len: int, batch: int = 1, warmup: int = 1, repeats: int = 3,
+                 seed: int = 0) -> Timing:
+    """Time one prefill of `batch` prompts of `prompt_len` tokens into a fresh KV cache.
+
+    The LM head runs on each prompt's last position only, as a serving engine does.
+    """
+    from .kv_cache import KVCache  # here, not at the top: kv_cache imports the model, lessons only need costs
+
+    cfg, device = model.config, model.device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
+    last = torch.arange(batch, device=device) * prompt_len + (prompt_len - 1)
+    cache = KVCache(cfg, batch, prompt_len, device, model.dtype)
+    rows = list(range(batch))
+
+    @torch.inference_mode()
+    def step():
+        cache.lengths = [0] * batch  # start fresh; the reservation is reused, not reallocated
+        positions = cache.prepare(rows, prompt_len)
+        return model(ids, positions, cache=cache, logits_indices=last)
+
+    return time_fn(step, device, warmup, repeats)
+
+
+def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats: int = 5,
+                seed: int = 0) -> Timing:
+    """Time one decode step: `batch` sequences each add a token after `cached_len` cached ones.
+
+    Time does not depend on the values in the cache, so instead of running a
+    prefill we declare the first `cached_len` slots filled (they hold zeros).
+    Each repeat rewinds to the same length, so every repeat does the same work.
+    """
+    from .kv_cache import KVCache
+
+    cfg, device = model.config, model.device
+    if cached_len + 1 > cfg.n_ctx:
+        raise ValueError(f"cached_len={cached_len} leaves no room for a new token in n_ctx={cfg.n_ctx}; "
+                         f"use cached_len ≤ {cfg.n_ctx - 1}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(device)
+    cache = KVCache(cfg, batch, cached_len + 1, device, model.dtype)
+    rows = list(range(batch))
+
+    @torch.inference_mode()
+    def step():
+        cache.lengths = [cached_len] * batch
+        positions = cache.prepare(rows, 1)
+        return model(ids, positions, cache=cache)
+
+    return time_fn(step, device, warmup, repeats)
+
+
+def environment(device: torch.device | str, dtype: torch.dtype) -> dict:
+    """What a result needs beside it to be reproducible."""
+    device = torch.device(device)
+    env = {"device": str(device), "device_name": device_name(device), "dtype": str(dtype).replace("torch.", ""),
+           "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+    try:
+        env["load_average"] = os.getloadavg()
+    except OSError:
+        pass
+    return env

@@ -1,0 +1,190 @@
+"""The measurement toolkit: the cost model against hand-computed numbers, the timers, the ceilings, bench."""
+import time
+
+import pytest
+import torch
+
+from minillm import bench, metrics
+from minillm.config import PRESETS
+from minillm.kv_cache import KVCache
+from minillm.metrics import Ceilings, StepCost, decode_cost, prefill_cost, step_cost
+from minillm.weights import random_model
+
+TINY = PRESETS["tiny"]  # L=2, C=64, V=512, n_ctx=128
+# Hand count for tiny: per block 12·C² + 13·C = 49,984 params; two blocks + ln_f (2·C) = 100,096.
+TINY_BLOCK_PARAMS = 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
+TINY_HEAD_PARAMS = 512 * 64
+
+
+# ---- the analytic cost of a step ------------------------------------------------
+
+
+def test_decode_cost_matches_hand_count():
+    c = decode_cost(TINY, cached_len=10, batch=1, dtype=torch.float32)
+    # matmuls 2·L·12·C², attention 4·L·C·(10+1), LM head 2·V·C
+    assert c.flops == 2 * 2 * 12 * 64 * 64 + 4 * 2 * 64 * 11 + 2 * 512 * 64 == 267_776
+    assert c.weight_bytes == (TINY_BLOCK_PARAMS + TINY_HEAD_PARAMS) * 4 == 531_456
+    assert c.kv_read_bytes == 2 * 2 * 64 * 4 * 10
+    assert c.kv_write_bytes == 2 * 2 * 64 * 4
+    assert c.other_bytes == 2 * 64 * 4 + 512 * 4  # wte+wpe row in, one logits row out
+    assert c.bytes == 531_456 + 10_240 + 1_024 + 2_560
+    assert c.intensity == pytest.approx(267_776 / 545_280)
+
+
+def test_decode_flops_agree_with_config_flops_per_token():
+    for name in ("tiny", "gpt2", "gpt2-xl"):
+        cfg = PRESETS[name]
+        assert decode_cost(cfg, 99).flops == cfg.flops_per_token(context_len=100)
+
+
+def test_prefill_attention_is_causal_and_head_runs_once():
+    c = prefill_cost(TINY, prompt_len=3)
+    attended = 1 + 2 + 3  # token j sees j+1 keys
+    assert c.flops == 2 * 2 * 12 * 64 * 64 * 3 + 4 * 2 * 64 * attended + 2 * 512 * 64
+    assert c.kv_read_bytes == 0 and c.kv_write_bytes == 3 * TINY.kv_bytes_per_token()
+
+
+def test_ragged_batch_and_no_head():
+    c = step_cost(TINY, new_tokens=[2, 1], cached_lens=[5, 7], lm_head_rows=0)
+    attended = (6 + 7) + 8
+    assert c.flops == 2 * 2 * 12 * 64 * 64 * 3 + 4 * 2 * 64 * attended
+    assert c.weight_bytes == TINY_BLOCK_PARAMS * 4  # no LM head: wte's full matrix is not read
+    assert c.kv_read_bytes == 12 * TINY.kv_bytes_per_token()
+
+
+def test_half_precision_halves_bytes_not_flops():
+    a, b = decode_cost(TINY, 10, 1, torch.float32), decode_cost(TINY, 10, 1, torch.bfloat16)
+    assert a.flops == b.flops and a.bytes == 2 * b.bytes
+
+
+def test_decode_intensity_grows_with_batch_but_kv_caps_it():
+    gpt2 = PRESETS["gpt2"]
+    assert decode_cost(gpt2, 0, 8).intensity == pytest.approx(8 * decode_cost(gpt2, 0, 1).intensity, rel=0.01)
+    assert decode_cost(gpt2, 1000, 64).intensity < decode_cost(gpt2, 0, 64).intensity / 5
+
+
+@pytest.mark.parametrize("new,cached", [([], []), ([1, 1], [0]), ([0], [3]), ([1], [-1])])
+def test_step_cost_rejects_bad_input(new, cached):
+    with pytest.raises(ValueError):
+        step_cost(TINY, new, cached)
+
+
+# ---- ceilings and the roofline --------------------------------------------------
+
+
+def test_ceilings_ridge_and_roofline():
+    c = Ceilings("x", "float32", matmul_flops=100e9, bandwidth=20e9, matmul_size=1, copy_bytes=1)
+    assert c.ridge == 5.0
+    assert c.attainable(1.0) == 20e9 and c.attainable(50.0) == 100e9
+
+
+def test_achieved_fractions():
+    c = Ceilings("x", "float32", matmul_flops=100e9, bandwidth=20e9, matmul_size=1, copy_bytes=1)
+    cost = StepCost(flops=10e9, weight_bytes=4e9, kv_read_bytes=0, kv_write_bytes=0, other_bytes=0,
+                    tokens=1, lm_head_rows=1)
+    a = metrics.achieved(cost, 0.5, c)
+    assert a["flops_per_s"] == 20e9 and a["bytes_per_s"] == 8e9
+    assert a["frac_matmul_flops"] == pytest.approx(0.2) and a["frac_bandwidth"] == pytest.approx(0.4)
+    assert a["bound"] == "memory"  # intensity 2.5 < ridge 5
+    assert a["frac_roofline"] == pytest.approx(20e9 / 50e9)
+
+
+def test_measure_ceilings_on_cpu_is_positive_and_cached():
+    c = metrics.measure_ceilings("cpu", torch.float32, quick=True)
+    assert c.matmul_flops > 1e8 and c.bandwidth > 1e8 and c.ridge > 0
+    assert c.copy_bytes >= 64 << 20  # far beyond any L2, so it measures memory
+    assert metrics.measure_ceilings("cpu", torch.float32, quick=True) is c
+    assert c.datasheet == {}  # no vendor figures for a CPU
+
+
+# ---- timing ---------------------------------------------------------------------------
+
+
+def test_time_fn_runs_warmup_and_repeats_and_reports_median():
+    calls = []
+
+    def sleepy():
+        calls.append(1)
+        time.sleep(0.01)
+
+    t = metrics.time_fn(sleepy, "cpu", warmup=2, repeats=3)
+    assert len(calls) == 5 and len(t.times_s) == 3 and t.method == "perf_counter"
+    assert 0.01 <= t.median_s < 0.2
+    assert sorted(t.times_s)[1] == t.median_s
+    with pytest.raises(ValueError):
+        metrics.time_fn(sleepy, "cpu", repeats=0)
+
+
+def test_stopwatch_laps():
+    w = metrics.Stopwatch("cpu")
+    with pytest.raises(RuntimeError):
+        w.lap()
+    w.start()
+    for d in (0.002, 0.02):
+        time.sleep(d)
+        w.lap()
+    laps = w.laps_s()
+    assert len(laps) == 2 and laps[0] >= 0.002 and laps[1] >= 0.02 and laps[1] > laps[0]
+
+
+def test_timed_steps_on_tiny_model():
+    model = random_model(TINY, "cpu", torch.float32)
+    assert metrics.time_prefill(model, 16, batch=2, repeats=2).median_s > 0
+    assert metrics.time_decode(model, 100, batch=3, repeats=3).median_s > 0  # rewinds each repeat
+    with pytest.raises(ValueError):
+        metrics.time_decode(model, TINY.n_ctx, 1)
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+
+def test_accounted_memory_counts_weights_and_caches():
+    model = random_model(TINY, "cpu", torch.float32)
+    cache = KVCache(TINY, 2, 32, "cpu", torch.float32)
+    m = metrics.accounted_memory(model, [cache])
+    assert m["kind"] == "accounted"
+    assert m["weights"] == TINY.num_params() * 4
+    assert m["kv_cache"] == 2 * 32 * TINY.kv_bytes_per_token()
+
+
+def test_cpu_memory_budget_is_labelled():
+    b = metrics.memory_budget("cpu")
+    assert b["bytes"] > 1 << 28 and "stated budget" in b["source"]
+
+
+def test_environment_names_device_and_torch():
+    env = metrics.environment("cpu", torch.float32)
+    assert env["torch"] == torch.__version__ and env["dtype"] == "float32" and env["device_name"]
+
+
+@pytest.mark.gpu
+def test_cuda_events_and_memory_stats():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = torch.randn(1024, 1024, device="cuda")
+    assert metrics.time_fn(lambda: a @ a, "cuda").method == "cuda-events"
+    before = torch.cuda.memory_allocated()
+    cache = KVCache(TINY, 1, 64, "cuda", torch.bfloat16)
+    assert torch.cuda.memory_allocated() - before == cache.nbytes
+
+
+# ---- bench ----------------------------------------------------------------------------------
+
+
+def test_bench_reports_both_phases_against_ceilings():
+    model = random_model(TINY, "cpu", torch.float32)
+    r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2)
+    for phase in ("prefill", "decode"):
+        assert r[phase]["tokens_per_s"] > 0 and 0 < r[phase]["frac_bandwidth"]
+    d = r["decode"]
+    assert d["times_floor"] == pytest.approx(d["seconds"] / d["weight_read_floor_s"])
+    assert d["weight_read_floor_s"] == pytest.approx(
+        decode_cost(TINY, 16).weight_bytes / r["ceilings"]["bandwidth"])
+    lines = bench.report(r, on_gpu=False)
+    assert any("target" in line and ("MET" in line or "MISSED" in line) for line in lines)
+
+
+def test_bench_command_rejects_too_long_prompt(capsys):
+    from minillm.__main__ import main
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--prompt-len", "500"]) == 2
+    assert "n_ctx=128" in capsys.readouterr().err
