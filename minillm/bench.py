@@ -15,6 +15,13 @@ step is judged by how close it comes to that floor (weight bytes read per step
 ÷ step time, as a share of the bandwidth), a prefill by its share of matmul
 FLOP/s. Small models on big GPUs stay far from the floor: each step is a few
 hundred kernel launches from Python, and launching, not memory, sets the pace.
+
+A copy counts bytes read *and* written, but decode only reads, and it reads
+through a matrix-vector kernel. So bench also measures, as context (not as
+ceilings), a read-only stream (a large sum) and one large matrix-vector product
+in the model's [in, out] layout, and says how close decode comes to what that
+kernel alone achieves. When the kernel is far below the copy bandwidth, no
+change to the model can close the gap; a different BLAS or kernel could.
 """
 from __future__ import annotations
 
@@ -24,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-from .metrics import achieved, decode_cost, environment, measure_ceilings, prefill_cost, time_decode, time_prefill
+from .config import dtype_bytes
+from .metrics import (achieved, decode_cost, environment, measure_ceilings, prefill_cost, time_decode, time_fn,
+                      time_prefill)
 from .weights import load_model, resolve_device, resolve_dtype
 
 # Issue 3's speed targets on the CPU in fp32 (benchmarks, not tests).
@@ -59,6 +68,18 @@ def _check(args: argparse.Namespace, n_ctx: int) -> int:
     return context
 
 
+def kernel_limits(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> dict:
+    """Bytes/s of a read-only stream and of one cold matrix-vector product, each much larger than any cache."""
+    nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    rows = 4096
+    w = torch.randn(rows, nbytes // dtype_bytes(dtype) // rows, device=device).to(dtype)  # [in, out]
+    x = torch.randn(1, rows, device=device).to(dtype)
+    t_read = time_fn(lambda: w.sum(), device, warmup=1, repeats=repeats).median_s
+    t_gemv = time_fn(lambda: x @ w, device, warmup=1, repeats=repeats).median_s
+    return {"read_stream_bytes_per_s": w.nbytes / t_read, "matvec_bytes_per_s": w.nbytes / t_gemv,
+            "method": f"median of a sum and of a (1×{rows}) @ ({rows}×{w.shape[1]}) product over {w.nbytes >> 20} MiB"}
+
+
 def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int = 2, repeats: int = 7) -> dict:
     """Time one prefill and one decode step; return each against the measured ceilings."""
     cfg, device, dtype = model.config, model.device, model.dtype
@@ -68,7 +89,8 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
     pre = achieved(prefill_cost(cfg, prompt_len, batch, dtype), t_prefill, ceilings)
     dec = achieved(decode_cost(cfg, context_len, batch, dtype), t_decode, ceilings)
     weight_floor = dec["seconds"] * dec["weight_bytes_per_s"] / ceilings.bandwidth  # weight bytes ÷ bandwidth
-    return {"prefill": {**pre, "tokens_per_s": batch * prompt_len / t_prefill},
+    limits = kernel_limits(device, dtype)
+    return {"kernel_limits": limits,"prefill": {**pre, "tokens_per_s": batch * prompt_len / t_prefill},
             "decode": {**dec, "tokens_per_s": batch / t_decode,
                        "weight_frac_bandwidth": dec["weight_bytes_per_s"] / ceilings.bandwidth,
                        "weight_read_floor_s": weight_floor, "times_floor": t_decode / weight_floor},
@@ -100,6 +122,12 @@ def report(result: dict, on_gpu: bool) -> list[str]:
         f"         weights read {_fmt(d['weight_bytes_per_s'], 'B/s')} ({d['weight_frac_bandwidth']:.0%} of bw); "
         f"weight-read floor {d['weight_read_floor_s'] * 1e3:.2f} ms → step is {d['times_floor']:.2f}× the floor",
     ]
+    k = result["kernel_limits"]
+    lines.append(f"context  read-only stream {_fmt(k['read_stream_bytes_per_s'], 'B/s')} "
+                 f"({k['read_stream_bytes_per_s'] / c['bandwidth']:.0%} of bw); one cold matrix-vector product "
+                 f"{_fmt(k['matvec_bytes_per_s'], 'B/s')} ({k['matvec_bytes_per_s'] / c['bandwidth']:.0%} of bw): "
+                 f"decode's weight reads reach {d['weight_bytes_per_s'] / k['matvec_bytes_per_s']:.0%} "
+                 "of what the matrix-vector kernel alone achieves")
     if on_gpu:
         ok = d["times_floor"] <= GPU_DECODE_TARGET
         lines.append(f"target: decode within {GPU_DECODE_TARGET:g}× of the weight-read floor: "

@@ -180,8 +180,11 @@ def test_bench_reports_both_phases_against_ceilings():
     assert d["times_floor"] == pytest.approx(d["seconds"] / d["weight_read_floor_s"])
     assert d["weight_read_floor_s"] == pytest.approx(
         decode_cost(TINY, 16).weight_bytes / r["ceilings"]["bandwidth"])
+    k = r["kernel_limits"]
+    assert k["read_stream_bytes_per_s"] > 0 and k["matvec_bytes_per_s"] > 0
     lines = bench.report(r, on_gpu=False)
     assert any("target" in line and ("MET" in line or "MISSED" in line) for line in lines)
+    assert any("of what the matrix-vector kernel alone achieves" in line for line in lines)
 
 
 def test_bench_command_rejects_too_long_prompt(capsys):
