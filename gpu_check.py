@@ -10,9 +10,12 @@ What it runs, in order:
 3. bf16 and fp16: a gpt2-shaped model's logits in each agree with fp32 within
    the dtype's tolerance, and the KV cache's greedy tokens are compared with
    naive decode's; the measured ceilings are recorded in every dtype.
-4. `python -m minillm bench` for gpt2 and gpt2-xl in bf16 at batch 1: how far
+4. The engine: `LLMEngine` on CUDA with its pool sized by `gpu_memory_utilization`,
+   prefill-first and chunked, gives every request the greedy tokens that
+   `kv_cache.generate` gives it alone, and frees every block.
+5. `python -m minillm bench` for gpt2 and gpt2-xl in bf16 at batch 1: how far
    decode is from the weight-read floor (the target: within 2× for gpt2-xl).
-5. Every lesson (found by glob, `lessons/NN_*.py`, so new lessons join
+6. Every lesson (found by glob, `lessons/NN_*.py`, so new lessons join
    automatically) with `--device cuda`, on the gpt2 and gpt2-xl shapes
    (random init is fine: timing and memory do not depend on weight values).
 
@@ -130,6 +133,31 @@ def check_dtypes(torch, metrics, PRESETS, random_model, kv_cache, naive_decode, 
     return out
 
 
+def check_engine(torch, PRESETS, random_model, kv_cache, SamplingParams) -> dict:
+    """LLMEngine on CUDA: the pool sized by gpu_memory_utilization, greedy tokens equal per-request generation."""
+    from minillm.chunked_prefill import SchedulerConfig
+    from minillm.engine import LLMEngine
+    cfg = PRESETS["gpt2"]
+    model = random_model(cfg, "cuda", torch.float32)  # fp32: paged and contiguous attention agree to rounding
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 16, 17, 100, 300, 700)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [kv_cache.generate(model, [p], params)[0] for p in prompts]
+    out = {"ok": True}
+    for label, config in (("prefill-first", SchedulerConfig(2048, 8, enable_chunked_prefill=False)),
+                          ("chunked-64", SchedulerConfig(64, 8))):
+        engine = LLMEngine(model, config, gpu_memory_utilization=0.5)
+        got = [o.output_token_ids for o in engine.generate(prompts, params)]
+        engine.cache.check_invariants()
+        ok = got == want and engine.cache.num_free_blocks == engine.cache.num_blocks
+        out[label] = {"ok": ok, "num_blocks": engine.cache.num_blocks, "steps": len(engine.timeline),
+                      "identical_requests": f"{sum(a == b for a, b in zip(got, want))}/{len(want)}"}
+        out["ok"] &= ok
+        del engine
+    del model
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print what would run; needs no GPU")
@@ -141,7 +169,8 @@ def main(argv=None) -> int:
     steps = plan(discover(), models, args.quick)
 
     if args.dry_run:
-        print("in-process checks: cuda-events, cuda-memory, bf16+fp16 (logits vs fp32, greedy vs naive, ceilings)")
+        print("in-process checks: cuda-events, cuda-memory, bf16+fp16 (logits vs fp32, greedy vs naive, ceilings), "
+              "engine (pool from gpu_memory_utilization, greedy tokens vs kv_cache.generate)")
         for label, cmd in steps:
             print(f"{label}:  {' '.join(cmd)}")
         print(f"results → {args.out}/<gpu-name>/ (JSON only)")
@@ -169,7 +198,8 @@ def main(argv=None) -> int:
     for name, fn in (("cuda-events", lambda: check_events(torch, metrics)),
                      ("cuda-memory", lambda: check_memory(torch, metrics, KVCache, PRESETS)),
                      ("dtypes", lambda: check_dtypes(torch, metrics, PRESETS, random_model, kv_cache,
-                                                     naive_decode, SamplingParams))):
+                                                     naive_decode, SamplingParams)),
+                     ("engine", lambda: check_engine(torch, PRESETS, random_model, kv_cache, SamplingParams))):
         t0 = time.perf_counter()
         try:
             result = fn()

@@ -1,6 +1,7 @@
 """minillm: a teaching-grade LLM inference engine. One module per serving idea; see README.md."""
-from .config import GPT2Config, PRESETS
+from .config import PRESETS, GPT2Config
 from .model import GPT2
 from .sampling import SamplingParams
+from .weights import load_model
 
-__all__ = ["GPT2Config", "PRESETS", "GPT2", "SamplingParams"]
+__all__ = ["GPT2Config", "PRESETS", "GPT2", "SamplingParams", "load_model"]

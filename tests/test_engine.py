@@ -152,3 +152,15 @@ def test_duplicate_request_id(model):
     engine.add_request([1], GREEDY, request_id="a")
     with pytest.raises(ValueError, match="'a' is already in use"):
         engine.add_request([2], GREEDY, request_id="a")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_on_cuda_sizes_its_pool_from_gpu_memory_utilization():
+    model = GPT2(CFG, seed=0).cuda().eval()
+    engine = LLMEngine(model, gpu_memory_utilization=0.3)
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < engine.cache.nbytes <= 0.3 * total
+    prompts = random_prompts(4, [3, 17, 40], seed=7)
+    got = [o.output_token_ids for o in engine.generate(prompts, GREEDY)]
+    assert got == reference(model, prompts)
