@@ -131,8 +131,9 @@ def main(argv=None) -> dict:
     cached_flops = [prefill_cost(cfg, P, 1, dtype).flops] + [decode_cost(cfg, n, 1, dtype).flops for n in positions[1:]]
 
     step = max(1, N // 8)
+    shown = sorted({*range(0, N, step), N - 1})  # every step-th token, and the last one once
     rows = [[i, positions[i], ms(naive_s[i]), ms(cached_s[i]), f"{naive_s[i] / cached_s[i]:.1f}×",
-             si(naive_flops[i]), si(cached_flops[i])] for i in list(range(0, N, step)) + [N - 1]]
+             si(naive_flops[i]), si(cached_flops[i])] for i in shown]
     print_table(["token", "context", "naive", "cached", "ratio", "naive FLOPs", "cached FLOPs"], rows,
                 f"Latency of each generated token (every {step}th shown), prompt {P} tokens:")
     print_table(["", "naive", "KV cache"],

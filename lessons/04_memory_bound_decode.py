@@ -153,6 +153,10 @@ def main(argv=None) -> dict:
         points.append({"batch": b, "tokens_per_s": b / t, "kv_share": cost.kv_read_bytes / cost.bytes,
                        **achieved(cost, t, ceil)})
 
+    if not points:
+        raise SystemExit(f"{NAME}: no batch fits: {si(usable, 'B')} usable memory, weights {si(weight_bytes, 'B')}, "
+                         f"so room for {fits} sequences of {s['context'] + 1} tokens; use a smaller --model, "
+                         "--dtype bf16, or a device with more memory")
     print_table(["batch", "step", "tokens/s", "FLOP/B", "B/s", "% bw", "FLOP/s", "% matmul", "KV share of bytes"],
                 [[p["batch"], ms(p["seconds"]), si(p["tokens_per_s"]), f"{p['intensity']:.2f}", si(p["bytes_per_s"]),
                   f"{p['frac_bandwidth']:.0%}", si(p["flops_per_s"]), f"{p['frac_matmul_flops']:.0%}",
@@ -171,7 +175,8 @@ def main(argv=None) -> dict:
                                   [p["intensity"] for p in points], [p["frac_bandwidth"] for p in points],
                                   [p["kv_share"] for p in points], ceil.ridge)
     verdict["reasons"].append(f"memory caps concurrency at {capacity['max_batch_at_full_context']:,} full-context "
-                              "sequences: under load, look at memory first (bytes read per step, bytes held per sequence)")
+                              "sequences" + (": under load, look at memory first (bytes read per step, bytes held "
+                                             "per sequence)" if verdict["holds"] else ""))
     print_verdict(verdict)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))

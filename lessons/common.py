@@ -28,7 +28,7 @@ matplotlib.use("Agg")  # files only, never a window: lessons run headless and in
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from minillm.metrics import Ceilings, environment, measure_ceilings  # noqa: E402
+from minillm.metrics import Ceilings, environment, measure_ceilings, si  # noqa: E402
 from minillm.weights import load_model, resolve_device, resolve_dtype  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
@@ -64,18 +64,17 @@ class Lesson:
         return self.model.config
 
 
-def start(name: str, args: argparse.Namespace, load: bool = True) -> Lesson:
+def start(name: str, args: argparse.Namespace) -> Lesson:
     """Resolve device and dtype, load the model, measure this device's ceilings, print them."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     started = time.perf_counter()
-    model = load_model(args.model, device, dtype) if load else None
+    model = load_model(args.model, device, dtype)
     ceilings = measure_ceilings(device, dtype, quick=args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lesson = Lesson(name, args, model, device, dtype, ceilings, out, started)
-    source = getattr(model, "weights_source", "n/a") if model is not None else "n/a"
-    print(f"== {name} ==  model {args.model} ({source}), {ceilings.device}, {ceilings.dtype}"
+    print(f"== {name} ==  model {args.model} ({model.weights_source}), {ceilings.device}, {ceilings.dtype}"
           f"{', quick' if args.quick else ''}")
     line = (f"measured ceilings: matmul {si(ceilings.matmul_flops, 'FLOP/s')}, copy bandwidth "
             f"{si(ceilings.bandwidth, 'B/s')}, ridge {ceilings.ridge:.1f} FLOP/B")
@@ -84,16 +83,6 @@ def start(name: str, args: argparse.Namespace, load: bool = True) -> Lesson:
         line += f"   [{d['source']}: {si(d['matmul_flops'], 'FLOP/s')}, {si(d['bandwidth'], 'B/s')}]"
     print(line + "\n")
     return lesson
-
-
-def si(x: float, unit: str = "") -> str:
-    """1.23e9 → '1.23 G' + unit: readable magnitudes for tables."""
-    if x == 0 or not math.isfinite(x):
-        return f"{x:g} {unit}".strip()
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= factor:
-            return f"{x / factor:.3g} {prefix}{unit}"
-    return f"{x:.3g} {unit}".strip()
 
 
 def ms(seconds: float) -> str:
@@ -131,15 +120,26 @@ def _jsonable(x):
     return x
 
 
+def command_line(lesson: Lesson) -> str:
+    """The command that reruns this lesson, rebuilt from its parsed flags (whether it ran from a shell or a test)."""
+    parts = ["python", f"lessons/{lesson.name}.py"]
+    for key, value in vars(lesson.args).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is not False and value is not None:
+            parts += [flag, str(value)]
+    return " ".join(parts)
+
+
 def write_results(lesson: Lesson, figures: dict, verdict: dict) -> Path:
     """`<out>/<name>.json`: environment, model, ceilings, every figure and the verdict."""
-    model = lesson.model
     doc = {
         "lesson": lesson.name,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(lesson),
         "quick": lesson.args.quick,
         "model": lesson.args.model,
-        "weights_source": getattr(model, "weights_source", None) if model is not None else None,
+        "weights_source": lesson.model.weights_source,
         "environment": environment(lesson.device, lesson.dtype),
         "ceilings": lesson.ceilings.as_dict(),
         "figures": figures,

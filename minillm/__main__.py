@@ -16,9 +16,8 @@ import argparse
 import sys
 import time
 
-import torch
-
 from .kv_cache import generate as cached_generate
+from .metrics import synchronize
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 from .weights import CheckpointError, load_model, resolve_device, resolve_dtype
@@ -34,11 +33,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -52,10 +46,10 @@ def run_generate(args: argparse.Namespace) -> int:
     marks: list[float] = []  # wall time after each forward pass; marks[0] ends the prefill
 
     def on_step(step: int, num_tokens: int) -> None:
-        _sync(device)
+        synchronize(device)
         marks.append(time.perf_counter())
 
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     new_ids = cached_generate(model, [prompt_ids], params, on_step=on_step)[0]
 

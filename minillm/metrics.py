@@ -41,6 +41,9 @@ The device's ceilings (`measure_ceilings`)
     right of it compute-bound (time ≈ FLOPs / FLOP/s). Datasheet figures, where
     known, are reported beside them and labelled as datasheet.
 
+`si` prints every figure's magnitude the same way (1.23e9 → "1.23 G"), for
+the lessons and `bench` alike.
+
 Invariants held by the tests: `step_cost` equals a hand count for the tiny
 shape; a decode step's FLOPs equal `GPT2Config.flops_per_token`; half precision
 halves the bytes, not the FLOPs; `time_fn` runs warm-up + repeats and reports
@@ -48,6 +51,7 @@ their median.
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -75,10 +79,6 @@ class Timing:
     times_s: list[float]
     warmup: int
     method: str  # "cuda-events" or "perf_counter"
-
-    @property
-    def min_s(self) -> float:
-        return min(self.times_s)
 
 
 def time_fn(fn: Callable[[], object], device: torch.device | str = "cpu",
@@ -429,6 +429,16 @@ def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats
         return model(ids, positions, cache=cache)
 
     return time_fn(step, device, warmup, repeats)
+
+
+def si(x: float, unit: str = "") -> str:
+    """1.23e9 → '1.23 G' + unit: readable magnitudes for printed figures."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g} {unit}".strip()
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}".strip()
 
 
 def environment(device: torch.device | str, dtype: torch.dtype) -> dict:
