@@ -34,9 +34,12 @@ With `enable_chunked_prefill=False` the policy is the one engines used before
 chunking: waiting prompts are prefilled whole, in a step of their own, before
 decodes resume. That is the baseline lesson 06 measures against.
 
-Memory: a sequence that cannot get the KV blocks it needs preempts the most
-recently arrived running sequence (its blocks are freed and it is recomputed
-later), as vLLM does. The oldest request can therefore always progress.
+Memory: a sequence that cannot get the KV blocks it needs preempts the newest
+running sequence not already in this step's plan, or itself if none is left;
+the victim's blocks are freed and it is recomputed later, as in vLLM. Because
+decodes are planned first, a decode may preempt an older, partly prefilled
+prompt. A victim rejoins the *front* of the waiting queue, ahead of every
+request not yet admitted, so it is delayed but never starved.
 
 This policy is a plain object: queue state in, a plan for one step out. It
 never touches a model, so its tests drive it with a fake one.
@@ -183,7 +186,10 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Get KV room for `seq`, preempting the newest unscheduled running sequences if needed.
         Returns False if `seq` itself had to be preempted."""
-        scheduled = {id(c.seq) for c in out.chunks}
+        if self.blocks.can_append(seq.seq_id, num_tokens):  # the common case: room without preempting
+            self.blocks.append_slots(seq.seq_id, num_tokens)
+            return True
+        scheduled = {id(c.seq) for c in out.chunks}  # O(plan); built only when a victim must be chosen
         while not self.blocks.can_append(seq.seq_id, num_tokens):
             # >>> exercise scheduler-preempt (lesson 05, 2 pts): free blocks by preempting the newest running sequence
             # hint: the victim is the newest running sequence that is neither `seq` nor already in this step's plan (`scheduled` holds their id()), else `seq` itself; preempt it with `self._preempt`; give up (False) if that was `seq`

@@ -39,7 +39,7 @@ class GPT2Config:
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                             "every head must get the same width")
+                             "every head must get the same width, so pick an n_head that divides n_embd")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id={self.eos_token_id} is outside the vocabulary "
                              f"[0, {self.vocab_size}); pass eos_token_id=None for a vocabulary without one")

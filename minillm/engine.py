@@ -75,8 +75,8 @@ class LLMEngine:
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        num_blocks = num_blocks or self._num_blocks_for_budget(block_size, kv_cache_memory_bytes,
-                                                               gpu_memory_utilization)
+        if num_blocks is None:
+            num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.device, model.dtype)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
         self.requests: dict[str, Sequence] = {}
@@ -109,9 +109,12 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         self.config.check_prompt(prompt_token_ids, params.max_tokens)
         if request_id is None:
-            request_id, self._next_id = str(self._next_id), self._next_id + 1
+            while str(self._next_id) in self.requests:  # taken: by an earlier request, or chosen by a caller
+                self._next_id += 1
+            request_id = str(self._next_id)
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
+            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique "
+                             "(pass another, or none for an automatic one)")
         seq = Sequence(request_id, prompt_token_ids, params,
                        RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
                        make_generator(params, self.model.device))
@@ -146,7 +149,8 @@ class LLMEngine:
         self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ---- one step -----------------------------------------------------------
 
@@ -184,7 +188,8 @@ class LLMEngine:
             start = seq.num_computed_tokens
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
-            ids.extend(seq.token_ids[start:start + n])
+            # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
+            ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
             segments.append((seq.seq_id, n))
             if start + n == seq.num_tokens:  # its last pending token is in: it samples this step
                 sample_rows.append(len(ids) - 1)
@@ -212,6 +217,9 @@ class LLMEngine:
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in the order of the prompts."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; pass one per prompt, "
+                             "or a single SamplingParams for all")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         finals: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():

@@ -157,8 +157,9 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
 
     One prefill per distinct prompt length (a single batched one when all are
     equal), then one batched decode step per token. Returns the new tokens of
-    each prompt. `on_step(step, num_tokens)` is called after every forward pass,
-    step 0 being the prefill, so lessons can time TTFT and ITL from outside.
+    each prompt. `on_step(step, num_tokens)` is called once after the prefill
+    (step 0, all its passes and every prompt token together), then after every
+    decode step, so lessons can time TTFT and ITL from outside.
     """
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device

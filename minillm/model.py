@@ -133,7 +133,8 @@ class Block(nn.Module):
 
 class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, seed: int | None = 0):
-        """Build the model with GPT-2's initialisation, seeded (seed=None leaves torch's default init)."""
+        """Build the model with GPT-2's initialisation, seeded; seed=None skips it (weights about to be
+        loaded), leaving each module's own unseeded init."""
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)

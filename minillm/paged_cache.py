@@ -69,7 +69,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks}: the pool needs at least one block")
+            raise ValueError(f"num_blocks={num_blocks}: the pool needs at least one block; pass num_blocks ≥ 1")
         self.num_blocks = num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
@@ -156,7 +156,7 @@ def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len:
 class PagedKVCache:
     """A pool of KV blocks shared by many sequences, plus each sequence's block table.
 
-    Memory side (used by the scheduler): `can_append`, `append_slots`, `free`, `fork`.
+    Memory side: `can_append`, `append_slots` and `free` (what the scheduler uses), and `fork`.
     Attention side (used by the model): once per step the engine calls
         positions = cache.prepare([(seq_id, num_new_tokens), ...])
     with the decodes (1 token each) first and prefill chunks after; then the model's
@@ -312,7 +312,7 @@ class _PagedStep:
         if self.num_decodes:
             self.decode_context_len = max(decode_lens)
             width = -(-self.decode_context_len // bs)
-            padded = [t[:width] + [t[0]] * (width - len(t[:width])) for t in decode_tables]
+            padded = [t[:width] + [t[0]] * (width - len(t)) for t in decode_tables]  # pad with a valid id
             self.decode_block_tables = torch.tensor(padded, device=device)
             self.decode_mask = None
             if min(decode_lens) != self.decode_context_len:  # ragged: hide each row's padding

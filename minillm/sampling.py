@@ -95,6 +95,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} SamplingParams")
     generators = generators or [None] * len(params)
+    if len(generators) != len(params):  # zip would silently drop rows
+        raise ValueError(f"{len(params)} SamplingParams but {len(generators)} generators; pass one per row (None "
+                         "for an unseeded row), or no list at all")
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; one device sync for the batch
     for i, (sp, gen) in enumerate(zip(params, generators)):

@@ -56,7 +56,7 @@ class RequestMetrics:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: equal only to itself, so `in` and `remove` compare identity
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]

@@ -112,6 +112,17 @@ def test_abort_frees_blocks_and_reports_the_request(model):
         engine.abort_request("nope")
 
 
+def test_aborting_the_last_request_is_still_reported(model):
+    """A `while has_unfinished_requests(): step()` loop must see the abort, even of the only request."""
+    engine = LLMEngine(model, num_blocks=8)
+    rid = engine.add_request([1, 2, 3], GREEDY)
+    engine.abort_request(rid)
+    reported = []
+    while engine.has_unfinished_requests():
+        reported += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in reported] == [(rid, "abort")]
+
+
 def test_seeded_sampling_is_reproducible(model):
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=123, ignore_eos=True)
     prompts = random_prompts(3, [5, 9], seed=4)
@@ -152,6 +163,22 @@ def test_duplicate_request_id(model):
     engine.add_request([1], GREEDY, request_id="a")
     with pytest.raises(ValueError, match="'a' is already in use"):
         engine.add_request([2], GREEDY, request_id="a")
+
+
+def test_automatic_ids_skip_ids_a_caller_chose(model):
+    engine = LLMEngine(model, num_blocks=8)
+    engine.add_request([1], GREEDY, request_id="0")
+    assert engine.add_request([2], GREEDY) == "1"
+
+
+def test_an_explicit_pool_of_zero_blocks_is_an_error(model):
+    with pytest.raises(ValueError, match="num_blocks=0"):
+        LLMEngine(model, num_blocks=0)
+
+
+def test_generate_needs_one_params_per_prompt(model):
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        LLMEngine(model, num_blocks=8).generate([[1], [2]], [GREEDY])
 
 
 @pytest.mark.gpu

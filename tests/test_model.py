@@ -144,6 +144,12 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert sample(logits, [SamplingParams(temperature=0)] * 4) == logits.argmax(-1).tolist()
 
 
+def test_sample_needs_one_generator_per_row():
+    sp = SamplingParams(temperature=1.0, seed=1)
+    with pytest.raises(ValueError, match="2 SamplingParams but 1 generators"):
+        sample(torch.zeros(2, 5), [sp, sp], [torch.Generator().manual_seed(1)])
+
+
 def test_finish_reasons():
     sp = SamplingParams(max_tokens=3, stop_token_ids=[9])
     assert finish_reason(9, 1, 10, sp, eos_token_id=5, n_ctx=100) == "stop"
