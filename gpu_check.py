@@ -137,8 +137,8 @@ def check_dtypes(torch, metrics, PRESETS, random_model, kv_cache, naive_decode, 
 
 def check_engine(torch, PRESETS, random_model, kv_cache, SamplingParams) -> dict:
     """LLMEngine on CUDA: the pool sized by gpu_memory_utilization, greedy tokens equal per-request generation."""
-    from minillm.chunked_prefill import SchedulerConfig
     from minillm.engine import LLMEngine
+    from minillm.scheduler import SchedulerConfig
     cfg = PRESETS["gpt2"]
     model = random_model(cfg, "cuda", torch.float32)  # fp32: paged and contiguous attention agree to rounding
     g = torch.Generator().manual_seed(0)
@@ -150,9 +150,9 @@ def check_engine(torch, PRESETS, random_model, kv_cache, SamplingParams) -> dict
                           ("chunked-64", SchedulerConfig(64, 8))):
         engine = LLMEngine(model, config, gpu_memory_utilization=0.5)
         got = [o.output_token_ids for o in engine.generate(prompts, params)]
-        engine.cache.check_invariants()
-        ok = got == want and engine.cache.num_free_blocks == engine.cache.num_blocks
-        out[label] = {"ok": ok, "num_blocks": engine.cache.num_blocks, "steps": len(engine.timeline),
+        engine.check_invariants()
+        ok = got == want and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        out[label] = {"ok": ok, "num_blocks": engine.block_manager.num_blocks, "steps": len(engine.timeline),
                       "identical_requests": f"{sum(a == b for a, b in zip(got, want))}/{len(want)}"}
         out["ok"] &= ok
         del engine

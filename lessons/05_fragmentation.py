@@ -10,7 +10,7 @@ n_ctx). Whatever the sequence does not fill is *internal fragmentation*:
     contiguous waste = 1 − Σ len_i / (running · M)
 
 vLLM's paper measured that earlier systems kept real tokens in only 20–38% of
-their KV memory: 60–80% waste. PagedAttention (`minillm/paged_cache.py`) hands
+their KV memory: 60–80% waste. PagedAttention (`minillm/block_manager.py`, `minillm/paged_attention.py`) hands
 out blocks of `block_size` slots as a sequence grows, so only each sequence's
 last block is partly empty:
 
@@ -42,7 +42,7 @@ What this lesson measures
    sequence. That is exactly what a contiguous server can do with those bytes,
    and because the kernel is shared, the throughput difference is the memory
    policy alone; the kernel's own price is measured apart, in 4. After every
-   step we record real tokens (Σ of the cache's seq_lens) against allocated
+   step we record real tokens (Σ of the running sequences' cached tokens) against allocated
    memory (contiguous: running · M; paged: blocks in use · block_size,
    free blocks excluded), the running sequences, and at the end tokens/s.
 3. A block-size sweep. Waste is a property of token counts only: the
@@ -74,6 +74,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from common import make_parser, ms, plt, print_table, print_verdict, save_plot, si, start, write_results
 
@@ -81,14 +82,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minillm.chunked_prefill import SchedulerConfig
+from minillm.block_manager import BlockManager
 from minillm.engine import LLMEngine
-from minillm.kv_cache import KVCache
+from minillm.kv_cache import KVCache, Segment
 from minillm.metrics import synchronize
 from minillm.model import GPT2
-from minillm.paged_cache import PagedKVCache, gather_kv
+from minillm.paged_attention import PagedKVCache, gather_kv
 from minillm.sampling import SamplingParams
-from minillm.sequence import SequenceStatus
+from minillm.scheduler import SchedulerConfig
 
 NAME = "05_fragmentation"
 VLLM_CONTIGUOUS_WASTE = (0.60, 0.80)    # vLLM paper: earlier systems used 20–38% of KV memory for tokens
@@ -140,16 +141,16 @@ def serve(engine: LLMEngine, trace: list[Request], reservation: int | None = Non
     """
     for r in trace:
         engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-    cache, snapshots = engine.cache, []
+    blocks, snapshots = engine.block_manager, []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        running = len(cache.seq_lens)  # sequences holding KV
-        allocated = (running * reservation if reservation is not None
-                     else (cache.num_blocks - cache.num_free_blocks) * cache.block_size)
-        snapshots.append({"t": time.perf_counter() - t0, "real_tokens": sum(cache.seq_lens.values()),
-                          "allocated_tokens": allocated, "running": running,
-                          "waiting": sum(s.status is SequenceStatus.WAITING for s in engine.requests.values())})
+        running = engine.scheduler.running  # the sequences holding KV
+        allocated = (len(running) * reservation if reservation is not None
+                     else (blocks.num_blocks - blocks.num_free_blocks) * blocks.block_size)
+        snapshots.append({"t": time.perf_counter() - t0, "real_tokens": sum(s.num_computed_tokens for s in running),
+                          "allocated_tokens": allocated, "running": len(running),
+                          "waiting": len(engine.scheduler.waiting)})
     seconds = time.perf_counter() - t0
     generated = sum(len(s.output_token_ids) for s in engine.requests.values())
     return {"snapshots": snapshots, "seconds": seconds, "generated_tokens": generated,
@@ -221,16 +222,15 @@ class ContiguousDecode:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(model.device)
         self.cache = KVCache(cfg, batch, ctx + 1, model.device, model.dtype)
-        self.rows = list(range(batch))
+        self.segments = [Segment(row, ctx, 1, is_decode=True) for row in range(batch)]
         self.qkv = [torch.randn(batch, cfg.n_head, 1, cfg.head_dim, generator=g).to(model.device, model.dtype)
                     for _ in range(3)]  # (B, H, 1, D)
         self.step()
 
     @torch.inference_mode()
     def step(self):
-        self.cache.lengths = [self.ctx] * self.batch  # rewind: every repeat does the same work
-        positions = self.cache.prepare(self.rows, 1)
-        return self.model(self.ids, positions, cache=self.cache)
+        meta = self.cache.prepare(self.segments)  # the same step each time: every repeat does the same work
+        return self.model(self.ids, meta.positions, cache=self.cache)
 
     @torch.inference_mode()
     def attention(self):
@@ -245,25 +245,25 @@ class PagedDecode:
     def __init__(self, model, batch: int, ctx: int, block_size: int, seed: int = 0):
         cfg, self.model, self.batch, self.ctx = model.config, model, batch, ctx
         blocks_per_seq = -(-(ctx + 1) // block_size)
-        self.cache = PagedKVCache(cfg, batch * blocks_per_seq, block_size, model.device, model.dtype)
+        self.blocks = BlockManager(batch * blocks_per_seq, block_size)
+        self.cache = PagedKVCache(cfg, self.blocks, model.device, model.dtype)
         for j in range(blocks_per_seq):  # round-robin, as sequences that grow together get their blocks
             for sid in range(batch):
-                self.cache.append_slots(sid, min((j + 1) * block_size, ctx + 1))
-        self.tables = torch.tensor([self.cache.block_tables[sid] for sid in range(batch)], device=model.device)
+                holder = SimpleNamespace(seq_id=sid, num_computed_tokens=j * block_size)  # j blocks' worth so far
+                self.blocks.append_slots(holder, min(block_size, ctx + 1 - j * block_size))
+        self.tables = torch.tensor([self.blocks.block_tables[sid] for sid in range(batch)], device=model.device)
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, cfg.vocab_size, (1, batch), generator=g).to(model.device)
         self.rows = torch.arange(batch, device=model.device)  # LM head on every row, as the contiguous step does
-        self.segments = [(sid, 1) for sid in range(batch)]
+        self.segments = [Segment(sid, ctx, 1, is_decode=True) for sid in range(batch)]
         self.qkv = [torch.randn(1, cfg.n_head, batch, cfg.head_dim, generator=g).to(model.device, model.dtype)
                     for _ in range(3)]  # (1, H, B, D): the flattened ragged batch
         self.step()
 
     @torch.inference_mode()
     def step(self):
-        for sid in range(self.batch):
-            self.cache.seq_lens[sid] = self.ctx  # rewind
-        positions = self.cache.prepare(self.segments)
-        return self.model(self.ids, positions, cache=self.cache, logits_indices=self.rows)
+        meta = self.cache.prepare(self.segments)  # the same step each time
+        return self.model(self.ids, meta.positions, cache=self.cache, logits_indices=self.rows)
 
     @torch.inference_mode()
     def attention(self):

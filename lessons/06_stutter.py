@@ -76,9 +76,9 @@ from common import make_parser, ms, plt, print_table, print_verdict, save_plot, 
 
 import numpy as np
 
-from minillm.chunked_prefill import SchedulerConfig
 from minillm.engine import LLMEngine
 from minillm.sampling import SamplingParams
+from minillm.scheduler import SchedulerConfig
 
 NAME = "06_stutter"
 STUTTER_FACTOR = 3.0          # chunked max ITL must be ≤ unchunked max ITL / 3

@@ -16,9 +16,14 @@ context in flight already weigh as much as the model itself.
 The presets are named exactly as the Hugging Face checkpoints are. `tiny` and
 `mini` are made-up shapes for tests and quick runs: same architecture, small
 enough that a CPU runs them in milliseconds.
+
+Invariants held by the tests: `num_params` equals the published parameter
+count of each checkpoint and the parameters of a built model; a prompt that
+`check_prompt` accepts fits the context with its whole output.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -94,11 +99,6 @@ class GPT2Config:
         """2 (K and V) · n_layer · n_embd · bytes per element."""
         return 2 * self.n_layer * self.n_embd * dtype_bytes(dtype)
 
-    def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token: the blocks' projections and the LM head."""
-        C = self.n_embd
-        return self.n_layer * 12 * C * C + self.vocab_size * C
-
     def flops_per_token(self, context_len: int = 0, lm_head: bool = True) -> int:
         """FLOPs to push one token through the model while it attends to `context_len` tokens.
 
@@ -111,28 +111,38 @@ class GPT2Config:
         head = 2 * self.vocab_size * C if lm_head else 0
         return proj + attn + head
 
-    def check_prompt(self, token_ids, max_tokens: int = 0) -> None:
-        """Raise a ValueError naming the value, the limit and the fix, if a prompt cannot run.
+    def check_prompt(self, token_ids, max_tokens: int = 0) -> list[int]:
+        """The prompt as a list of Python ints, or a ValueError naming the value, the limit and the fix.
 
+        A sequence holds at most len(prompt) + max_tokens − 1 tokens of KV, since
+        the last sampled token is never fed back, so that is what must fit in
+        n_ctx. Any integer type is accepted (NumPy's and torch's included).
         Cheap enough to call once per request; the model's forward pass itself
         does not check, so the hot path stays lean.
         """
-        n = len(token_ids)
+        ids = []
+        for i, t in enumerate(token_ids):
+            try:
+                t = operator.index(t)
+            except TypeError:
+                raise ValueError(f"token id {t!r} at position {i} is a {type(t).__name__}, not an integer; "
+                                 "a prompt is a sequence of token ids (encode text with the tokenizer)") from None
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size}); "
+                                 "was the prompt encoded with a different tokenizer?")
+            ids.append(t)
+        n = len(ids)
         if n == 0:
             raise ValueError("the prompt is empty: a GPT-2 needs at least one token to condition on "
                              "(encode some text, or start from the end-of-text token)")
         if n > self.n_ctx:
             raise ValueError(f"the prompt has {n} tokens but the context holds n_ctx={self.n_ctx}; "
                              f"truncate the prompt to at most {self.n_ctx} tokens")
-        if max_tokens and n + max_tokens > self.n_ctx:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                             f"the context n_ctx={self.n_ctx}; lower max_tokens to at most {self.n_ctx - n} "
-                             "or shorten the prompt")
-        bad = [(i, t) for i, t in enumerate(token_ids) if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            i, t = bad[0]
-            raise ValueError(f"token id {t!r} at position {i} is outside the vocabulary [0, {self.vocab_size}); "
-                             "was the prompt encoded with a different tokenizer?")
+        if max_tokens and n + max_tokens - 1 > self.n_ctx:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) − 1 = {n + max_tokens - 1} tokens of KV "
+                             f"exceed the context n_ctx={self.n_ctx}; lower max_tokens to at most "
+                             f"{self.n_ctx - n + 1} or shorten the prompt")
+        return ids
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -7,13 +7,20 @@ of the whole batch waiting for its longest member.
 
 One step, data flowing one way:
 
-    scheduler.schedule()   → a plan: which sequences feed how many tokens
-                             (and which were preempted to make room)
-    cache.prepare(plan)    → step metadata: positions, slot mapping, block tables
-    model(ids, positions)  → one forward pass over the flattened ragged batch,
-                             logits only at the rows that will sample
-    sample, update, record → new tokens, finished requests free their blocks,
-                             per-request times and a per-step timeline
+    scheduler.schedule()      → a plan: which sequences feed how many tokens, decodes
+                                first (and which were preempted to make room); the
+                                block manager has given every planned token a slot
+    cache.prepare(segments)   → the step's AttentionMetadata: positions, slot mapping,
+                                block tables, context lengths, built once
+    model(ids, positions)     → one forward pass over the flattened ragged batch,
+                                logits only at the rows that will sample
+    sample, update, record    → new tokens, finished requests free their blocks,
+                                per-request times and a per-step timeline
+
+The pieces, each in its own file: `scheduler.py` (queues, admission,
+preemption) or `chunked_prefill.py` (its decode-first policy),
+`block_manager.py` (which blocks each sequence owns), `paged_attention.py`
+(the pool and attention through block tables), `sampling.py`.
 
 Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
 `SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
@@ -25,9 +32,15 @@ the GPU's memory the engine may fill: weights and everything else already
 allocated are subtracted and the rest becomes KV blocks. On the CPU the
 default budget is 1 GiB.
 
-Invariant held by the tests: every request's greedy tokens are identical to
-`kv_cache.generate` run on it alone, whatever the batch, arrival pattern,
-block size, budget or preemptions.
+What it costs: per step, one forward pass over Σ tokens planned, plus Python
+bookkeeping linear in the running sequences; KV memory is blocks in use ·
+block_size · KV bytes per token.
+
+Invariants held by the tests: every request's greedy tokens, and the logits
+they were chosen from, are those of `kv_cache.generate` run on it alone,
+whatever the batch, arrival pattern, block size, budget or preemptions; after
+every step each block is free or held by exactly the running sequences'
+tables; when every request has finished, every block is free.
 """
 from __future__ import annotations
 
@@ -36,10 +49,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunked_prefill import Scheduler, SchedulerConfig, SchedulerOutput
+from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
+from .chunked_prefill import ChunkedPrefillScheduler
+from .kv_cache import Segment
 from .model import GPT2
-from .paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from .paged_attention import PagedKVCache
 from .sampling import FINISH_ABORT, SamplingParams, finish_reason, make_generator, sample
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -77,8 +93,10 @@ class LLMEngine:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         if num_blocks is None:
             num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization)
-        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.device, model.dtype)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
+        policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
+        self.scheduler = policy(self.scheduler_config, self.block_manager)
         self.requests: dict[str, Sequence] = {}
         self.timeline: list[StepStats] = []
         self._aborted: list[Sequence] = []
@@ -106,8 +124,7 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; it joins the running batch at a coming step. Returns its id."""
         params = params or SamplingParams()
-        prompt_token_ids = list(prompt_token_ids)
-        self.config.check_prompt(prompt_token_ids, params.max_tokens)
+        prompt_token_ids = self.config.check_prompt(prompt_token_ids, params.max_tokens)
         if request_id is None:
             while str(self._next_id) in self.requests:  # taken: by an earlier request, or chosen by a caller
                 self._next_id += 1
@@ -125,11 +142,11 @@ class LLMEngine:
 
     def _check_fits(self, seq: Sequence) -> None:
         """Reject now a request that could never run, rather than let it wait forever."""
-        tokens, bs = seq.max_total_tokens(), self.cache.block_size
-        blocks = -(-tokens // bs)
-        if blocks > self.cache.num_blocks:
+        tokens, bs = seq.max_total_tokens(), self.block_manager.block_size
+        blocks = self.block_manager.blocks_for(tokens)
+        if blocks > self.block_manager.num_blocks:
             raise ValueError(f"request needs up to {tokens} tokens of KV = {blocks} blocks of {bs}, but the whole "
-                             f"pool has {self.cache.num_blocks} blocks; lower max_tokens, shorten the prompt, "
+                             f"pool has {self.block_manager.num_blocks} blocks; lower max_tokens, shorten the prompt, "
                              "or give the engine more KV memory (num_blocks / kv_cache_memory_bytes)")
         budget = self.scheduler_config.max_num_batched_tokens
         if not self.scheduler_config.enable_chunked_prefill and tokens > budget:
@@ -151,6 +168,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def check_invariants(self) -> None:
+        """Every block is free or held, as often as the tables say, by exactly the running sequences, and each
+        running sequence's table covers its cached tokens. Cheap enough for tests to call after every step."""
+        self.block_manager.check_invariants(self.scheduler.running)
 
     # ---- one step -----------------------------------------------------------
 
@@ -177,28 +199,29 @@ class LLMEngine:
                 self._finish(seq, reason, now)
             outputs.append(self._output(seq))
         self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
-                                       len(plan.chunks), len(plan.preempted), self.cache.num_free_blocks))
+                                       len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Run the plan as one ragged forward pass; returns (sequence, new token) for those that sample."""
         ids, segments, sample_rows, samplers = [], [], [], []
+        now = time.perf_counter()
         for chunk in plan.chunks:
-            seq, n = chunk.seq, chunk.num_tokens
-            start = seq.num_computed_tokens
+            seq, n, start = chunk.seq, chunk.num_tokens, chunk.seq.num_computed_tokens
             if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.perf_counter()
+                seq.metrics.first_scheduled_time = now
             # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
             ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
-            segments.append((seq.seq_id, n))
+            segments.append(Segment(seq.seq_id, start, n, chunk.is_decode))
             if start + n == seq.num_tokens:  # its last pending token is in: it samples this step
                 sample_rows.append(len(ids) - 1)
                 samplers.append(seq)
-            seq.num_computed_tokens += n
         device = self.model.device
-        positions = self.cache.prepare(segments)
-        logits = self.model(torch.tensor([ids], device=device), positions, cache=self.cache,
+        meta = self.cache.prepare(segments)
+        logits = self.model(torch.tensor([ids], device=device), meta.positions, cache=self.cache,
                             logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device))
+        for chunk in plan.chunks:  # their keys and values are in the cache now
+            chunk.seq.num_computed_tokens += chunk.num_tokens
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         return list(zip(samplers, tokens))
 

@@ -33,28 +33,76 @@ What it costs
 This file's cache is *contiguous*: every sequence reserves `max_seq_len` slots
 up front, [n_layer, batch, n_head, max_seq_len, head_dim] for K and for V. It
 is simple and reads K and V in place, but a sequence that stops early leaves
-its reservation empty. `paged_cache.py` fixes that waste; lesson 05 measures it.
+its reservation empty. `paged_attention.py` fixes that waste; lesson 05 measures it.
 
-Invariant held by the tests: greedy tokens are identical to naive decode.
+One step, described once
+------------------------
+Before each forward pass the cache's owner says what the step holds: a list of
+`Segment`s, one per sequence, each "sequence s already has `start` tokens
+cached and feeds `num_new` more". The owner keeps each sequence's length (the
+cache keeps none: one source of truth), and `prepare` turns the segments into
+an `AttentionMetadata`, positions, masks and where every token goes, built once
+and then read, unchanged, by every layer's `attend`. The paged cache answers
+the same `prepare` with the same metadata type, adding its slot mapping and
+block tables.
+
+Invariants held by the tests: greedy tokens are identical to naive decode, and
+the logits of a cached step equal the logits of recomputing the whole sequence.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 
 from .config import GPT2Config
-from .model import GPT2
+from .model import GPT2, causal_attention, causal_mask
 from .sampling import SamplingParams, finish_reason, make_generator, sample
 
 
+class Segment(NamedTuple):
+    """One sequence's share of a forward pass."""
+    seq_id: int              # a row of the contiguous cache; a block-table key of the paged one
+    start: int               # tokens of this sequence already cached: the first new token's position
+    num_new: int             # tokens it feeds in this pass
+    is_decode: bool = False  # one token after a cached context; the scheduler decides, the caches only read it
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to know about one forward pass, built once by a cache's `prepare`.
+
+    The segments come decodes first, then prefill chunks, and their new tokens
+    are laid side by side in that order (the "flattened step").
+    """
+    segments: list[Segment]
+    positions: torch.Tensor            # every new token's position, shaped like the model's input ids
+    context_lens: list[int]            # per segment: start + num_new, the keys its last query sees
+    query_starts: list[int]            # per segment: where its new tokens begin in the flattened step; then the total
+    num_decodes: int                   # segments[:num_decodes] are decodes
+    mask: torch.Tensor | None = None   # for a ragged batched call (causal_mask); None where rows end together
+    rows: slice | torch.Tensor | None = None    # contiguous cache: the rows of the step, a slice when consecutive
+    slot_mapping: torch.Tensor | None = None    # paged cache: the pool slot of every new token
+    block_tables: torch.Tensor | None = None    # paged cache: (segments, width) block ids, padded with a valid id
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens)
+
+    @property
+    def is_fresh_prefill(self) -> bool:
+        """Nothing cached before this pass: the new tokens' own keys are all there is to attend over."""
+        return all(s.start == 0 for s in self.segments)
+
+
 class KVCache:
-    """A contiguous K/V reservation for `batch_size` sequences of up to `max_seq_len` tokens.
+    """A contiguous K/V reservation for `batch_size` sequences (rows) of up to `max_seq_len` tokens.
 
     Protocol, once per forward pass:
-        positions = cache.prepare(rows, num_new)   # rows: which sequences get num_new tokens each
-        logits = model(input_ids, positions, cache=cache)
-    `prepare` turns the plan into step metadata (where to write, what each query
-    may see) once; `attend` then runs per layer with no further bookkeeping.
+        meta = cache.prepare([Segment(row, start, num_new), ...])   # every row feeds the same num_new
+        logits = model(input_ids, meta.positions, cache=cache)
+    `attend` then runs per layer, reading `cache.metadata` and nothing else.
     """
 
     def __init__(self, config: GPT2Config, batch_size: int, max_seq_len: int,
@@ -66,33 +114,44 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_seq_len = max_seq_len
-        self.lengths = [0] * batch_size  # tokens stored per sequence; plain ints, so no device syncs
-        self._step: _Step | None = None
+        self.metadata: AttentionMetadata | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes this cache owns (accounted, not measured): the whole reservation, used or not."""
         return self.k.nbytes + self.v.nbytes
 
-    def used_bytes(self) -> int:
-        """Bytes that hold a real token's K and V."""
-        return self.nbytes * sum(self.lengths) // (len(self.lengths) * self.max_seq_len)
+    def prepare(self, segments: list[Segment]) -> AttentionMetadata:
+        """Describe a forward pass in which row `seq_id` of each segment appends `num_new` tokens after `start`.
 
-    def prepare(self, rows: list[int], num_new: int) -> torch.Tensor:
-        """Plan a forward pass that appends `num_new` tokens to each sequence in `rows`.
-
-        Returns the new tokens' positions (len(rows), num_new) for the model.
+        Every row feeds the same number of tokens (the batch is (B, T)). Returns
+        the metadata, whose `positions` (B, T) the model takes beside the ids.
         """
-        starts = [self.lengths[r] for r in rows]
-        if max(starts) + num_new > self.max_seq_len:
-            raise ValueError(f"sequence {rows[starts.index(max(starts))]} would grow to {max(starts) + num_new} "
-                             f"tokens but the cache reserved max_seq_len={self.max_seq_len}; "
-                             "build the cache with a larger max_seq_len")
+        T = segments[0].num_new
+        if any(s.num_new != T for s in segments):
+            raise ValueError(f"a contiguous step feeds the same number of tokens to every row, got "
+                             f"{[s.num_new for s in segments]}; run rows of different lengths in separate passes")
+        longest = max(segments, key=lambda s: s.start)
+        if longest.start + T > self.max_seq_len:
+            raise ValueError(f"row {longest.seq_id} would grow to {longest.start + T} tokens but the cache reserved "
+                             f"max_seq_len={self.max_seq_len}; build the cache with a larger max_seq_len")
         device = self.k.device
-        self._step = _Step(rows, starts, num_new, device)
-        for r in rows:
-            self.lengths[r] += num_new
-        return self._step.positions
+        rows, starts = [s.seq_id for s in segments], [s.start for s in segments]
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)  # (B, T)
+        ragged = len(set(starts)) > 1
+        # Rows as a slice when every row starts at the same slot and the rows are consecutive: the write is
+        # then a plain slice and the read a view, never a copy. Otherwise an index tensor.
+        if not ragged and rows == list(range(rows[0], rows[0] + len(rows))):
+            row_index: slice | torch.Tensor = slice(rows[0], rows[0] + len(rows))
+        else:
+            row_index = torch.tensor(rows, device=device)
+        context_lens = [s + T for s in starts]
+        self.metadata = AttentionMetadata(
+            segments=list(segments), positions=positions, context_lens=context_lens,
+            query_starts=[i * T for i in range(len(segments) + 1)],
+            num_decodes=sum(s.is_decode for s in segments), rows=row_index,
+            mask=causal_mask(positions, max(context_lens)) if ragged else None)  # (B, 1, T, L)
+        return self.metadata
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's seam: store the new k, v, then attend the new queries over the sequence so far."""
@@ -100,54 +159,30 @@ class KVCache:
         return self.read(layer_idx, q, k, v)
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the step's keys and values, (b, H, T, D), in each sequence's next T slots."""
-        s = self._step
+        """Store the step's keys and values, (B, H, T, D), in each row's next T slots."""
+        m = self.metadata
         # >>> exercise kv-cache-write (lesson 02, 2 pts): store the new keys and values in their slots
-        # hint: sequence s.rows[i] writes its T tokens at slots s.starts[i] .. s.starts[i]+T-1 of self.k[layer_idx]; s.positions holds those slots
-        if s.uniform:  # every row starts at the same slot: a plain slice write
-            self.k[layer_idx, s.row_index, :, s.start:s.start + s.num_new] = k
-            self.v[layer_idx, s.row_index, :, s.start:s.start + s.num_new] = v
-        else:          # ragged: scatter each row's tokens to its own slots
-            self.k[layer_idx, s.row_index[:, None], :, s.positions] = k.transpose(1, 2)
-            self.v[layer_idx, s.row_index[:, None], :, s.positions] = v.transpose(1, 2)
+        # hint: row m.rows[i] gets its T new tokens in the slots right after what it has cached (m.positions says which); a slice of rows means every row starts at the same slot, which a plain slice assignment handles
+        if isinstance(m.rows, slice):  # every row starts at the same slot: a plain slice write
+            start = m.segments[0].start
+            self.k[layer_idx, m.rows, :, start:start + k.shape[2]] = k
+            self.v[layer_idx, m.rows, :, start:start + k.shape[2]] = v
+        else:                          # ragged: scatter each row's tokens to its own slots
+            self.k[layer_idx, m.rows[:, None], :, m.positions] = k.transpose(1, 2)
+            self.v[layer_idx, m.rows[:, None], :, m.positions] = v.transpose(1, 2)
         # <<< exercise
 
     def read(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attend q (b, H, T, D) over the cached keys and values, after `write` stored this step's."""
-        s = self._step
+        """Attend q (B, H, T, D) over the cached keys and values, after `write` stored this step's."""
+        m = self.metadata
         # >>> exercise kv-cache-read (lesson 02, 2 pts): attend the new queries over the cached keys and values
-        # hint: read slots 0 .. s.context_len-1 of the rows; a query at position p sees keys 0..p (s.mask; a fresh prefill can use is_causal on k, v)
-        if s.fresh_prefill:  # nothing cached before: plain causal attention over the new tokens
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        keys = self.k[layer_idx, s.row_index, :, :s.context_len]     # (b, H, L, D)
-        values = self.v[layer_idx, s.row_index, :, :s.context_len]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=s.mask)
+        # hint: when nothing was cached before, the new k and v are the whole context; otherwise read the rows' first m.max_context_len slots and let causal_attention apply m.mask
+        if m.is_fresh_prefill:  # nothing cached before: plain causal attention over the new tokens
+            return causal_attention(q, k, v)
+        keys = self.k[layer_idx, m.rows, :, :m.max_context_len]     # (B, H, L, D)
+        values = self.v[layer_idx, m.rows, :, :m.max_context_len]
+        return causal_attention(q, keys, values, m.mask)
         # <<< exercise
-
-
-class _Step:
-    """The metadata of one forward pass, computed once and read by every layer."""
-
-    def __init__(self, rows: list[int], starts: list[int], num_new: int, device):
-        self.rows, self.starts, self.num_new = rows, starts, num_new
-        self.uniform = len(set(starts)) == 1
-        self.start = starts[0]
-        self.fresh_prefill = self.uniform and self.start == 0
-        self.context_len = max(starts) + num_new
-        # Rows as a slice when possible (reads are then views, no copy), else as an index tensor.
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        if self.uniform and contiguous:
-            self.row_index = slice(rows[0], rows[0] + len(rows))
-        else:
-            self.row_index = torch.tensor(rows, device=device)
-        start_t = torch.tensor(starts, device=device)[:, None]
-        self.positions = start_t + torch.arange(num_new, device=device)  # (b, T)
-        # Query at position p may see keys 0..p. Decode with equal lengths needs no mask at all.
-        needs_mask = not self.fresh_prefill and (num_new > 1 or not self.uniform)
-        self.mask = None
-        if needs_mask:
-            key_pos = torch.arange(self.context_len, device=device)
-            self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # (b, 1, T, L)
 
 
 @torch.inference_mode()
@@ -163,11 +198,13 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
     """
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
-    for p in prompts:
-        cfg.check_prompt(p, params.max_tokens)
+    prompts = [cfg.check_prompt(p, params.max_tokens) for p in prompts]
+    if not prompts:
+        return []
     B = len(prompts)
-    max_seq_len = min(cfg.n_ctx, max(len(p) for p in prompts) + params.max_tokens)
-    cache = KVCache(cfg, B, max_seq_len, device, model.dtype)
+    # The last sampled token is never fed, so a sequence holds at most prompt + max_tokens − 1 tokens of KV.
+    cache = KVCache(cfg, B, max(len(p) for p in prompts) + params.max_tokens - 1, device, model.dtype)
+    lengths = [0] * B  # tokens cached per row: this function, the cache's owner, keeps them
     generators = [make_generator(params, device) for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
 
@@ -177,12 +214,13 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
         by_len.setdefault(len(p), []).append(b)
     first: dict[int, torch.Tensor] = {}
     for T, rows in by_len.items():
-        positions = cache.prepare(rows, T)
+        meta = cache.prepare([Segment(b, 0, T) for b in rows])
         ids = torch.tensor([prompts[b] for b in rows], device=device)
         last = torch.arange(len(rows), device=device) * T + (T - 1)  # each row's last position
-        logits = model(ids, positions, cache=cache, logits_indices=last)
+        logits = model(ids, meta.positions, cache=cache, logits_indices=last)
         for i, b in enumerate(rows):
             first[b] = logits[i]
+            lengths[b] = T
     tokens = sample(torch.stack([first[b] for b in range(B)]), [params] * B, generators)
     if on_step is not None:
         on_step(0, sum(len(p) for p in prompts))
@@ -195,14 +233,15 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
     step = 0
     while active:
         step += 1
-        positions = cache.prepare(active, 1)
+        meta = cache.prepare([Segment(b, lengths[b], 1, is_decode=True) for b in active])
         ids = torch.tensor([[outputs[b][-1]] for b in active], device=device)
-        logits = model(ids, positions, cache=cache)[:, -1]
+        logits = model(ids, meta.positions, cache=cache)[:, -1]
         tokens = sample(logits, [params] * len(active), [generators[b] for b in active])
         if on_step is not None:
             on_step(step, len(active))
         still = []
         for b, t in zip(active, tokens):
+            lengths[b] += 1
             outputs[b].append(t)
             if not finish_reason(t, len(outputs[b]), len(prompts[b]) + len(outputs[b]), params,
                                  cfg.eos_token_id, cfg.n_ctx):

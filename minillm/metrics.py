@@ -385,20 +385,19 @@ def time_prefill(model, prompt_len: int, batch: int = 1, warmup: int = 1, repeat
 
     The LM head runs on each prompt's last position only, as a serving engine does.
     """
-    from .kv_cache import KVCache  # here, not at the top: kv_cache imports the model, lessons only need costs
+    from .kv_cache import KVCache, Segment  # here, not at the top: kv_cache imports the model, lessons only need costs
 
     cfg, device = model.config, model.device
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
     last = torch.arange(batch, device=device) * prompt_len + (prompt_len - 1)
     cache = KVCache(cfg, batch, prompt_len, device, model.dtype)
-    rows = list(range(batch))
+    segments = [Segment(row, 0, prompt_len) for row in range(batch)]  # every repeat starts fresh, same reservation
 
     @torch.inference_mode()
     def step():
-        cache.lengths = [0] * batch  # start fresh; the reservation is reused, not reallocated
-        positions = cache.prepare(rows, prompt_len)
-        return model(ids, positions, cache=cache, logits_indices=last)
+        meta = cache.prepare(segments)
+        return model(ids, meta.positions, cache=cache, logits_indices=last)
 
     return time_fn(step, device, warmup, repeats)
 
@@ -409,9 +408,9 @@ def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats
 
     Time does not depend on the values in the cache, so instead of running a
     prefill we declare the first `cached_len` slots filled (they hold zeros).
-    Each repeat rewinds to the same length, so every repeat does the same work.
+    Every repeat prepares the same step at the same length, so it does the same work.
     """
-    from .kv_cache import KVCache
+    from .kv_cache import KVCache, Segment
 
     cfg, device = model.config, model.device
     if cached_len + 1 > cfg.n_ctx:
@@ -420,13 +419,12 @@ def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(device)
     cache = KVCache(cfg, batch, cached_len + 1, device, model.dtype)
-    rows = list(range(batch))
+    segments = [Segment(row, cached_len, 1, is_decode=True) for row in range(batch)]
 
     @torch.inference_mode()
     def step():
-        cache.lengths = [cached_len] * batch
-        positions = cache.prepare(rows, 1)
-        return model(ids, positions, cache=cache)
+        meta = cache.prepare(segments)
+        return model(ids, meta.positions, cache=cache)
 
     return time_fn(step, device, warmup, repeats)
 

@@ -21,10 +21,12 @@ hands them to the cache it was given:
 The cache stores k and v however it likes, attends q over everything the
 sequence has seen so far, and returns the output in q's shape. With no cache
 the model runs plain causal self-attention over the tokens it was given.
-`naive_decode`, `kv_cache` and `paged_cache` are three answers to that one
+`naive_decode`, `kv_cache` and `paged_attention` are three answers to that one
 call; adding a fourth never means editing this file. Anything a cache needs to
 know about the step (where each sequence's tokens go, how long each context
 is) it is told by its owner before the forward pass, never by the model.
+Every answer ends in the same `causal_attention` below: the math is written
+once, and the caches differ only in where the keys and values come from.
 
 Logits for chosen positions only
 --------------------------------
@@ -32,6 +34,14 @@ The LM head is the single largest matmul in a small GPT-2 (50257 × 768).
 Prefill needs the next-token distribution only at each sequence's last
 position, so `forward(..., logits_indices=idx)` applies `ln_f` and the head to
 those rows of the flattened (B·T) batch and nothing else.
+
+What it costs: about 2 FLOPs per weight per token (`config.py` has the exact
+count), and one read of every weight per forward pass, whatever T is.
+
+Invariants held by the tests: a batch gives each row the logits it gets alone;
+a later token never changes an earlier token's logits; logits at chosen
+positions equal the same rows of the full output; the official checkpoints
+give the reference implementation's logits (tests/test_reference.py).
 """
 from __future__ import annotations
 
@@ -52,16 +62,37 @@ class AttentionCache(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q·kᵀ/√d + causal mask)·v over one block of tokens; (B, H, T, D) in and out.
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ/√d, masked)·v: queries (B, H, T, D) over keys and values (B, H, L, D).
 
-    Token t may look at tokens 0..t and never at a later one: that is what lets
-    a model trained on whole texts generate them one token at a time.
+    The queries are the last T of the L tokens whose keys are given, so query t
+    sits at position L − T + t and may look at keys 0 .. L − T + t, never at a
+    later one: that is what lets a model trained on whole texts generate them
+    one token at a time. With T == L this is the familiar lower triangle; with
+    T == 1 (a decode step) the one query sees every key. A ragged batch, whose
+    rows end at different positions, passes `mask` instead: a bool tensor that
+    broadcasts to (B, H, T, L), True where a query may look at a key
+    (`causal_mask` builds it from positions).
     """
-    # >>> exercise model-causal-attention (lesson 01, 2 pts): causal self-attention over the given tokens
-    # hint: scores = q @ kᵀ / √head_dim; set scores above the diagonal to -inf; softmax over the last dim; @ v
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # >>> exercise model-causal-attention (lesson 01, 2 pts): masked scaled dot-product attention
+    # hint: scores are (B, H, T, L), scaled by 1/√D; without a mask, query t may see key s only when s ≤ L − T + t; hidden scores get -inf before the softmax over keys; then weight the values
+    T, L = q.shape[-2], k.shape[-2]
+    if mask is None and T not in (1, L):  # queries at the end of a longer context: the triangle starts at L − T
+        mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
     # <<< exercise
+
+
+def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """(..., T) query positions → a bool mask (..., 1, T, num_keys): a query at position p sees keys 0..p.
+
+    The extra dimension broadcasts over heads. Keys past a sequence's own
+    length are hidden too, since they sit after its last query: that is how a
+    ragged batch of decodes hides the padding of its shorter rows.
+    """
+    keys = torch.arange(num_keys, device=query_positions.device)
+    return (keys <= query_positions[..., None]).unsqueeze(-3)
 
 
 class Conv1D(nn.Module):
@@ -146,20 +177,25 @@ class GPT2(nn.Module):
             self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """GPT-2's scheme: N(0, 0.02) weights, zero biases, unit LayerNorms, and the
-        residual projections (`c_proj`) scaled by 1/√(2·n_layer) so the residual
-        stream's variance does not grow with depth."""
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """GPT-2's scheme: N(0, std) weights (GPT-2 used 0.02), zero biases, unit
+        LayerNorms, and the residual projections (`c_proj`) scaled by 1/√(2·n_layer)
+        so the residual stream's variance does not grow with depth.
+
+        With std 0.02 a random model ignores its context: it repeats the last
+        prompt token whatever came before. Timing does not care, but a test that
+        compares two decoding paths does, so the tests use std ≈ 0.3, whose next
+        token depends on the whole context."""
         g = torch.Generator(device="cpu").manual_seed(seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 p.zero_()
             elif ".ln_" in name or name.startswith("ln_f"):
                 p.fill_(1.0)
             else:
-                std = residual_std if name.endswith("c_proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+                scale = residual_std if name.endswith("c_proj.weight") else std
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None,

@@ -13,6 +13,8 @@ the reference. It is also the wrong way to serve: at 1,000 tokens of context
 each new token redoes ~1,000 tokens' worth of work. Lesson 02 measures that
 waste, and `kv_cache.py` removes it by remembering each token's keys and
 values once computed: decode then pushes one token through the weights per step.
+
+Invariant held by the tests: every other decoder's greedy tokens equal these.
 """
 from __future__ import annotations
 
@@ -31,9 +33,8 @@ def generate(model: GPT2, prompt_token_ids: list[int], params: SamplingParams | 
     """
     params = params or SamplingParams(temperature=0.0)
     cfg = model.config
-    cfg.check_prompt(prompt_token_ids, params.max_tokens)
+    tokens = cfg.check_prompt(prompt_token_ids, params.max_tokens)
     generator = make_generator(params, model.device)
-    tokens = list(prompt_token_ids)
     out: list[int] = []
     while True:
         ids = torch.tensor([tokens], device=model.device)

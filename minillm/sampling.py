@@ -10,10 +10,15 @@
     stop_token_ids, ignore_eos
                   generation ends at the end-of-text token, or any listed id
 
-Sampling costs almost nothing next to a forward pass; it lives apart from the
-model so that every decoding strategy (naive, KV cache, paged engine) shares
-exactly the same choice of token for the same logits. That is what lets the
-tests demand *identical* greedy tokens across all of them.
+Sampling costs almost nothing next to a forward pass (a sort of V logits per
+row for top-p); it lives apart from the model so that every decoding strategy
+(naive, KV cache, paged engine) shares exactly the same choice of token for the
+same logits. That is what lets the tests demand *identical* greedy tokens
+across all of them.
+
+Invariants held by the tests: greedy is the argmax; top-k keeps exactly the k
+largest logits and top-p the smallest nucleus of mass ≥ p (always the top
+token); a seeded request draws the same tokens whatever shares its batch.
 """
 from __future__ import annotations
 
@@ -111,9 +116,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,
                   eos_token_id: int | None, n_ctx: int) -> str | None:
     """Why a sequence ends after emitting `token` as its `num_generated`-th token
-    (its length is now `seq_len`), or None if it goes on. One rule for every decoder."""
+    (its length is now `seq_len`), or None if it goes on. One rule for every decoder.
+
+    The context is full when the next step would feed a token at position n_ctx,
+    past the position table: that is when seq_len exceeds n_ctx."""
     if token in params.stop_token_ids or (token == eos_token_id and not params.ignore_eos):
         return FINISH_STOP
-    if num_generated >= params.max_tokens or seq_len >= n_ctx:
+    if num_generated >= params.max_tokens or seq_len > n_ctx:
         return FINISH_LENGTH
     return None

@@ -2,27 +2,39 @@
 
 A sequence's tokens are its prompt followed by what it has generated so far.
 `num_computed_tokens` counts the leading tokens whose keys and values are in
-the cache. Everything the scheduler needs follows from the gap between the two:
+the cache; it is the one place a sequence's KV length is kept (the block
+manager and the caches read it, never keep their own). Everything the
+scheduler needs follows from the gap between the two:
 
-    remaining = len(tokens) - num_computed_tokens
+    remaining = len(tokens) − num_computed_tokens
     remaining == 1 and it has output  → decoding: feed the last sampled token
-    otherwise                         → prefilling: feed the next chunk of the
-                                        prompt (or, after a preemption, of
-                                        prompt + output, recomputed)
+    otherwise                         → prefilling: feed the prompt, or part of
+                                        it (after a preemption: prompt + output,
+                                        recomputed)
 
 A step that feeds a sequence's last pending token yields logits for its next
 token; only then does the engine sample for it. That single rule keeps TTFT
-exact under chunked prefill: the first token comes after the last chunk.
+exact however a prompt is split across steps: the first token comes after the
+last piece of the prompt.
+
+What it costs: one list of token ids and a few integers per request; the KV
+memory it stands for is the block manager's business.
+
+Invariants held by the tests: 0 ≤ num_computed_tokens ≤ len(tokens); a
+sequence is decoding exactly when one token is pending and it has output;
+a preempted sequence restarts from num_computed_tokens = 0 with its output kept.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _ids = itertools.count()
 

@@ -158,3 +158,10 @@ class ExerciseReport:
     def pytest_collection_finish(self, session):
         for item in session.items:
             self.append(kind="collected", nodeid=item.nodeid, exercises=exercises_of(item))
+
+
+@pytest.fixture(scope="session")
+def context_model():
+    """The tiny GPT-2 with a seeded init whose next token depends on the context (tests/models.py)."""
+    from models import context_model as build
+    return build()

@@ -4,10 +4,12 @@ import random
 import pytest
 import torch
 
-from minillm import GPT2, PRESETS, SamplingParams
+from minillm import PRESETS, SamplingParams
 from minillm import kv_cache
-from minillm.chunked_prefill import Scheduler, SchedulerConfig
+from minillm.chunked_prefill import ChunkedPrefillScheduler
 from minillm.engine import LLMEngine
+from minillm.scheduler import Scheduler, SchedulerConfig
+from models import context_model
 
 CFG = PRESETS["tiny"]
 
@@ -35,7 +37,7 @@ def params(n):
 def drain(engine):
     while engine.has_unfinished_requests():
         engine.step()
-        engine.cache.check_invariants()
+        engine.check_invariants()
 
 
 def test_a_seven_token_prompt_with_budget_three_runs_as_chunks_of_3_3_1():
@@ -106,15 +108,21 @@ def test_every_prefill_keeps_making_progress():
 def test_scheduler_needs_no_model():
     """The policy alone, over a stand-in for the block space: a plan per step from queue state."""
     class Unlimited:
-        def can_append(self, seq_id, n): return True
-        def append_slots(self, seq_id, n): pass
-        def free(self, seq_id): pass
+        def can_append(self, seq, n): return True
+        def append_slots(self, seq, n): pass
+        def free(self, seq): pass
     from minillm.sequence import RequestMetrics, Sequence
-    sched = Scheduler(SchedulerConfig(4, 2), Unlimited())
+    sched = ChunkedPrefillScheduler(SchedulerConfig(4, 2), Unlimited())
     seq = Sequence("a", [1] * 10, params(1), RequestMetrics(0.0))
     sched.add(seq)
     plan = sched.schedule()
     assert [(c.seq.request_id, c.num_tokens, c.is_decode) for c in plan.chunks] == [("a", 4, False)]
+
+
+@pytest.mark.parametrize("cls, chunked", [(Scheduler, True), (ChunkedPrefillScheduler, False)])
+def test_a_policy_refuses_a_config_that_asks_for_the_other(cls, chunked):
+    with pytest.raises(ValueError, match="implements enable_chunked_prefill"):
+        cls(SchedulerConfig(8, 2, enable_chunked_prefill=chunked), blocks=None)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -137,7 +145,7 @@ def test_a_prompt_over_the_budget_without_chunking_is_rejected():
 
 @pytest.fixture(scope="module")
 def model():
-    return GPT2(CFG, seed=0).eval()
+    return context_model()
 
 
 def test_chunk_boundaries_at_every_position(model):
@@ -174,7 +182,7 @@ def test_preemption_while_a_request_is_partly_prefilled(model, monkeypatch):
     prompts = [[rng.randrange(500) for _ in range(n)] for n in (30, 30, 40)]
     engine = LLMEngine(model, SchedulerConfig(8, 4), block_size=4, num_blocks=20)
     outs = engine.generate(prompts, params(30))
-    engine.cache.check_invariants()
+    engine.check_invariants()
     assert any(0 < done < n for done, n in victims), f"no partly prefilled victim among {victims}"
     assert [o.output_token_ids for o in outs] == [kv_cache.generate(model, [p], params(30))[0] for p in prompts]
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -1,13 +1,20 @@
-"""LLMEngine: continuous batching over the paged cache gives every request exactly its own tokens."""
+"""LLMEngine: continuous batching over the paged cache gives every request exactly its own tokens.
+
+Every equivalence here runs on a model whose next token depends on its context
+(tests/models.py), so a path that reads the wrong keys gives other tokens.
+"""
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from minillm import GPT2, PRESETS, SamplingParams
-from minillm import kv_cache
-from minillm.chunked_prefill import SchedulerConfig
+from minillm import PRESETS, SamplingParams
+from minillm import engine as engine_module
+from minillm import kv_cache, naive_decode
 from minillm.engine import LLMEngine
+from minillm.scheduler import SchedulerConfig
+from models import context_model, random_prompts
 
 CFG = PRESETS["tiny"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -15,30 +22,26 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
-    return GPT2(CFG, seed=0).eval()
-
-
-def random_prompts(n, lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(CFG.vocab_size) for _ in range(rng.choice(lengths))] for _ in range(n)]
+    return context_model()
 
 
 def reference(model, prompts, params=GREEDY):
     return [kv_cache.generate(model, [p], params)[0] for p in prompts]
 
 
-def run_checked(engine, arrivals):
-    """Feed {step: [prompts]} at the given steps; check the allocator after every step; return outputs by id."""
+def run_checked(engine, arrivals, params=GREEDY):
+    """Feed {step: [(i, prompt)]} at the given steps; check the blocks after every step; return outputs by i."""
     finals, ids, step = {}, {}, 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i, p in arrivals.get(step, []):
-            ids[i] = engine.add_request(p, GREEDY)
+            ids[i] = engine.add_request(p, params)
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-        engine.cache.check_invariants()
+        engine.check_invariants()
         step += 1
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks, "blocks leaked after every request finished"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, \
+        "blocks leaked after every request finished"
     return {i: finals[r] for i, r in ids.items()}
 
 
@@ -69,6 +72,151 @@ def test_a_pool_small_enough_to_force_preemption(model, chunked):
     outs = run_checked(engine, {0: list(enumerate(prompts))})
     assert sum(o.num_preemptions for o in outs.values()) > 0, "the pool was meant to force a preemption"
     assert [outs[i].output_token_ids for i in range(8)] == reference(model, prompts)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_engine_logits_equal_the_contiguous_cache(model, chunked, monkeypatch):
+    """On logits, not only tokens: every row the engine samples from, under preemption and chunking, equals the
+    logits that a full recompute of the same sequence gives (fp32: 1e-4)."""
+    seen = []
+    real_sample = engine_module.sample
+
+    def recording_sample(logits, params, generators):
+        seen.extend(zip(params, logits.clone()))
+        return real_sample(logits, params, generators)
+    monkeypatch.setattr(engine_module, "sample", recording_sample)
+    prompts = random_prompts(6, [5, 17, 26], seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, seed=i) for i in range(6)]  # one each
+    engine = LLMEngine(model, SchedulerConfig(40, 6, chunked), block_size=4, num_blocks=20)
+    outs = engine.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force a preemption"
+    by_request = {id(p): (prompt, out.output_token_ids) for p, prompt, out in zip(params, prompts, outs)}
+    position = {id(p): 0 for p in params}
+    with torch.inference_mode():
+        for p, logits in seen:
+            prompt, output = by_request[id(p)]
+            j = position[id(p)]
+            position[id(p)] += 1
+            full = model(torch.tensor([prompt + output[:j]]))[0, -1]
+            torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+    assert all(position[id(p)] == len(o.output_token_ids) for p, o in zip(params, outs))
+
+
+def fuzz_trace(seed: int):
+    """A random engine configuration and arrival trace, small enough to preempt, with aborts."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 3, 5, 8, 16])
+    chunked = rng.random() < 0.7
+    max_seqs = rng.randint(1, 6)
+    budget = rng.choice([max_seqs, 2, 3, 7, 16, 64, 2048]) if chunked else 2048
+    budget = max(budget, max_seqs)
+    n = rng.randint(2, 9)
+    prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 14), ignore_eos=True) for _ in range(n)]
+    longest = max(len(p) + sp.max_tokens - 1 for p, sp in zip(prompts, params))
+    num_blocks = -(-longest // bs) + rng.randint(0, 3 * 40 // bs)
+    arrivals = sorted(rng.randint(0, 12) for _ in range(n))
+    aborts = {rng.randrange(n): rng.randint(0, 15) for _ in range(rng.randint(0, 2))}
+    return dict(bs=bs, chunked=chunked, max_seqs=max_seqs, budget=budget, prompts=prompts, params=params,
+                num_blocks=num_blocks, arrivals=arrivals, aborts=aborts)
+
+
+def run_fuzz(model, seed):
+    t = fuzz_trace(seed)
+    engine = LLMEngine(model, SchedulerConfig(t["budget"], t["max_seqs"], t["chunked"]), block_size=t["bs"],
+                       num_blocks=t["num_blocks"])
+    ids, finals, step = {}, {}, 0
+    while len(ids) < len(t["prompts"]) or engine.has_unfinished_requests():
+        for i, at in enumerate(t["arrivals"]):
+            if at == step:
+                ids[i] = engine.add_request(t["prompts"][i], t["params"][i])
+        for i, at in t["aborts"].items():
+            if at == step and i in ids:
+                engine.abort_request(ids[i])
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        engine.check_invariants()
+        step += 1
+        assert step < 2000, f"trace {seed} did not finish: {t}"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, f"trace {seed} leaked blocks"
+    for i, rid in ids.items():
+        out = finals[rid]
+        want = kv_cache.generate(model, [t["prompts"][i]], t["params"][i])[0]
+        if out.finish_reason == "abort":
+            assert out.output_token_ids == want[:len(out.output_token_ids)], f"trace {seed}, request {i}: {t}"
+        else:
+            assert out.output_token_ids == want, f"trace {seed}, request {i} diverged: {t}"
+    return sum(o.num_preemptions for o in finals.values())
+
+
+def test_engine_fuzz_random_traces(model):
+    """Random arrivals, aborts, block sizes 1–16, budgets from max_num_seqs up, pools small enough to preempt:
+    no wrong token, no leaked block, invariants after every step."""
+    preemptions = sum(run_fuzz(model, seed) for seed in range(25))
+    assert preemptions > 0, "the fuzz was meant to reach preemption"
+
+
+@pytest.mark.slow
+def test_engine_fuzz_many_traces(model):
+    assert sum(run_fuzz(model, seed) for seed in range(25, 300)) > 0
+
+
+def test_a_step_that_preempts_admits_no_one(model):
+    """vLLM's rule: memory is short in a step that preempted, so no waiting request joins in it; a victim
+    waits at least one step before it is recomputed."""
+    prompts = random_prompts(3, [30, 40], seed=6)
+    engine = LLMEngine(model, SchedulerConfig(8, 4), block_size=4, num_blocks=20)  # small chunks could fit
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    preempting_steps = 0
+    while engine.has_unfinished_requests():
+        waiting_before = list(engine.scheduler.waiting)
+        plan_seqs = []
+        original = engine.scheduler.schedule
+
+        def spy():
+            plan = original()
+            plan_seqs.append(plan)
+            return plan
+        engine.scheduler.schedule = spy
+        engine.step()
+        engine.scheduler.schedule = original
+        if plan_seqs and plan_seqs[0].preempted:
+            preempting_steps += 1
+            plan = plan_seqs[0]
+            planned = {id(c.seq) for c in plan.chunks}
+            assert not planned & {id(s) for s in plan.preempted}, "a victim ran in the step that preempted it"
+            assert not planned & {id(s) for s in waiting_before}, "a step that preempted admitted a request"
+    assert preempting_steps > 0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_prompt_of_exactly_n_ctx_tokens_generates_one_token(model, chunked):
+    """The last sampled token is never fed, so prompt + max_tokens − 1 ≤ n_ctx is what must fit; the same
+    in every path."""
+    prompt = random_prompts(1, [CFG.n_ctx], seed=11)[0]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    want = naive_decode.generate(model, prompt, one)
+    assert kv_cache.generate(model, [prompt], one) == [want] and len(want) == 1
+    engine = LLMEngine(model, SchedulerConfig(256, 4, chunked), block_size=16, num_blocks=16)
+    assert engine.generate([prompt], one)[0].output_token_ids == want
+    five = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)  # 124 + 5 − 1 = 128 tokens of KV
+    short = prompt[:CFG.n_ctx - 4]
+    want = naive_decode.generate(model, short, five)
+    assert len(want) == 5 and kv_cache.generate(model, [short], five) == [want]
+    assert engine.generate([short], five)[0].output_token_ids == want
+    with pytest.raises(ValueError, match="lower max_tokens to at most 5"):
+        engine.add_request(short, SamplingParams(max_tokens=6))
+
+
+def test_numpy_and_torch_integer_ids_are_token_ids(model):
+    prompt = [3, 14, 15, 92]
+    want = reference(model, [prompt])[0]
+    engine = LLMEngine(model, num_blocks=16)
+    got = engine.generate([list(np.array(prompt, dtype=np.int64)), list(torch.tensor(prompt))], GREEDY)
+    assert [o.output_token_ids for o in got] == [want, want]
+    assert all(type(t) is int for t in engine.requests["0"].prompt_token_ids)
 
 
 def test_metrics_and_timeline(model):
@@ -106,7 +254,7 @@ def test_abort_frees_blocks_and_reports_the_request(model):
     outs = {o.request_id: o for o in engine.step()}
     assert outs[running].finish_reason == outs[waiting].finish_reason == "abort"
     assert outs[running].finished and not engine.has_unfinished_requests()
-    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.abort_request(running)  # aborting a finished request is harmless
     with pytest.raises(KeyError, match="no request with id 'nope'"):
         engine.abort_request("nope")
@@ -134,7 +282,7 @@ def test_seeded_sampling_is_reproducible(model):
 def test_pool_size_from_a_byte_budget(model):
     block_bytes = 16 * CFG.kv_bytes_per_token(torch.float32)
     engine = LLMEngine(model, kv_cache_memory_bytes=10 * block_bytes + 1)
-    assert engine.cache.num_blocks == 10
+    assert engine.block_manager.num_blocks == 10
     with pytest.raises(ValueError, match="holds no block"):
         LLMEngine(model, kv_cache_memory_bytes=block_bytes - 1)
 
@@ -143,7 +291,8 @@ def test_pool_size_from_a_byte_budget(model):
     ([], GREEDY, "prompt is empty"),
     ([1] * 129, GREEDY, "n_ctx=128"),
     ([1, CFG.vocab_size], GREEDY, "outside the vocabulary"),
-    ([1] * 100, SamplingParams(max_tokens=40), "exceeds the context"),
+    ([1] * 100, SamplingParams(max_tokens=40), "exceed the context"),
+    ([1, "a"], GREEDY, "is a str, not an integer"),
     ([1] * 60, SamplingParams(max_tokens=20), "whole pool has 4 blocks"),
 ])
 def test_bad_requests_are_rejected_at_add_request(model, prompt, params, match):
@@ -184,7 +333,7 @@ def test_generate_needs_one_params_per_prompt(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_on_cuda_sizes_its_pool_from_gpu_memory_utilization():
-    model = GPT2(CFG, seed=0).cuda().eval()
+    model = context_model().cuda()
     engine = LLMEngine(model, gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()
     assert 0 < engine.cache.nbytes <= 0.3 * total

@@ -1,18 +1,21 @@
 """The from-scratch GPT-2, sampling, naive decode and the contiguous KV cache, on random weights."""
+import numpy as np
 import pytest
 import torch
 
 from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
 from minillm import kv_cache, naive_decode
-from minillm.kv_cache import KVCache
+from minillm.kv_cache import KVCache, Segment
+from minillm.model import causal_attention, causal_mask
 from minillm.sampling import apply_top_k, apply_top_p, finish_reason, sample
+from models import context_model
 
 CFG = PRESETS["tiny"]
 
 
 @pytest.fixture(scope="module")
 def model():
-    return GPT2(CFG, seed=0).eval()
+    return context_model()
 
 
 def ids(*shape, seed=0):
@@ -46,7 +49,8 @@ def test_unknown_preset_names_the_choices():
 @pytest.mark.parametrize("prompt, max_tokens, match", [
     ([], 0, "prompt is empty"),
     ([1] * 129, 0, "129 tokens but the context holds n_ctx=128"),
-    ([1] * 100, 40, "lower max_tokens to at most 28"),
+    ([1] * 100, 40, "lower max_tokens to at most 29"),
+    ([1] * 128, 2, "lower max_tokens to at most 1"),
     ([1, 512], 0, "token id 512 at position 1 is outside the vocabulary \\[0, 512\\)"),
     ([1, -3], 0, "token id -3"),
 ])
@@ -55,9 +59,34 @@ def test_bad_prompts_get_clear_errors(prompt, max_tokens, match):
         CFG.check_prompt(prompt, max_tokens)
 
 
+def test_the_context_limit_counts_the_kv_a_sequence_holds():
+    """prompt + max_tokens − 1 tokens of KV must fit: the last sampled token is never fed."""
+    CFG.check_prompt([1] * 128, 1)
+    CFG.check_prompt([1] * 100, 29)
+
+
+def test_any_integer_type_is_a_token_id():
+    assert CFG.check_prompt([np.int32(5), torch.tensor(7), True + 0]) == [5, 7, 1]
+    assert all(type(t) is int for t in CFG.check_prompt(np.array([1, 2], dtype=np.uint16)))
+
+
 def test_naive_decode_rejects_bad_prompts_before_running(model):
     with pytest.raises(ValueError, match="prompt is empty"):
         naive_decode.generate(model, [], SamplingParams(temperature=0, max_tokens=1))
+
+
+# ---- the test model ----------------------------------------------------------
+
+def test_the_test_model_depends_on_its_context(model):
+    """GPT-2's own init repeats the last prompt token whatever came before; the tests' model must not, or two
+    decoding paths could agree while one of them reads the wrong keys."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = naive_decode.generate(model, [5, 6, 7, 8], greedy)
+    assert len(set(out)) >= 8, f"only {len(set(out))} distinct tokens in {out}"
+    assert naive_decode.generate(model, [9, 10, 11, 5, 6, 7, 8], greedy) != out, "a longer prefix changed nothing"
+    gpt2_init = GPT2(CFG, seed=0).eval()
+    repeats = naive_decode.generate(gpt2_init, [5, 6, 7, 8], greedy)
+    assert len(set(repeats)) <= 2, "GPT-2's own init was expected to ignore the context (why the tests avoid it)"
 
 
 # ---- the model -----------------------------------------------------------------
@@ -91,7 +120,7 @@ def test_logits_only_at_chosen_positions(model):
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-2), (torch.bfloat16, 5e-2)])
 def test_half_precision_runs_and_agrees(model, dtype, tol):
     x = ids(1, 16)
-    half = GPT2(CFG, seed=0).to(dtype).eval()
+    half = context_model().to(dtype)
     with torch.no_grad():
         ref, got = model(x), half(x)
     assert got.dtype == dtype
@@ -111,7 +140,8 @@ def test_a_new_cache_plugs_in_without_touching_the_model(model):
     inner, x = KVCache(CFG, 2, 5), ids(2, 5)
     cache = Recording(inner)
     with torch.no_grad():
-        torch.testing.assert_close(model(x, inner.prepare([0, 1], 5), cache=cache), model(x))
+        meta = inner.prepare([Segment(0, 0, 5), Segment(1, 0, 5)])
+        torch.testing.assert_close(model(x, meta.positions, cache=cache), model(x))
     H, D = CFG.n_head, CFG.head_dim
     assert cache.calls == [(0, (2, H, 5, D)), (1, (2, H, 5, D))]
 
@@ -156,7 +186,8 @@ def test_finish_reasons():
     assert finish_reason(5, 1, 10, sp, eos_token_id=5, n_ctx=100) == "stop"
     assert finish_reason(5, 1, 10, SamplingParams(ignore_eos=True), eos_token_id=5, n_ctx=100) is None
     assert finish_reason(1, 3, 10, sp, eos_token_id=5, n_ctx=100) == "length"
-    assert finish_reason(1, 1, 100, sp, eos_token_id=5, n_ctx=100) == "length"
+    assert finish_reason(1, 1, 100, sp, eos_token_id=5, n_ctx=100) is None  # its last token fits position 99
+    assert finish_reason(1, 1, 101, sp, eos_token_id=5, n_ctx=100) == "length"  # the next would need position 100
 
 
 @pytest.mark.parametrize("bad, match", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
@@ -190,10 +221,34 @@ def test_kv_cache_logits_agree_with_full_recompute(model):
     cache = KVCache(CFG, 2, 24)
     with torch.no_grad():
         full = model(x)
-        steps = [model(x[:, :10], cache.prepare([0, 1], 10), cache=cache)]
-        for t in range(10, 24):
-            steps.append(model(x[:, t:t + 1], cache.prepare([0, 1], 1), cache=cache))
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+        steps = [model(x[:, :10], cache.prepare([Segment(0, 0, 10), Segment(1, 0, 10)]).positions, cache=cache)]
+        for t in range(10, 24, 2):  # chunks of two after a cached prefix: queries at the end of a longer context
+            meta = cache.prepare([Segment(0, t, 2), Segment(1, t, 2)])
+            steps.append(model(x[:, t:t + 2], meta.positions, cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_rows_in_one_contiguous_step_agree_with_full_recompute(model):
+    """Rows at different lengths in one pass: each row's mask hides the slots past its own length."""
+    x = ids(3, 20, seed=4)
+    cache = KVCache(CFG, 3, 20)
+    with torch.no_grad():
+        full = model(x)
+        for row, n in enumerate((5, 11, 17)):
+            cache.prepare([Segment(row, 0, n)])
+            model(x[row:row + 1, :n], cache.metadata.positions, cache=cache)
+        meta = cache.prepare([Segment(2, 17, 1, True), Segment(0, 5, 1, True), Segment(1, 11, 1, True)])
+        step = model(torch.stack([x[2, 17:18], x[0, 5:6], x[1, 11:12]]), meta.positions, cache=cache)
+    torch.testing.assert_close(step[:, 0], torch.stack([full[2, 17], full[0, 5], full[1, 11]]), atol=1e-4, rtol=1e-4)
+
+
+def test_causal_attention_with_queries_at_the_end_of_the_keys():
+    """Without a mask the T queries are the last T of the L keys: query t sees keys 0 .. L − T + t."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 7, 7))
+    whole = causal_attention(torch.cat([torch.randn(1, 2, 4, 8, generator=g), q], dim=2), k, v)
+    torch.testing.assert_close(causal_attention(q, k, v), whole[:, :, 4:])
+    torch.testing.assert_close(causal_attention(q, k, v, causal_mask(torch.arange(4, 7), 7)), whole[:, :, 4:])
 
 
 def test_seeded_generation_is_reproducible(model):
@@ -202,12 +257,12 @@ def test_seeded_generation_is_reproducible(model):
     assert kv_cache.generate(model, [[4, 5]], sp) == kv_cache.generate(model, [[4, 5]], sp)
 
 
-def test_kv_cache_accounts_its_bytes():
+def test_kv_cache_accounts_its_bytes_and_refuses_overflow():
     cache = KVCache(CFG, 2, 64)
     assert cache.nbytes == 2 * 64 * CFG.kv_bytes_per_token(torch.float32)
-    cache.prepare([0, 1], 16)
-    assert cache.used_bytes() == cache.nbytes // 4
     with pytest.raises(ValueError, match="max_seq_len=64"):
-        cache.prepare([0], 60)
+        cache.prepare([Segment(0, 60, 5)])
+    with pytest.raises(ValueError, match="same number of tokens to every row"):
+        cache.prepare([Segment(0, 0, 5), Segment(1, 0, 4)])
     with pytest.raises(ValueError, match="exceeds the model's context n_ctx=128"):
         KVCache(CFG, 1, 129)

@@ -18,3 +18,54 @@ def test_ci_runs_the_readme_test_command_verbatim():
 def test_results_and_weights_are_ignored():
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "weights/" in ignored and "lessons/results/*" in ignored
+
+
+# ---- the picture of the code ---------------------------------------------------------------
+
+TORCH_FREE = ("sequence", "block_manager", "scheduler", "chunked_prefill")
+
+
+def reading_order() -> list[str]:
+    """The module chain drawn in the README, bottom first."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("The picture of the code"):].split("\n\n")[1]
+    return [name.strip() for name in block.replace("\n", " ").split("→")]
+
+
+def imports_of(module: str) -> tuple[set[str], set[str]]:
+    """(minillm modules, other top-level packages) that `module` imports, lazily or not, outside TYPE_CHECKING."""
+    import ast
+    tree = ast.parse((ROOT / "minillm" / f"{module}.py").read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for child in node.body for n in ast.walk(child)}
+    ours, others = set(), set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            name = node.module or ""
+            if node.level == 1 or name.startswith("minillm"):
+                target = name.removeprefix("minillm").lstrip(".").split(".")[0]
+                ours |= {target} if target else {a.name for a in node.names}
+            else:
+                others.add(name.split(".")[0])
+        elif isinstance(node, ast.Import):
+            others |= {a.name.split(".")[0] for a in node.names}
+    return ours, others
+
+
+def test_every_concept_file_imports_only_files_before_it():
+    order = reading_order()
+    assert order[0] == "config" and order[-1] == "engine" and len(order) == len(set(order))
+    assert all((ROOT / "minillm" / f"{m}.py").exists() for m in order), order
+    for i, module in enumerate(order):
+        ours, _ = imports_of(module)
+        later = ours & set(order[i:])
+        assert not later, f"minillm/{module}.py imports {sorted(later)}, which the reading order puts after it"
+    assert imports_of("model")[0] == {"config"}, "the model must learn nothing about caches, blocks or steps"
+
+
+def test_the_scheduler_files_need_no_torch():
+    for module in TORCH_FREE:
+        _, others = imports_of(module)
+        assert "torch" not in others, f"minillm/{module}.py imports torch"

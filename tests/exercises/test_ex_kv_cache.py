@@ -1,15 +1,15 @@
 """Lesson 02 exercises in minillm/kv_cache.py: writing a step's keys and values, and reading them back.
 
-`KVCache.prepare` (given) turns a step's plan into its metadata; these tests
-call it, then test `write` and `read` separately. The read tests fill the cache
-by hand, so they pass or fail on `read` alone.
+`KVCache.prepare` (given) turns a step's segments into its metadata; these
+tests call it, then test `write` and `read` separately. The read tests fill the
+cache by hand, so they pass or fail on `read` alone.
 """
 import pytest
 import torch
 
-from exercise_checks import assert_close, attend_one_query
+from exercise_checks import assert_close, attend_one_query, attention_oracle
 from minillm.config import PRESETS
-from minillm.kv_cache import KVCache
+from minillm.kv_cache import KVCache, Segment
 
 WRITE = "minillm/kv_cache.py, KVCache.write"
 READ = "minillm/kv_cache.py, KVCache.read"
@@ -17,12 +17,11 @@ CFG = PRESETS["tiny"]   # 2 layers, 4 heads, head_dim 16
 CACHE_AXES = ("layer", "row", "head", "slot", "dim")
 
 
-def cache_at(lengths: list[int], max_seq_len: int = 8) -> KVCache:
-    """A cache for len(lengths) sequences that already hold lengths[r] tokens each (contents left as they are)."""
+def prepared(lengths: list[int], rows: list[int], T: int, max_seq_len: int = 8) -> KVCache:
+    """A cache for len(lengths) sequences, prepared for a step in which `rows`, holding lengths[row] tokens
+    each, get T new tokens."""
     cache = KVCache(CFG, batch_size=len(lengths), max_seq_len=max_seq_len)
-    for row, n in enumerate(lengths):
-        if n:
-            cache.prepare([row], n)
+    cache.prepare([Segment(row, lengths[row], T) for row in rows])
     return cache
 
 
@@ -46,8 +45,7 @@ WRITE_CASES = {
 @pytest.mark.parametrize("case", list(WRITE_CASES))
 def test_write_puts_each_token_in_its_slot(case):
     lengths, rows, T = WRITE_CASES[case]
-    cache = cache_at(lengths)
-    cache.prepare(rows, T)
+    cache = prepared(lengths, rows, T)
     layer = 1
     k = randn(len(rows), CFG.n_head, T, CFG.head_dim, seed=1)
     v = randn(len(rows), CFG.n_head, T, CFG.head_dim, seed=2)
@@ -65,6 +63,13 @@ def test_write_puts_each_token_in_its_slot(case):
 
 # ------------------------------------------------------------------ read
 
+@pytest.fixture(autouse=True)
+def attention_written(monkeypatch):
+    """`read` ends in model.causal_attention, exercise model-causal-attention: these tests use an independent
+    one in its place, so that they check `read` alone."""
+    monkeypatch.setattr("minillm.kv_cache.causal_attention", attention_oracle)
+
+
 READ_CASES = {
     "fresh prefill": ([0, 0], [0, 1], 4),
     "decode with equal lengths": ([3, 3, 3], [0, 1, 2], 1),
@@ -79,8 +84,7 @@ def step_with_cache_filled(lengths, rows, T, layer, seed=0):
     """prepare the step, then fill the whole cache by hand: the step's own new keys and values already in
     their slots (as `write` would leave them), and every slot past each sequence's end full of junk that
     `read` must not look at. Returns the cache, q and the step's k, v."""
-    cache = cache_at(lengths)
-    cache.prepare(rows, T)
+    cache = prepared(lengths, rows, T)
     cache.k.copy_(randn(*cache.k.shape, seed=seed))
     cache.v.copy_(randn(*cache.v.shape, seed=seed + 1))
     q = randn(len(rows), CFG.n_head, T, CFG.head_dim, seed=seed + 2)

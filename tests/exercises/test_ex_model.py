@@ -8,7 +8,7 @@ import torch
 
 from exercise_checks import assert_close, attend_one_query
 from minillm.config import PRESETS
-from minillm.model import CausalSelfAttention, causal_attention
+from minillm.model import CausalSelfAttention, causal_attention, causal_mask
 
 ATTENTION = "minillm/model.py, causal_attention"
 HEADS = "minillm/model.py, CausalSelfAttention.forward"
@@ -83,6 +83,39 @@ def test_later_tokens_do_not_change_earlier_outputs():
 def test_a_single_token_returns_its_value():
     q, k, v = qkv(B=3, H=2, T=1, D=4, seed=4)
     assert_close(causal_attention(q, k, v), v, "causal_attention over one token (its only key is itself)", ATTENTION, BHTD)
+
+
+@pytest.mark.exercise("model-causal-attention")
+def test_queries_at_the_end_of_a_longer_context():
+    """Three queries after four cached tokens: the queries are the last 3 of the 7 keys, so query t sits at
+    position 4 + t and sees keys 0 .. 4 + t (a decode step is the case T = 1: it sees every key)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    out = causal_attention(q, k, v)
+    want = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(2):
+        for t in range(3):
+            want[0, h, t] = attend_one_query(q[0, h, t], k[0, h, :5 + t], v[0, h, :5 + t])
+    assert_close(out, want, "causal_attention(q, k, v) with 3 queries over 7 keys (no mask)", ATTENTION, BHTD)
+    one = causal_attention(q[:, :, :1], k, v)
+    assert_close(one[0, :, 0], torch.stack([attend_one_query(q[0, h, 0], k[0, h], v[0, h]) for h in range(2)]),
+                 "causal_attention with one query over 7 keys (a decode: it sees all of them)", ATTENTION,
+                 ("head", "dim"))
+
+
+@pytest.mark.exercise("model-causal-attention")
+def test_a_mask_hides_each_rows_padding():
+    """A ragged batch: row 0's query is at position 2, row 1's at position 5, over 6 keys. The mask (True where
+    a query may look) hides row 0's keys 3..5, which are padding."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    mask = causal_mask(torch.tensor([[2], [5]]), 6)   # (2, 1, 1, 6)
+    out = causal_attention(q, k, v, mask)
+    want = torch.zeros(q.shape, dtype=torch.float64)
+    for b, seen in ((0, 3), (1, 6)):
+        for h in range(2):
+            want[b, h, 0] = attend_one_query(q[b, h, 0], k[b, h, :seen], v[b, h, :seen])
+    assert_close(out, want, "causal_attention(q, k, v, mask) for a ragged batch of two decodes", ATTENTION, BHTD)
 
 
 class RecordingCache:

@@ -1,4 +1,5 @@
-"""Exercises in minillm/chunked_prefill.py: the decode-first budget fill (lesson 06) and preemption (lesson 05).
+"""Exercises in the scheduler: preemption (lesson 05, minillm/scheduler.py) and the decode-first budget fill
+(lesson 06, minillm/chunked_prefill.py).
 
 No model and no real cache: the scheduler gets a fake block space that only
 counts tokens, and the queues are set up by hand. A plan is written as
@@ -6,12 +7,13 @@ counts tokens, and the queues are set up by hand. A plan is written as
 """
 import pytest
 
-from minillm.chunked_prefill import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from minillm.chunked_prefill import ChunkedPrefillScheduler
 from minillm.sampling import SamplingParams
+from minillm.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput
 from minillm.sequence import RequestMetrics, Sequence, SequenceStatus
 
-FILL = "minillm/chunked_prefill.py, Scheduler._fill_budget"
-PREEMPT = "minillm/chunked_prefill.py, Scheduler._reserve"
+FILL = "minillm/chunked_prefill.py, ChunkedPrefillScheduler._plan"
+PREEMPT = "minillm/scheduler.py, Scheduler._reserve"
 
 
 class TokenCountingBlocks:
@@ -21,15 +23,16 @@ class TokenCountingBlocks:
         self.capacity = capacity
         self.held: dict[int, int] = {}
 
-    def can_append(self, seq_id: int, num_new: int) -> bool:
+    def can_append(self, seq: Sequence, num_new: int) -> bool:
         return sum(self.held.values()) + num_new <= self.capacity
 
-    def append_slots(self, seq_id: int, num_new: int) -> None:
-        assert self.can_append(seq_id, num_new), f"append_slots({seq_id}, {num_new}) without room: check can_append first"
-        self.held[seq_id] = self.held.get(seq_id, 0) + num_new
+    def append_slots(self, seq: Sequence, num_new: int) -> None:
+        assert self.can_append(seq, num_new), (f"append_slots({seq.request_id}, {num_new}) without room: "
+                                               "check can_append first")
+        self.held[seq.seq_id] = self.held.get(seq.seq_id, 0) + num_new
 
-    def free(self, seq_id: int) -> None:
-        self.held.pop(seq_id, None)
+    def free(self, seq: Sequence) -> None:
+        self.held.pop(seq.seq_id, None)
 
 
 def prompt(name: str, length: int) -> Sequence:
@@ -52,10 +55,10 @@ def partly_prefilled(name: str, prompt_len: int, computed: int) -> Sequence:
 
 
 def scheduler(budget: int, running=(), waiting=(), max_num_seqs: int | None = None,
-              capacity: int = 10_000) -> Scheduler:
+              capacity: int = 10_000) -> ChunkedPrefillScheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or budget,
                              enable_chunked_prefill=True)
-    sched = Scheduler(config, TokenCountingBlocks(capacity))
+    sched = ChunkedPrefillScheduler(config, TokenCountingBlocks(capacity))
     for seq in running:   # in arrival order, already holding their computed tokens' KV
         seq.status = SequenceStatus.RUNNING
         sched.running.append(seq)
@@ -69,7 +72,7 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int, str]]:
     return [(c.seq.request_id, c.num_tokens, "decode" if c.is_decode else "prefill") for c in out.chunks]
 
 
-def check_plan(sched: Scheduler, want: list[tuple[str, int, str]], situation: str) -> SchedulerOutput:
+def check_plan(sched: ChunkedPrefillScheduler, want: list[tuple[str, int, str]], situation: str) -> SchedulerOutput:
     out = sched.schedule()
     got = plan(out)
     budget = sched.config.max_num_batched_tokens
@@ -147,9 +150,29 @@ def test_a_prompt_without_kv_room_is_not_overtaken():
     assert [s.request_id for s in sched.waiting] == ["big", "small"]
 
 
+@pytest.mark.exercise("scheduler-budget-fill")
+def test_a_step_that_preempted_admits_no_one():
+    # a and b decode with 5 tokens each in a 10-token pool: a's decode preempts b. Two tokens of budget and four
+    # of room are left, enough for a 2-token chunk of b's recompute, but memory is short: admit no one this step.
+    a, b = decoding("a"), decoding("b")
+    sched = scheduler(budget=3, max_num_seqs=2, running=[a, b], capacity=10)
+
+    def reserve(seq, n, out):  # preemption done for you, so that this test needs only the budget fill
+        if not sched.blocks.can_append(seq, n):
+            sched._preempt(b, out)
+        sched.blocks.append_slots(seq, n)
+        return True
+    sched._reserve = reserve
+    out = check_plan(sched, [("a", 1, "decode")],
+                     "a and b decoding in a full pool; a's decode preempts b, and 2 tokens of budget are left")
+    assert [s.request_id for s in out.preempted] == ["b"] and [s.request_id for s in sched.waiting] == ["b"], (
+        f"b should have been preempted and left waiting for a later step; preempted "
+        f"{[s.request_id for s in out.preempted]}, waiting {[s.request_id for s in sched.waiting]}. Look at {FILL}.")
+
+
 # ------------------------------------------------------------------ preemption
 
-def full_scheduler(capacity: int, *seqs: Sequence) -> Scheduler:
+def full_scheduler(capacity: int, *seqs: Sequence) -> ChunkedPrefillScheduler:
     """Running sequences in arrival order, holding all the KV room there is."""
     return scheduler(budget=16, running=seqs, capacity=capacity)
 

@@ -1,0 +1,197 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each feeds.
+
+Continuous batching
+-------------------
+Requests arrive at any time and stop after any number of tokens. The
+scheduler keeps two queues:
+
+    waiting   arrived, holding no KV yet (or preempted and to be recomputed), in arrival order
+    running   holding KV blocks, stepped every step, in arrival order
+
+and once per step turns them into a plan: a list of (sequence, tokens to feed).
+A finished request leaves `running` at once and frees its blocks, so a waiting
+one can join at the very next step: the batch never waits for its longest
+member. This file's policy is the one engines used before chunked prefill:
+
+    prefill-first   admit waiting prompts whole, as many as the token budget
+                    `max_num_batched_tokens` and `max_num_seqs` allow, in a step
+                    of their own; only a step that admits nothing runs the decodes
+
+`chunked_prefill.py` (lesson 06) replaces that one policy and keeps the rest.
+
+Memory, and preemption by recompute
+-----------------------------------
+Every token fed needs a KV slot, so the scheduler asks the block manager for
+room (`can_append`, `append_slots`) before it plans a token. When a running
+sequence cannot grow, the newest running sequence not already in this step's
+plan is *preempted*: its blocks are freed, its computed tokens forgotten, and
+it rejoins the *front* of the waiting queue, to be recomputed from its prompt
+and output later (vLLM's recompute mode). If no other victim is left, the
+sequence preempts itself. A step that preempted admits no waiting request:
+memory is short, and a newcomer would only be preempted in turn.
+
+    recompute cost of a victim  = its prompt + output tokens, prefilled again
+
+Decodes are planned oldest first, so a newer sequence never pushes out an
+older one; a victim is delayed, never starved.
+
+This policy is a plain object, queue state in, a plan for one step out. It
+never touches a model or a tensor, so its tests drive it with a fake block
+space that only counts tokens.
+
+Invariants held by the tests: a step never holds more than
+`max_num_batched_tokens` tokens or `max_num_seqs` sequences; decodes come
+first in the plan; a sequence appears at most once per plan; a preempted
+sequence is not in the plan of the step that preempted it, and nothing is
+admitted in that step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_num_seqs: int = 256             # the most sequences running at once
+    enable_chunked_prefill: bool = True  # decode-first chunks (chunked_prefill.py); False: prefill-first (here)
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer ≥ 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_num_seqs={self.max_num_seqs}: a step could not give every running sequence its decode "
+                f"token, so some streams would starve. Raise max_num_batched_tokens to at least "
+                f"{self.max_num_seqs} or lower max_num_seqs to at most {self.max_num_batched_tokens}")
+
+
+class BlockSpace(Protocol):
+    """What the scheduler asks of KV memory: room for a sequence's next tokens, in blocks."""
+    def can_append(self, seq: Sequence, num_new: int) -> bool: ...
+    def append_slots(self, seq: Sequence, num_new: int) -> None: ...
+    def free(self, seq: Sequence) -> None: ...
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # 1 for a decode; a prefill chunk may end anywhere, mid-block included
+    is_decode: bool  # the sequence's last sampled token is fed: decided here, once, from seq.is_decoding
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+
+
+class Scheduler:
+    """Queues, admission and preemption, with the prefill-first policy."""
+
+    chunked_prefill = False  # which value of SchedulerConfig.enable_chunked_prefill this class implements
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockSpace):
+        if config.enable_chunked_prefill != self.chunked_prefill:
+            raise ValueError(f"{type(self).__name__} implements enable_chunked_prefill={self.chunked_prefill}, but "
+                             f"the config asks for {config.enable_chunked_prefill}; use "
+                             f"{'ChunkedPrefillScheduler (minillm/chunked_prefill.py)' if config.enable_chunked_prefill else 'Scheduler (minillm/scheduler.py)'}")
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences rejoin at the front
+        self.running: list[Sequence] = []        # arrival order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """The plan for the next step: decodes first, then prefill chunks; and who was preempted for it."""
+        out = SchedulerOutput()
+        self._plan(out)
+        return out
+
+    def _plan(self, out: SchedulerOutput) -> None:
+        """Prefill-first: whole prompts, in a step of their own, before any decode resumes."""
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+                break
+            budget -= seq.num_remaining
+            self._admit(seq, seq.num_remaining, out)
+        if not out.chunks:
+            self._schedule_decodes(out)
+
+    # ---- shared mechanics ---------------------------------------------------
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        """One token for every running decode, oldest first; returns the tokens scheduled."""
+        n = 0
+        for seq in list(self.running):
+            if seq.status is SequenceStatus.RUNNING and seq.is_decoding and self._reserve(seq, 1, out):
+                out.chunks.append(ScheduledChunk(seq, 1, is_decode=True))
+                n += 1
+        return n
+
+    def _admit(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+        """Move the first waiting sequence to running with its first `num_tokens` planned; room was checked."""
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.blocks.append_slots(seq, num_tokens)
+        out.chunks.append(ScheduledChunk(seq, num_tokens, is_decode=False))
+
+    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Get KV room for `seq`, preempting the newest unscheduled running sequences if needed.
+        Returns False if `seq` itself had to be preempted."""
+        if self.blocks.can_append(seq, num_tokens):  # the common case: room without preempting
+            self.blocks.append_slots(seq, num_tokens)
+            return True
+        scheduled = {id(c.seq) for c in out.chunks}  # O(plan); built only when a victim must be chosen
+        while not self.blocks.can_append(seq, num_tokens):
+            # >>> exercise scheduler-preempt (lesson 05, 2 pts): free blocks by preempting the newest running sequence
+            # hint: candidates are the running sequences other than `seq` that are not in this step's plan (`scheduled` holds their id()); with none left, `seq` must give way itself; `self._preempt` does the freeing, and the return value says whether `seq` got its room
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+            # <<< exercise
+        self.blocks.append_slots(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free all of `seq`'s blocks; it will be recomputed from scratch (vLLM's recompute mode)."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

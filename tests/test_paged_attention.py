@@ -1,0 +1,92 @@
+"""Paged attention on its own: slot mapping, gather, and a ragged step against the contiguous cache, on logits."""
+import pytest
+import torch
+
+from minillm import PRESETS
+from minillm.block_manager import BlockManager
+from minillm.kv_cache import KVCache, Segment
+from minillm.paged_attention import PagedKVCache, gather_kv, slot_mapping
+from models import context_model
+
+CFG = PRESETS["tiny"]
+
+
+class Holder:
+    def __init__(self, seq_id, cached=0):
+        self.seq_id, self.num_computed_tokens = seq_id, cached
+
+
+def test_slot_mapping_follows_the_block_table_across_boundaries():
+    # Positions 2..5 with block_size 4 live in blocks 7 (slots 30, 31) and 2 (slots 8, 9).
+    assert slot_mapping([7, 2, 9], start=2, num_tokens=4, block_size=4) == [30, 31, 8, 9]
+
+
+def test_gather_reads_each_sequence_through_its_own_table():
+    pool = torch.randn(6, 4, 2, 3, 5)  # (blocks, block_size, K|V, H, D)
+    tables = torch.tensor([[4, 1], [0, 0]])
+    k, v = gather_kv(pool, tables, context_len=6)
+    assert k.shape == v.shape == (2, 3, 6, 5)
+    torch.testing.assert_close(k[0, :, 4], pool[1, 0, 0])  # token 4 of seq 0 = block 1, slot 0
+    torch.testing.assert_close(v[0, :, 2], pool[4, 2, 1])
+    torch.testing.assert_close(k[1, :, 3], pool[0, 3, 0])
+
+
+def _contiguous_logits(model, prompts_and_steps):
+    """Logits of each sequence's last step through the contiguous cache, one sequence at a time."""
+    out = []
+    for tokens, splits in prompts_and_steps:
+        cache = KVCache(CFG, 1, len(tokens))
+        start = 0
+        for n in splits:
+            meta = cache.prepare([Segment(0, start, n)])
+            logits = model(torch.tensor([tokens[start:start + n]]), meta.positions, cache=cache)
+            start += n
+        out.append(logits[0, -1])
+    return torch.stack(out)
+
+
+def _fill(model, cache, blocks, seq_id, tokens):
+    holder = Holder(seq_id)
+    blocks.append_slots(holder, len(tokens))
+    meta = cache.prepare([Segment(seq_id, 0, len(tokens))])
+    model(torch.tensor([tokens]), meta.positions, cache=cache)
+    holder.num_computed_tokens = len(tokens)
+    return holder
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@torch.inference_mode()
+def test_ragged_step_matches_the_contiguous_cache(block_size):
+    """Two decodes of different context lengths, a mid-prompt chunk and a fresh prompt in ONE forward pass."""
+    model = context_model()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (20, 7, 30, 9)]
+    blocks = BlockManager(num_blocks=64, block_size=block_size)
+    cache = PagedKVCache(CFG, blocks)
+    holders = {sid: _fill(model, cache, blocks, sid, seqs[sid][:n]) for sid, n in {0: 19, 1: 6, 2: 11}.items()}
+    holders[3] = Holder(3)
+    # The step: seq 0 and 1 decode, seq 2 feeds a 10-token chunk (ending mid-block), seq 3 its whole prompt.
+    segments = [Segment(0, 19, 1, True), Segment(1, 6, 1, True), Segment(2, 11, 10), Segment(3, 0, 9)]
+    ids = seqs[0][19:20] + seqs[1][6:7] + seqs[2][11:21] + seqs[3]
+    for s in segments:
+        blocks.append_slots(holders[s.seq_id], s.num_new)
+    meta = cache.prepare(segments)
+    assert meta.num_decodes == 2 and meta.query_starts == [0, 1, 2, 12, 21] and meta.context_lens == [20, 7, 21, 9]
+    last = torch.tensor([0, 1, 11, 20])
+    paged = model(torch.tensor([ids]), meta.positions, cache=cache, logits_indices=last)
+    expected = _contiguous_logits(model, [(seqs[0][:20], [19, 1]), (seqs[1][:7], [6, 1]),
+                                          (seqs[2][:21], [11, 10]), (seqs[3], [9])])
+    torch.testing.assert_close(paged, expected, atol=1e-4, rtol=1e-4)
+    for s in segments:
+        holders[s.seq_id].num_computed_tokens += s.num_new
+    blocks.check_invariants(list(holders.values()))
+
+
+@torch.inference_mode()
+def test_a_step_must_list_its_decodes_first():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    cache = PagedKVCache(CFG, blocks)
+    blocks.append_slots(Holder(0), 3)
+    blocks.append_slots(Holder(1), 2)
+    with pytest.raises(ValueError, match="decodes first"):
+        cache.prepare([Segment(0, 0, 2), Segment(1, 1, 1, True)])
