@@ -4,113 +4,126 @@ The claim
 ---------
 Serving one request has two phases that want different hardware. *Prefill*
 pushes the whole prompt through the model in one forward pass: every weight
-read from memory is used once per prompt token, so a 512-token prompt does
-~512 multiply-adds per weight byte-pair and keeps the matmul units busy.
-*Decode* emits one token per forward pass: every weight is read to do just one
-multiply-add, so the step waits on memory. In symbols, for P parameters of b
-bytes and a step of T tokens,
+read from memory is used once per prompt token, so the matmul units stay busy.
+*Decode* emits one token per forward pass: every weight is read to do one
+multiply-add, so the step waits on memory. For P parameters of b bytes and a
+step of T tokens,
 
     FLOPs ≈ 2 · P · T            bytes ≈ b · P (+ KV)        intensity ≈ 2T / b  FLOP/byte
 
+except for one matrix: the LM head (the embedding, reused; 31% of gpt2's
+weights) runs on the last position only, since only the last token's next-token
+scores are needed. It is read in full but used for one token, so a prefill's
+intensity is nearer 2T/b · (1 − head share): 176, not 256, FLOP/B for 512 fp32
+tokens of gpt2. The lesson prints both.
+
 The device's *ridge point* (its matmul FLOP/s ÷ its memory bytes/s) splits the
-two worlds: a step whose intensity is left of the ridge is memory-bound, right
-of it compute-bound. Users feel the split as two latencies: TTFT (time to first
-token, the prefill) and ITL (inter-token latency, each decode step).
+two worlds: a step left of it is memory-bound, right of it compute-bound. Users
+feel the split as two latencies: TTFT (time to first token, the prefill) and
+ITL (inter-token latency, each decode step).
 
 What this lesson measures, on the device it runs on
 ---------------------------------------------------
 - one request: its TTFT and the ITL of every decode step;
-- prefill time against prompt length, decode step time against context length;
-- for each, the achieved FLOP/s and bytes/s as fractions of this device's
-  measured matmul and copy ceilings, and a roofline plot with both phases on it.
+- prefill time against prompt length, decode step time against context length,
+  timed in turns with the two kernels that define the ceilings (a large matmul
+  and a large copy), so each step is compared with the ceiling of its moment;
+- the achieved FLOP/s and bytes/s as shares of those ceilings, and a roofline.
 
-The verdict is computed from those numbers: which side of the ridge each phase
-sits on, by what factor, and whether the step actually comes near that roof
-(a step far below its roof is bound by overhead, e.g. Python and kernel
-launches, not by the hardware).
+Decoding needs somewhere to keep each token's keys and values: lesson 02 builds
+the real KV cache. Here a stand-in keeps them in a list and concatenates each
+step's new ones on, which copies the context once per step; those bytes are
+counted in the decode step's traffic.
+
+The verdict: the longest prefill sits right of the ridge and reaches at least
+a fifth of the matmul ceiling; a decode step sits left of it and moves at least
+a fifth of the copy bandwidth (far below its roof, a step is bound by something
+else, such as per-step overhead). Each share is measured once per round.
 
 Predict before you run: where on the roofline will a 1-token decode step land,
 relative to a 512-token prefill? How many times further apart than the ridge?
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
-from common import (make_parser, ms, plot_roofline, plt, print_table, print_verdict, save_plot, si, start,
-                    write_results)
+from common import make_parser, ms, plot_roofline, plt, print_table, run, save_plot, si, start, write_results
+from measure import Check, interleave, judge, print_verdict
 
 import torch
 
-from minillm.kv_cache import generate
-from minillm.metrics import Stopwatch, achieved, decode_cost, prefill_cost, time_decode, time_prefill
-from minillm.sampling import SamplingParams
+from minillm.config import dtype_bytes
+from minillm.metrics import Stopwatch, achieved, ceiling_kernels, decode_cost, prefill_cost
+from minillm.model import causal_attention
+from minillm.sampling import SamplingParams, sample
 
 NAME = "01_phase_split"
-# A step reaching less than this fraction of its roofline is bound by overhead, not by the hardware.
-OVERHEAD_FRACTION = 0.2
+ROOF_SHARE = 0.2  # a step reaching under a fifth of its roof is bound by something other than that roof
 
 
-def classify(point: dict, ridge: float, overhead_fraction: float = OVERHEAD_FRACTION) -> tuple[str, float]:
-    """(bound, margin) for one measured step.
+class ListCache:
+    """The simplest answer to the model's `cache.attend(layer, q, k, v)`: keep every layer's keys and values,
+    concatenate the new ones on, attend over all. `frozen` attends without keeping (a timed step repeats)."""
 
-    bound is "compute" or "memory" by the side of the ridge the step's intensity
-    lies on, or "overhead" when it reaches under `overhead_fraction` of its roof.
-    margin is how far from the ridge the step sits (always ≥ 1).
-    """
-    side = "compute" if point["intensity"] >= ridge else "memory"
-    margin = point["intensity"] / ridge if side == "compute" else ridge / point["intensity"]
-    if point["frac_roofline"] < overhead_fraction:
-        return "overhead", margin
-    return side, margin
+    def __init__(self, n_layer: int, frozen: bool = False):
+        self.k, self.v, self.frozen = [None] * n_layer, [None] * n_layer, frozen
+
+    def attend(self, layer: int, q, k, v):
+        if self.k[layer] is not None:
+            k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)  # (1, H, L, D)
+        if not self.frozen:
+            self.k[layer], self.v[layer] = k, v
+        return causal_attention(q, k, v)
 
 
-def phase_verdict(prefill: dict, decode: dict, ridge: float,
-                  overhead_fraction: float = OVERHEAD_FRACTION) -> dict:
-    """Does this run show prefill compute-bound and decode memory-bound?
+@torch.inference_mode()
+def one_request(model, prompt_len: int, new_tokens: int) -> list[float]:
+    """Generate greedily after one random prompt; the lap of every forward pass (lap 0 = TTFT)."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    greedy = [SamplingParams(temperature=0.0)]
+    watch = Stopwatch(model.device)
+    cache, ids, pos = ListCache(model.config.n_layer), prompt.to(model.device), torch.arange(prompt_len)
+    watch.start()
+    for _ in range(new_tokens):
+        logits = model(ids, pos[None].to(model.device), cache=cache, logits_indices=torch.tensor([ids.shape[1] - 1], device=model.device))
+        token = sample(logits, greedy)[0]  # on the host: the step is over, as a user sees it
+        watch.lap()
+        ids, pos = torch.tensor([[token]], device=model.device), pos[-1:] + 1
+    return watch.laps_s()
 
-    `prefill` is the longest prompt's point, `decode` a typical decode step's;
-    each has intensity, frac_roofline, frac_matmul_flops and frac_bandwidth.
-    """
-    p_bound, p_margin = classify(prefill, ridge, overhead_fraction)
-    d_bound, d_margin = classify(decode, ridge, overhead_fraction)
-    reasons = [
-        f"prefill: intensity {prefill['intensity']:.1f} FLOP/B, {p_margin:.1f}× "
-        f"{'right' if prefill['intensity'] >= ridge else 'left'} of the ridge ({ridge:.1f}); reaches "
-        f"{prefill['frac_matmul_flops']:.0%} of matmul FLOP/s, {prefill['frac_bandwidth']:.0%} of bandwidth → {p_bound}-bound",
-        f"decode:  intensity {decode['intensity']:.2f} FLOP/B, {d_margin:.1f}× "
-        f"{'right' if decode['intensity'] >= ridge else 'left'} of the ridge; reaches "
-        f"{decode['frac_matmul_flops']:.0%} of matmul FLOP/s, {decode['frac_bandwidth']:.0%} of bandwidth → {d_bound}-bound",
-        f"the two phases sit {prefill['intensity'] / decode['intensity']:.0f}× apart in intensity",
-    ]
-    if "overhead" in (p_bound, d_bound):
-        reasons.append(f"a step under {overhead_fraction:.0%} of its roof is limited by per-step overhead "
-                       "(Python, kernel launches, small ops), not by the hardware: try a larger model")
-    holds = p_bound == "compute" and d_bound == "memory"
-    if not holds and not (prefill["intensity"] >= ridge and decode["intensity"] < ridge):
-        reasons.append("the data contradicts the claim: the phases are not on opposite sides of the ridge")
-    return {"holds": holds, "prefill_bound": p_bound, "decode_bound": d_bound,
-            "prefill_margin": p_margin, "decode_margin": d_margin, "reasons": reasons}
+
+def prefill_step(model, n: int):
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(model.device)
+    last = torch.tensor([n - 1], device=model.device)
+    return torch.inference_mode()(lambda: model(ids, logits_indices=last))
+
+
+def decode_step(model, context: int):
+    """One decode step after `context` tokens (zeros: time does not depend on the values)."""
+    cfg = model.config
+    cache = ListCache(cfg.n_layer, frozen=True)
+    cache.k = [torch.zeros(1, cfg.n_head, context, cfg.head_dim, device=model.device, dtype=model.dtype)
+               for _ in range(cfg.n_layer)]
+    cache.v = [k.clone() for k in cache.k]
+    ids, pos = torch.zeros(1, 1, dtype=torch.long, device=model.device), torch.tensor([[context]], device=model.device)
+    return torch.inference_mode()(lambda: model(ids, pos, cache=cache))
+
+
+def stand_in_cost(cfg, context: int, dtype):
+    """A decode step's analytic cost, plus the stand-in's copy: the context's K and V read and written again."""
+    cost = decode_cost(cfg, context, 1, dtype)
+    return dataclasses.replace(cost, other_bytes=cost.other_bytes + 2 * cost.kv_read_bytes)
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
     if quick:
-        return {"prompt": min(32, n_ctx // 4), "new_tokens": 8, "prefill_lens": [8, 16, 32],
-                "contexts": [8, 32, n_ctx // 2], "repeats": 2}
-    return {"prompt": min(512, n_ctx // 2), "new_tokens": 32,
-            "prefill_lens": [n for n in (32, 64, 128, 256, 512) if n <= n_ctx // 2],
-            "contexts": [c for c in (32, 128, 256, 512) if c < n_ctx] + [n_ctx - 1], "repeats": 5}
-
-
-def one_request(model, prompt_len: int, new_tokens: int) -> list[float]:
-    """Generate greedily for one random prompt; returns the lap of every forward (lap 0 = TTFT)."""
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    generate(model, [prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-    watch = Stopwatch(model.device)
-    watch.start()
-    generate(model, [prompt], params, on_step=lambda step, n: watch.lap())
-    return watch.laps_s()
+        prompt = min(128, n_ctx // 2)
+        return {"prompt": prompt, "new_tokens": 8, "prefill_lens": [prompt // 4, prompt // 2, prompt],
+                "contexts": [prompt // 4, prompt], "repeats": 3}
+    prompt = min(512, n_ctx // 2)
+    return {"prompt": prompt, "new_tokens": 32, "prefill_lens": [prompt // 8, prompt // 4, prompt // 2, prompt],
+            "contexts": [prompt // 4, prompt, n_ctx - 1], "repeats": 5}
 
 
 def main(argv=None) -> dict:
@@ -119,44 +132,72 @@ def main(argv=None) -> dict:
     model, cfg, dtype, ceil = lesson.model, lesson.config, lesson.dtype, lesson.ceilings
     s = sizes(cfg.n_ctx, args.quick)
 
+    one_request(model, s["prompt"], 2)  # warm-up: the first calls pay for allocation and kernel selection
     laps = one_request(model, s["prompt"], s["new_tokens"])
     ttft, itl = laps[0], laps[1:]
-    req_prefill = achieved(prefill_cost(cfg, s["prompt"], 1, dtype), ttft, ceil)
-    req_decode = [achieved(decode_cost(cfg, s["prompt"] + i, 1, dtype), t, ceil) for i, t in enumerate(itl)]
-    itl_bw = statistics.median(d["frac_bandwidth"] for d in req_decode)
-    print(f"one request, prompt {s['prompt']} tokens, {s['new_tokens']} new: TTFT {ms(ttft)} "
-          f"({req_prefill['frac_matmul_flops']:.0%} of matmul FLOP/s), ITL median {ms(statistics.median(itl))} "
-          f"({itl_bw:.0%} of bandwidth; min {ms(min(itl))}, max {ms(max(itl))})\n")
+    print(f"one request, prompt {s['prompt']} tokens, {s['new_tokens']} new: TTFT {ms(ttft)}, ITL median "
+          f"{ms(statistics.median(itl))} (min {ms(min(itl))}, max {ms(max(itl))})\n")
 
-    prefill = []
-    for n in s["prefill_lens"]:
-        t = time_prefill(model, n, repeats=s["repeats"]).median_s
-        prefill.append({"prompt_len": n, **achieved(prefill_cost(cfg, n, 1, dtype), t, ceil)})
-    decode = []
-    for c in s["contexts"]:
-        t = time_decode(model, c, repeats=s["repeats"]).median_s
-        decode.append({"context_len": c, **achieved(decode_cost(cfg, c, 1, dtype), t, ceil)})
+    kernels = ceiling_kernels(lesson.device, dtype, args.quick)
+    fns = {"matmul": kernels["matmul"].fn, "copy": kernels["copy"].fn}
+    fns |= {f"prefill {n}": prefill_step(model, n) for n in s["prefill_lens"]}
+    fns |= {f"decode {c}": decode_step(model, c) for c in s["contexts"]}
+    rounds = interleave(fns, s["repeats"], device=lesson.device, desc="timing in turns")
+    mm_time, copy_time = rounds.times("matmul"), rounds.times("copy")
+    ridge = [kernels["matmul"].flops / m / (kernels["copy"].bytes / c) for m, c in zip(mm_time, copy_time)]
 
-    headers = ["phase", "tokens", "context", "time", "tokens/s", "FLOP/B", "FLOP/s", "% matmul", "B/s", "% bw", "bound"]
-    rows = [["prefill", p["prompt_len"], p["prompt_len"], ms(p["seconds"]), si(p["prompt_len"] / p["seconds"]),
-             f"{p['intensity']:.1f}", si(p["flops_per_s"]), f"{p['frac_matmul_flops']:.0%}", si(p["bytes_per_s"]),
-             f"{p['frac_bandwidth']:.0%}", classify(p, ceil.ridge)[0]] for p in prefill]
-    rows += [["decode", 1, d["context_len"], ms(d["seconds"]), si(1 / d["seconds"]), f"{d['intensity']:.2f}",
-              si(d["flops_per_s"]), f"{d['frac_matmul_flops']:.0%}", si(d["bytes_per_s"]),
-              f"{d['frac_bandwidth']:.0%}", classify(d, ceil.ridge)[0]] for d in decode]
-    print_table(headers, rows, "Each phase against this device's measured ceilings:")
+    def point(name: str, cost) -> dict:
+        p = achieved(cost, rounds.median(name), ceil)
+        p["matmul_share"] = [cost.flops / t / (kernels["matmul"].flops / m) for t, m in zip(rounds.times(name), mm_time)]
+        p["bandwidth_share"] = [cost.bytes / t / (kernels["copy"].bytes / c) for t, c in zip(rounds.times(name), copy_time)]
+        return p
 
-    typical_decode = sorted(decode, key=lambda d: d["seconds"])[len(decode) // 2]
-    verdict = phase_verdict(prefill[-1], typical_decode, ceil.ridge)
+    prefill = [{"tokens": n, **point(f"prefill {n}", prefill_cost(cfg, n, 1, dtype))} for n in s["prefill_lens"]]
+    decode = [{"context": c, **point(f"decode {c}", stand_in_cost(cfg, c, dtype))} for c in s["contexts"]]
+    rows = [["prefill", p["tokens"], 0, ms(p["seconds"]), si(p["tokens"] / p["seconds"]), f"{p['intensity']:.1f}",
+             si(p["flops_per_s"]), f"{statistics.median(p['matmul_share']):.0%}", si(p["bytes_per_s"]),
+             f"{statistics.median(p['bandwidth_share']):.0%}"] for p in prefill]
+    rows += [["decode", 1, d["context"], ms(d["seconds"]), si(1 / d["seconds"]), f"{d['intensity']:.2f}",
+              si(d["flops_per_s"]), f"{statistics.median(d['matmul_share']):.0%}", si(d["bytes_per_s"]),
+              f"{statistics.median(d['bandwidth_share']):.0%}"] for d in decode]
+    print_table(["phase", "tokens", "cached", "time", "tokens/s", "FLOP/B", "FLOP/s", "% matmul", "B/s", "% copy bw"],
+                rows, f"Each phase against the ceilings measured in the same rounds (medians of {s['repeats']}):")
+
+    big, step = prefill[-1], next(d for d in decode if d["context"] == s["prompt"])
+    cost = prefill_cost(cfg, big["tokens"], 1, dtype)
+    b = dtype_bytes(dtype)
+    head_share = cfg.vocab_size * cfg.n_embd * b / cost.weight_bytes
+    print(f"Prefill of {big['tokens']} tokens: 2T/b predicts {2 * big['tokens'] / b:.0f} FLOP/B; the LM head, "
+          f"{head_share:.0%} of the weights read, runs on the last position only, so 2T/b · (1 − "
+          f"{head_share:.2f}) = {2 * big['tokens'] / b * (1 - head_share):.0f}; the full count "
+          f"(attention, KV writes, embeddings) gives {big['intensity']:.0f}.\n")
+
+    checks = [
+        Check(f"prefill of {big['tokens']} tokens: intensity / ridge", [big["intensity"] / r for r in ridge], 1.0, ">="),
+        Check(f"prefill of {big['tokens']} tokens: share of the matmul ceiling", big["matmul_share"], ROOF_SHARE,
+              ">=", fmt="{:.0%}"),
+        Check(f"decode after {step['context']} tokens: intensity / ridge", [step["intensity"] / r for r in ridge],
+              1.0, "<="),
+        Check(f"decode after {step['context']} tokens: share of the copy bandwidth", step["bandwidth_share"],
+              ROOF_SHARE, ">=", fmt="{:.0%}"),
+    ]
+    verdict = judge("prefill is compute-bound and decode is memory-bound", checks, lesson.load())
+    outcomes = [c.outcome(verdict.load.share) for c in checks]
+    if outcomes[1] == "NOT SUPPORTED" or outcomes[3] == "NOT SUPPORTED":
+        verdict.notes.append("a step far below its roof is bound by something else than that roof: per-step "
+                             "overhead (Python, many small kernels) when the model is small, or a slow kernel")
+    verdict.notes.append(f"the two phases sit {big['intensity'] / step['intensity']:.0f}× apart in intensity; "
+                         f"the ridge is {statistics.median(ridge):.1f} FLOP/B")
     print_verdict(verdict)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    axes[0].plot([p["prompt_len"] for p in prefill], [p["seconds"] * 1e3 for p in prefill], "o-")
-    axes[0].set(xlabel="prompt length (tokens)", ylabel="prefill time (ms)", title="prefill time vs prompt length")
-    axes[1].plot([d["context_len"] for d in decode], [d["seconds"] * 1e3 for d in decode], "s-", label="decode step")
+    axes[0].plot([p["tokens"] for p in prefill], [p["seconds"] * 1e3 for p in prefill], "o-")
+    axes[0].set(xlabel="prompt length (tokens)", ylabel="prefill time (ms)", title="prefill time grows with the prompt",
+                xlim=(0, None), ylim=(0, None))
+    axes[1].plot([d["context"] for d in decode], [d["seconds"] * 1e3 for d in decode], "s-", label="decode step")
     axes[1].plot([s["prompt"] + i for i in range(len(itl))], [t * 1e3 for t in itl], ".", label="ITL, one request")
-    axes[1].set(xlabel="context length (tokens)", ylabel="step time (ms)", title="decode step time vs context",
-                ylim=(0, None))
+    axes[1].set(xlabel="tokens already in context", ylabel="step time (ms)", title="a decode step barely grows",
+                xlim=(0, None), ylim=(0, None))
     axes[1].legend()
     plot_roofline(axes[2], ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),
                                   "decode": ([d["intensity"] for d in decode], [d["flops_per_s"] for d in decode])})
@@ -164,11 +205,10 @@ def main(argv=None) -> dict:
     save_plot(lesson, fig)
 
     figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "ttft_s": ttft, "itl_s": itl,
-               "itl_median_s": statistics.median(itl), "request_prefill": req_prefill, "request_decode": req_decode,
-               "prefill": prefill, "decode": decode}
+               "prefill": prefill, "decode": decode, "ridge_per_round": ridge, "lm_head_share": head_share}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,62 +18,69 @@ not the model, dominates the memory traffic of every step.
 
 What this lesson measures
 -------------------------
-- a real `KVCache` for every GPT-2 size that fits, its bytes against the formula
-  (on CUDA: the allocator's `memory_allocated` delta; on the CPU: the bytes its
-  tensors own, *accounted*, plus the process's resident-memory delta, *measured*
-  by the OS but blurred by the allocator's reuse of freed pages);
+- a real `KVCache` for every GPT-2 size that fits, filled, its memory measured
+  and compared with the formula. On CUDA the allocator says what it handed out
+  (`torch.cuda.memory_allocated`). On the CPU there is no allocator to ask, so
+  the lesson asks the OS how much memory the process holds (its resident set)
+  before and after. Each cache holds at least 64 MiB per tensor: the C library
+  maps an allocation that large fresh from the OS, while a smaller one may
+  reuse memory the process already holds, which no delta would show. And the
+  cache is filled, since the OS counts a page only once it is written;
 - how many tokens of context fit after the weights, per size, in this device's
   memory (on the CPU the budget is the machine's total RAM, a stated budget);
 - bytes read per decode step, split into weights and KV, as context grows, and
-  the context × batch at which KV reads overtake weight reads.
+  the context × batch at which KV reads overtake weight reads (arithmetic from
+  the formula, not a measurement).
 
-The verdict is computed: every measured cache must match the formula, and the
-crossover is reported as the numbers give it.
+The verdict: every measured cache's memory is within 2% (+ a few MiB of the
+allocator's or the OS's rounding) of the formula.
 
 Predict before you run: for gpt2 in fp32, at what context does one sequence's
 KV read cost as much as reading the weights? Does it fit in gpt2's 1,024?
 """
 from __future__ import annotations
 
+import gc
 import math
 
-from common import make_parser, plt, print_table, print_verdict, save_plot, si, start, write_results
+from common import make_parser, plt, print_table, run, save_plot, si, start, write_results
+from measure import Check, judge, print_verdict
 
 import torch
 
 from minillm.config import HF_CHECKPOINTS, PRESETS
 from minillm.kv_cache import KVCache
-from minillm.metrics import decode_cost, memory_budget, synchronize, tensor_bytes
+from minillm.metrics import decode_cost, memory_budget, resident_bytes, synchronize
 
 NAME = "03_kv_memory"
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's knob: the share of device memory the engine may use
-MEASURE_SHARE = 0.25          # measure a size only if its cache takes under this share of free memory
+MEASURE_SHARE = 0.25          # measure a size only if its cache takes under this share of the available memory
+MIN_TENSOR_BYTES = 64 << 20   # above glibc's largest mmap threshold (32 MiB): always fresh pages from the OS
+REL_TOL = 0.02
 
 
-def rss_bytes() -> int | None:
-    """This process's resident memory, from /proc (Linux); None elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def measure_cache(config, tokens: int, device, dtype) -> dict:
-    """Allocate a real one-sequence KVCache of `tokens` slots; report its bytes."""
+def memory_now(device) -> int | None:
     synchronize(device)
-    on_gpu = torch.device(device).type == "cuda"
-    before = torch.cuda.memory_allocated(device) if on_gpu else rss_bytes()
-    cache = KVCache(config, 1, tokens, device, dtype)
-    synchronize(device)
-    after = torch.cuda.memory_allocated(device) if on_gpu else rss_bytes()
-    row = {"accounted_bytes": cache.nbytes}
-    if on_gpu:
-        row.update(measured_bytes=after - before, measured_by="torch.cuda.memory_allocated delta")
-    else:
-        row.update(measured_bytes=cache.nbytes, measured_by="accounted: tensor nbytes (no allocator to ask on CPU)",
-                   rss_delta_bytes=(after - before) if before is not None else None)
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+
+
+def measure_cache(config, device, dtype) -> dict:
+    """A filled KVCache of full-context sequences, at least MIN_TENSOR_BYTES per tensor: its memory, before/after."""
+    per_token = config.kv_bytes_per_token(dtype)
+    seqs = max(1, math.ceil(2 * MIN_TENSOR_BYTES / (per_token * config.n_ctx)))
+    gc.collect()
+    before = memory_now(device)
+    cache = KVCache(config, seqs, config.n_ctx, device, dtype)
+    cache.k.fill_(1.0)  # write every page: the OS counts a page only once it is touched
+    cache.v.fill_(1.0)
+    after = memory_now(device)
+    row = {"sequences": seqs, "tokens": seqs * config.n_ctx, "formula_bytes": per_token * seqs * config.n_ctx,
+           "accounted_bytes": cache.nbytes,
+           "measured_bytes": None if before is None or after is None else after - before,
+           "measured_by": "torch.cuda.memory_allocated delta" if device.type == "cuda" else
+                          "resident set delta (/proc/self/statm) after filling the cache"}
     del cache
+    gc.collect()
     return row
 
 
@@ -87,111 +94,99 @@ def crossover_tokens(weight_bytes: int, kv_per_token: int) -> float:
     return weight_bytes / kv_per_token
 
 
-def memory_verdict(rows: list[dict], crossover: float, n_ctx: int, rel_tol: float, abs_tol: int) -> dict:
-    """Do the measured caches match 2·L·C·b per token? Pure: rows of formula/measured bytes in.
-
-    A row matches when |measured − formula| ≤ abs_tol + rel_tol · formula (the
-    CUDA allocator rounds blocks up; the tolerance says by how much we allow).
-    """
-    measured = [r for r in rows if r.get("measured_bytes") is not None]
-    bad = [r for r in measured
-           if abs(r["measured_bytes"] - r["formula_bytes"]) > abs_tol + rel_tol * r["formula_bytes"]]
-    # On the CPU the "measured" bytes are the cache's tensor bytes: say so, the check is weaker than an allocator's.
-    accounted = any(str(r.get("measured_by", "")).startswith("accounted") for r in measured)
-    kind = "accounted (tensor bytes; no allocator to ask)" if accounted else "measured"
-    reasons = [f"{len(measured) - len(bad)} of {len(measured)} {kind} caches match the formula "
-               f"2·n_layer·n_embd·bytes per token (tolerance {rel_tol:.0%} + {si(abs_tol, 'B')})"]
-    for r in bad:
-        reasons.append(f"the data contradicts the formula for {r['model']}: measured {si(r['measured_bytes'], 'B')}, "
-                       f"formula {si(r['formula_bytes'], 'B')}")
-    min_batch = math.ceil(crossover / n_ctx)
-    reasons.append(f"KV reads overtake weight reads at context × batch = {crossover:,.0f} tokens: "
-                   + (f"within one sequence's context n_ctx={n_ctx}" if crossover <= n_ctx else
-                      f"beyond one sequence's n_ctx={n_ctx}, so at full context from batch {min_batch} up"))
-    return {"holds": bool(measured) and not bad, "mismatches": [r["model"] for r in bad],
-            "crossover_tokens": crossover, "crossover_min_batch_at_full_context": min_batch, "reasons": reasons}
+def slack_bytes(device) -> int:
+    """What rounding may add to a measured cache: the CUDA allocator's 2 MiB blocks, or the OS's huge pages."""
+    return (2 << 20) * 2 if device.type == "cuda" else (4 << 20)
 
 
 def main(argv=None) -> dict:
     args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args)
+    lesson = start(NAME, args, ceilings=False)
     model, cfg, device, dtype = lesson.model, lesson.config, lesson.device, lesson.dtype
     budget = memory_budget(device)
-    free = budget["free_bytes"] if budget["free_bytes"] is not None else budget["bytes"]
+    available = budget["free_bytes"] if budget["free_bytes"] is not None else budget["bytes"]
     usable = GPU_MEMORY_UTILIZATION * budget["bytes"]
 
-    names = list(HF_CHECKPOINTS) + ([args.model] if args.model not in HF_CHECKPOINTS and args.model in PRESETS else [])
-    configs = {n: PRESETS[n] for n in names}
-    if args.model not in PRESETS:
-        configs[args.model] = cfg  # a checkpoint folder: its own shape
+    configs = {n: PRESETS[n] for n in HF_CHECKPOINTS}
+    configs[args.model] = cfg  # the lesson's own model too (a checkpoint folder: its own shape)
     rows = []
     for name, c in configs.items():
-        tokens = min(c.n_ctx, 64 if args.quick else 1024)
         per_token = c.kv_bytes_per_token(dtype)
-        row = {"model": name, "tokens": tokens, "kv_bytes_per_token": per_token,
-               "formula_bytes": per_token * tokens, "weight_bytes": c.weight_bytes(dtype),
-               "tokens_that_fit": tokens_that_fit(usable, c.weight_bytes(dtype), per_token),
-               "n_ctx": c.n_ctx}
+        row = {"model": name, "kv_bytes_per_token": per_token, "weight_bytes": c.weight_bytes(dtype),
+               "n_ctx": c.n_ctx, "tokens_that_fit": tokens_that_fit(usable, c.weight_bytes(dtype), per_token)}
         row["full_sequences_that_fit"] = row["tokens_that_fit"] // c.n_ctx
-        if row["formula_bytes"] <= MEASURE_SHARE * free:
-            row.update(measure_cache(c, tokens, device, dtype))
+        seqs = max(1, math.ceil(2 * MIN_TENSOR_BYTES / (per_token * c.n_ctx)))
+        if per_token * seqs * c.n_ctx <= MEASURE_SHARE * available:
+            row.update(measure_cache(c, device, dtype))
         else:
-            row.update(measured_bytes=None, measured_by="not measured: does not fit; formula only")
+            row.update(measured_bytes=None, measured_by="not measured: it would take over "
+                                                        f"{MEASURE_SHARE:.0%} of the available memory")
         rows.append(row)
 
     budget_label = f"{si(budget['bytes'], 'B')} × gpu_memory_utilization {GPU_MEMORY_UTILIZATION} ({budget['source']})"
-    print_table(["model", "KV/token", "tokens", "formula", "measured", "ratio", "weights", "tokens that fit",
-                 "full-context seqs"],
-                [[r["model"], si(r["kv_bytes_per_token"], "B"), r["tokens"], si(r["formula_bytes"], "B"),
+    print_table(["model", "KV/token", "tokens", "formula", "measured", "measured / formula", "weights",
+                 "tokens that fit", "full-context seqs"],
+                [[r["model"], si(r["kv_bytes_per_token"], "B"), r.get("tokens", "—"), si(r.get("formula_bytes", 0), "B"),
                   si(r["measured_bytes"], "B") if r["measured_bytes"] is not None else "—",
                   f"{r['measured_bytes'] / r['formula_bytes']:.4f}" if r["measured_bytes"] is not None else "—",
                   si(r["weight_bytes"], "B"), f"{r['tokens_that_fit']:,}", f"{r['full_sequences_that_fit']:,}"]
                  for r in rows],
-                f"KV cache bytes, one sequence, {lesson.ceilings.dtype}; memory budget {budget_label}:")
-    if device.type == "cpu":
-        print("On the CPU 'measured' is the cache's tensor bytes (accounted). The OS's resident-memory delta: "
-              + ", ".join(f"{r['model']} {si(r['rss_delta_bytes'], 'B')}" for r in rows
-                          if r.get("rss_delta_bytes") is not None) + "\n")
+                f"KV cache memory, {str(dtype).removeprefix('torch.')}, measured by {rows[0]['measured_by']}; "
+                f"memory budget {budget_label}:")
 
-    # Bytes one decode step reads, split, for this lesson's model.
     per_token = cfg.kv_bytes_per_token(dtype)
     weights_read = decode_cost(cfg, 0, 1, dtype).weight_bytes
     crossover = crossover_tokens(weights_read, per_token)
     contexts = sorted({int(cfg.n_ctx * f) for f in (0, 0.125, 0.25, 0.5, 0.75)} | {cfg.n_ctx - 1})
-    batches = [1, 8, 32]
-    split = [{"context_len": c, "batch": b, "weight_bytes": decode_cost(cfg, c, b, dtype).weight_bytes,
-              "kv_read_bytes": decode_cost(cfg, c, b, dtype).kv_read_bytes} for b in batches for c in contexts]
+    split = [{"context_len": c, "batch": b, "weight_bytes": weights_read,
+              "kv_read_bytes": decode_cost(cfg, c, b, dtype).kv_read_bytes} for b in (1, 8, 32) for c in contexts]
     print_table(["batch", "context", "weights read", "KV read", "KV share"],
-                [[s["batch"], s["context_len"], si(s["weight_bytes"], "B"), si(s["kv_read_bytes"], "B"),
-                  f"{s['kv_read_bytes'] / (s['kv_read_bytes'] + s['weight_bytes']):.0%}"] for s in split],
-                f"Bytes read by one decode step of {args.model} (analytic minimum):")
+                [[x["batch"], x["context_len"], si(x["weight_bytes"], "B"), si(x["kv_read_bytes"], "B"),
+                  f"{x['kv_read_bytes'] / (x['kv_read_bytes'] + x['weight_bytes']):.0%}"] for x in split],
+                f"Bytes read by one decode step of {args.model} (the formula's minimum):")
+    where = (f"within one sequence's context n_ctx={cfg.n_ctx}" if crossover <= cfg.n_ctx else
+             f"beyond one sequence's n_ctx={cfg.n_ctx}: at full context from batch {math.ceil(crossover / cfg.n_ctx)} up")
+    print(f"KV reads overtake weight reads at context × batch = {crossover:,.0f} tokens, {where}.\n")
 
-    tol = (0.01, 2 << 20) if device.type == "cuda" else (0.0, 0)
-    verdict = memory_verdict(rows, crossover, cfg.n_ctx, *tol)
+    measured = [r for r in rows if r["measured_bytes"] is not None]
+    if not measured:
+        raise SystemExit(f"{NAME}: nothing could be measured here: no CUDA device, and the OS does not report this "
+                         "process's resident memory (/proc/self/statm); run it on Linux or on a GPU")
+    checks = [Check(f"{r['model']}: |measured − formula| / formula, {si(slack_bytes(device), 'B')} of rounding allowed",
+                    [max(0.0, abs(r["measured_bytes"] - r["formula_bytes"]) - slack_bytes(device)) / r["formula_bytes"]],
+                    REL_TOL, "<=", timed=False, fmt="{:.2%}") for r in measured]
+    verdict = judge("a KV cache holds 2 · n_layer · n_embd · bytes per token of context", checks, lesson.load())
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     seqs = max(8, math.ceil(1.5 * crossover / cfg.n_ctx))  # full sequences shown: past the crossover
     xs = [i * seqs * cfg.n_ctx / 100 for i in range(101)]  # context × batch
     axes[0].plot(xs, [weights_read / 1e6] * len(xs), label="weights read")
     axes[0].plot(xs, [x * per_token / 1e6 for x in xs], label="KV read")
     axes[0].axvline(crossover, color="grey", ls=":", label=f"crossover {crossover:,.0f} tokens")
-    for b in range(1, seqs + 1):
-        axes[0].axvline(b * cfg.n_ctx, color="lightgrey", lw=0.5)
-    axes[0].set(xlabel=f"context × batch (tokens; grey lines: full {cfg.n_ctx}-token sequences)",
-                ylabel="MB read per decode step", title=f"{args.model}, {lesson.ceilings.dtype}")
+    axes[0].set(xlabel="context × batch (tokens)", ylabel="MB read per decode step", xlim=(0, None), ylim=(0, None),
+                title=f"bytes per decode step, {args.model}")
     axes[0].legend(fontsize=8)
-    axes[1].bar([r["model"] for r in rows], [max(r["tokens_that_fit"], 1) for r in rows])
-    axes[1].set_yscale("log")
-    axes[1].set(ylabel="tokens of context that fit", title="after the weights, in this device's budget")
+    x = range(len(measured))
+    axes[1].bar([i - 0.2 for i in x], [r["formula_bytes"] / 1e6 for r in measured], 0.4, label="formula")
+    axes[1].bar([i + 0.2 for i in x], [r["measured_bytes"] / 1e6 for r in measured], 0.4, label="measured")
+    axes[1].set_xticks(list(x), [f"{r['model']}\n{r['tokens']:,} tokens" for r in measured], fontsize=8)
+    axes[1].set(ylabel="MB", title="a filled cache: formula vs measured")
+    axes[1].legend(fontsize=8)
+    axes[2].bar([r["model"] for r in rows], [r["full_sequences_that_fit"] for r in rows])
+    for i, r in enumerate(rows):
+        axes[2].annotate(f"{r['full_sequences_that_fit']:,}", (i, r["full_sequences_that_fit"]), ha="center",
+                         va="bottom", fontsize=8)
+    axes[2].set(ylabel="full-context sequences", title="sequences whose KV fits beside the weights")
+    axes[2].tick_params(axis="x", labelsize=8)
     save_plot(lesson, fig)
 
     figures = {"sizes": rows, "budget": {**budget, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION},
-               "accounted_model_bytes": tensor_bytes(model), "decode_bytes_split": split,
-               "kv_bytes_per_token": per_token, "weights_read_per_step": weights_read, "crossover_tokens": crossover}
+               "decode_bytes_split": split, "kv_bytes_per_token": per_token, "weights_read_per_step": weights_read,
+               "crossover_tokens": crossover}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

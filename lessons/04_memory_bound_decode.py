@@ -3,125 +3,65 @@
 The claim
 ---------
 A decode step reads every weight to do one multiply-add per weight per
-sequence. Batch B sequences and the same weight read serves B tokens: the step
-time barely moves, so tokens/s grows almost linearly with B. That holds while
-the step stays memory-bound. Two things end it:
+sequence. Batch B sequences and the same weight read serves B tokens: while the
+step is memory-bound its time barely moves, so tokens/s grows almost linearly
+with B. The roofline says how far that goes:
 
-    intensity(B) ≈ 2·P·B / (b·P + B · context · KV bytes per token)   FLOP/byte
+    bytes(B)     ≈ b·P + B · context · KV bytes per token
+    intensity(B) ≈ 2·P·B / bytes(B)   FLOP/byte
 
-- the numerator grows with B: past the device's ridge point the matmuls become
-  compute-bound and the step time grows with B (throughput bends);
-- the KV term grows with B too: each sequence reads its own cache, which no
-  other sequence shares, so at long contexts the step stays memory-bound and
-  bandwidth per sequence, not compute, caps throughput;
+- as long as bytes(B) stays near bytes(1) (the weights dominate) and the
+  intensity stays well left of the ridge, a batch of B costs about one step;
+- the KV term grows with B: each sequence reads its own cache, so at long
+  contexts the bytes, and the step time, grow with the batch;
+- past the ridge the matmuls become compute-bound and the step grows with B;
 - and the KV cache must *fit*: memory caps B × context outright.
 
-So when a deployment degrades under concurrency, look at memory first: the
-bytes each step must read, and the bytes the caches must hold.
+So when a deployment slows down as more requests run at once, look at memory
+first: the bytes each step must read, and the bytes the caches must hold.
 
 What this lesson measures
 -------------------------
-A batch-size sweep of decode steps at a fixed context: step time, tokens/s,
-achieved bytes/s against the measured copy bandwidth, arithmetic intensity
-against the ridge point. The verdict finds, from the data, the batch sizes
-over which throughput grows almost linearly and the batch at which it bends,
-and computes the largest batch × context this device's memory holds.
+A batch-size sweep of decode steps at a fixed context, every batch size timed
+in turns with the copy that defines the bandwidth ceiling: step time, tokens/s,
+achieved bytes/s, intensity against the ridge; and the largest batch × context
+this device's memory holds.
+
+The verdict is judged from batch 1. The roofline predicts a batch B* (the
+largest in the sweep whose bytes stay within 4/3 of batch 1's and whose
+intensity stays under half the ridge) at which the batch should be nearly
+free; the claim holds if tokens/s at B* is at least 75% of B* times batch 1's,
+i.e. the step at B* costs at most 4/3 of the step at batch 1.
 
 Predict before you run: on this device, from which batch size on does doubling
 the batch stop nearly doubling tokens/s? What does the ridge point predict?
 """
 from __future__ import annotations
 
-from common import (make_parser, ms, plot_roofline, plt, print_table, print_verdict, save_plot, si, start,
-                    write_results)
+import statistics
 
-from minillm.metrics import achieved, decode_cost, memory_budget, time_decode
+from common import (make_parser, ms, plot_roofline, plt, print_table, run, save_plot, si, start, ticks_at,
+                    write_results)
+from measure import Check, interleave, judge, print_verdict
+
+from minillm.metrics import achieved, ceiling_kernels, decode_cost, decode_step, memory_budget
 
 NAME = "04_memory_bound_decode"
-LINEAR_EFFICIENCY = 0.75       # doubling B counts as "nearly linear" when tokens/s grows ≥ 1.5×
+LINEAR_EFFICIENCY = 0.75       # "nearly free": tokens/s at B ≥ 0.75 · B · tokens/s at batch 1
 GPU_MEMORY_UTILIZATION = 0.9   # vLLM's knob: the share of device memory the engine may use
-OVERHEAD_FRACTION = 0.2        # under this share of bandwidth a step is bound by overhead, not memory
 
 
-def scaling_efficiency(batches: list[int], tokens_per_s: list[float]) -> list[float]:
-    """For each step up the sweep: (throughput gain) ÷ (batch gain); 1.0 is perfectly linear."""
-    return [(t1 / t0) / (b1 / b0) for b0, b1, t0, t1 in zip(batches, batches[1:], tokens_per_s, tokens_per_s[1:])]
-
-
-def find_bend(batches: list[int], tokens_per_s: list[float], threshold: float = LINEAR_EFFICIENCY) -> dict:
-    """The nearly-linear region and the bend, from the data alone.
-
-    The linear region is the longest run of consecutive steps up the sweep that
-    each kept ≥ `threshold` of linear scaling, from batch `linear_from` to
-    `linear_until`; `bend_at` is the first batch after it that fell below
-    (None if the region runs to the end of the sweep). With no such step,
-    linear_from == linear_until == the first batch.
-    """
-    eff = scaling_efficiency(batches, tokens_per_s)
-    best, run_start = (0, 0), None  # (length, index of the run's first step)
-    for i, e in enumerate(eff):
-        if e >= threshold:
-            run_start = i if run_start is None else run_start
-            if i - run_start + 1 > best[0]:
-                best = (i - run_start + 1, run_start)
-        else:
-            run_start = None
-    length, first = best
-    if not length:
-        return {"efficiency": eff, "linear_from": batches[0], "linear_until": batches[0],
-                "bend_at": batches[1] if len(batches) > 1 else None}
-    last = first + length  # index of the run's last batch
-    return {"efficiency": eff, "linear_from": batches[first], "linear_until": batches[last],
-            "bend_at": batches[last + 1] if last + 1 < len(batches) else None}
+def predicted_free_batch(batches: list[int], costs: list, ridge: float) -> int:
+    """The largest batch the roofline calls nearly free: bytes ≤ bytes(1)/0.75 and intensity ≤ ridge/2
+    (at least the second batch of the sweep, so there is a claim to judge)."""
+    free = [b for b, c in zip(batches, costs)
+            if c.bytes <= costs[0].bytes / LINEAR_EFFICIENCY and c.intensity <= ridge / 2]
+    return max(free + batches[1:2])
 
 
 def max_batch(budget_bytes: float, weight_bytes: int, kv_per_token: int, context_len: int) -> int:
     """How many sequences of `context_len` tokens fit beside the weights."""
     return max(0, int((budget_bytes - weight_bytes) // (kv_per_token * context_len)))
-
-
-def concurrency_verdict(batches: list[int], tokens_per_s: list[float], intensity: list[float],
-                        frac_bandwidth: list[float], kv_share: list[float], ridge: float,
-                        threshold: float = LINEAR_EFFICIENCY, overhead_fraction: float = OVERHEAD_FRACTION) -> dict:
-    """Does this sweep show decode's memory-bound batching? Pure: measured numbers in, verdict out.
-
-    Holds when throughput grows nearly linearly over at least one doubling of
-    the batch, and the smallest batch's step is memory-bound: left of the
-    ridge *and* using at least `overhead_fraction` of the copy bandwidth (a step
-    far below the bandwidth roof is cheap to batch because overhead, not
-    memory, sets its time).
-    """
-    bend = find_bend(batches, tokens_per_s, threshold)
-    memory_side = intensity[0] < ridge
-    memory_busy = frac_bandwidth[0] >= overhead_fraction
-    linear = bend["linear_until"] > bend["linear_from"]
-    holds = linear and memory_side and memory_busy
-    reasons = [
-        (f"tokens/s grows ≥ {threshold:.0%} of linearly from batch {bend['linear_from']} to {bend['linear_until']}"
-         + (f", then bends at batch {bend['bend_at']}" if bend["bend_at"] else ", to the end of the sweep"))
-        if linear else f"no doubling of the batch kept ≥ {threshold:.0%} of linear scaling",
-        "scaling efficiency per step: " + ", ".join(f"{b}:{e:.2f}" for b, e in zip(batches[1:], bend["efficiency"])),
-        f"batch {batches[0]}: intensity {intensity[0]:.2f} FLOP/B vs ridge {ridge:.1f} → "
-        f"{'memory' if memory_side else 'compute'} side; reaches {frac_bandwidth[0]:.0%} of copy bandwidth",
-    ]
-    crossing = next((b for b, i in zip(batches, intensity) if i >= ridge), None)
-    reasons.append(f"the roofline predicts compute-bound from batch {crossing}" if crossing else
-                   f"no batch in the sweep crosses the ridge: at batch {batches[-1]} intensity is "
-                   f"{intensity[-1]:.1f} FLOP/B, still on the memory side"
-                   + (f"; KV reads are {kv_share[-1]:.0%} of its bytes and grow with the batch"
-                      if kv_share[-1] >= 0.5 else ""))
-    if linear and bend["linear_from"] > batches[0]:
-        reasons.append(f"below batch {bend['linear_from']} scaling was worse than linear: the small-batch steps cost "
-                       "more than the memory traffic explains (on CPUs the BLAS often switches from a "
-                       "matrix-vector to a slower small matrix-matrix kernel at batch 2; compare the step times)")
-    if not memory_busy:
-        reasons.append(f"the smallest batch reaches only {frac_bandwidth[0]:.0%} of bandwidth (< {overhead_fraction:.0%}): "
-                       "per-step overhead (Python, kernel launches) dominates, so cheap batching here says little "
-                       "about memory; try a larger model")
-    if not holds:
-        reasons.append("the data does not support the claim in this run"
-                       + ("" if memory_side else ": the smallest batch is already compute-bound"))
-    return {"holds": holds, **bend, "predicted_compute_bound_from": crossing, "reasons": reasons}
 
 
 def sizes(n_ctx: int, quick: bool, on_gpu: bool) -> dict:
@@ -139,66 +79,85 @@ def main(argv=None) -> dict:
     s = sizes(cfg.n_ctx, args.quick, device.type == "cuda")
     budget = memory_budget(device)
     usable = GPU_MEMORY_UTILIZATION * budget["bytes"]
-    per_token = cfg.kv_bytes_per_token(dtype)
-    weight_bytes = cfg.weight_bytes(dtype)
+    per_token, weight_bytes = cfg.kv_bytes_per_token(dtype), cfg.weight_bytes(dtype)
     fits = max_batch(usable, weight_bytes, per_token, s["context"] + 1)
-
-    points = []
-    for b in s["batches"]:
-        if b > fits:
-            print(f"batch {b} skipped: its KV cache would not fit beside the weights (max {fits})")
-            continue
-        t = time_decode(model, s["context"], b, repeats=s["repeats"]).median_s
-        cost = decode_cost(cfg, s["context"], b, dtype)
-        points.append({"batch": b, "tokens_per_s": b / t, "kv_share": cost.kv_read_bytes / cost.bytes,
-                       **achieved(cost, t, ceil)})
-
-    if not points:
-        raise SystemExit(f"{NAME}: no batch fits: {si(usable, 'B')} usable memory, weights {si(weight_bytes, 'B')}, "
-                         f"so room for {fits} sequences of {s['context'] + 1} tokens; use a smaller --model, "
+    batches = [b for b in s["batches"] if b <= fits]
+    if len(batches) < 2:
+        raise SystemExit(f"{NAME}: {si(usable, 'B')} usable memory, weights {si(weight_bytes, 'B')}, room for {fits} "
+                         f"sequences of {s['context'] + 1} tokens: too few to batch; use a smaller --model, "
                          "--dtype bf16, or a device with more memory")
-    print_table(["batch", "step", "tokens/s", "FLOP/B", "B/s", "% bw", "FLOP/s", "% matmul", "KV share of bytes"],
-                [[p["batch"], ms(p["seconds"]), si(p["tokens_per_s"]), f"{p['intensity']:.2f}", si(p["bytes_per_s"]),
-                  f"{p['frac_bandwidth']:.0%}", si(p["flops_per_s"]), f"{p['frac_matmul_flops']:.0%}",
-                  f"{p['kv_share']:.0%}"] for p in points],
-                f"Decode steps at context {s['context']}, {args.model}, {ceil.dtype}:")
+
+    copy = ceiling_kernels(device, dtype, args.quick)["copy"]
+    rounds = interleave({"copy": copy.fn, **{f"batch {b}": decode_step(model, s["context"], b) for b in batches}},
+                        s["repeats"], device=device, desc="batch sizes, in turns")
+    costs = [decode_cost(cfg, s["context"], b, dtype) for b in batches]
+    points = []
+    for b, cost in zip(batches, costs):
+        times = rounds.times(f"batch {b}")
+        points.append({"batch": b, **achieved(cost, rounds.median(f"batch {b}"), ceil), "times_s": times,
+                       "efficiency": [t1 / t for t1, t in zip(rounds.times("batch 1"), times)],
+                       "bandwidth_share": [cost.bytes / t / (copy.bytes / c) for t, c in
+                                           zip(times, rounds.times("copy"))],
+                       "kv_share": cost.kv_read_bytes / cost.bytes})
+    print_table(["batch", "step", "tokens/s", "÷ (B × batch 1)", "bytes", "FLOP/B", "B/s", "% copy bw", "KV share"],
+                [[p["batch"], ms(p["seconds"]), si(p["batch"] / p["seconds"]), f"{statistics.median(p['efficiency']):.2f}",
+                  si(p["bytes"], "B"), f"{p['intensity']:.2f}", si(p["bytes_per_s"]),
+                  f"{statistics.median(p['bandwidth_share']):.0%}", f"{p['kv_share']:.0%}"] for p in points],
+                f"Decode steps at context {s['context']}, {args.model}, {ceil.dtype} (medians of {s['repeats']} rounds):")
 
     capacity = {"budget_bytes": usable, "budget_source": f"{budget['source']} × {GPU_MEMORY_UTILIZATION}",
                 "max_batch_at_sweep_context": fits,
                 "max_batch_at_full_context": max_batch(usable, weight_bytes, per_token, cfg.n_ctx),
                 "max_tokens_in_flight": max(0, int((usable - weight_bytes) // per_token))}
-    print(f"Memory: {si(usable, 'B')} usable ({capacity['budget_source']}), weights {si(weight_bytes, 'B')}, "
-          f"KV {si(per_token, 'B')}/token → at most {capacity['max_tokens_in_flight']:,} tokens in flight: "
-          f"batch ≤ {fits:,} at context {s['context']}, ≤ {capacity['max_batch_at_full_context']:,} at {cfg.n_ctx}\n")
+    print(f"Memory: {si(usable, 'B')} usable ({capacity['budget_source']}), weights {si(weight_bytes, 'B')}, KV "
+          f"{si(per_token, 'B')}/token → at most {capacity['max_tokens_in_flight']:,} tokens in flight: batch ≤ {fits:,} "
+          f"at context {s['context']}, ≤ {capacity['max_batch_at_full_context']:,} at {cfg.n_ctx}\n")
 
-    verdict = concurrency_verdict([p["batch"] for p in points], [p["tokens_per_s"] for p in points],
-                                  [p["intensity"] for p in points], [p["frac_bandwidth"] for p in points],
-                                  [p["kv_share"] for p in points], ceil.ridge)
-    verdict["reasons"].append(f"memory caps concurrency at {capacity['max_batch_at_full_context']:,} full-context "
-                              "sequences" + (": under load, look at memory first (bytes read per step, bytes held "
-                                             "per sequence)" if verdict["holds"] else ""))
+    b_star = predicted_free_batch(batches, costs, ceil.ridge)
+    star = next(p for p in points if p["batch"] == b_star)
+    check = Check(f"tokens/s at batch {b_star} ÷ ({b_star} × tokens/s at batch 1)", star["efficiency"],
+                  LINEAR_EFFICIENCY, ">=", fmt="{:.2f}")
+    verdict = judge(f"while decode is memory-bound, a batch of {b_star} costs about one step (the roofline's "
+                    f"prediction for this device)", [check], lesson.load())
+    first, second = points[0], points[1]
+    time_ratio, byte_ratio = second["seconds"] / first["seconds"], second["bytes"] / first["bytes"]
+    if verdict.outcome == "NOT SUPPORTED" and time_ratio > 1.5 * byte_ratio:
+        verdict.notes.append(f"batch {second['batch']} moves {byte_ratio:.2f}× the bytes of batch 1 but takes "
+                             f"{time_ratio:.2f}× as long, at {statistics.median(second['bandwidth_share']):.0%} of the "
+                             f"copy bandwidth against {statistics.median(first['bandwidth_share']):.0%}: its time is "
+                             "not set by its bytes. On CPUs the matrix library switches from a matrix-vector to a "
+                             "matrix-matrix kernel at batch 2, and here the second streams the weights more slowly")
+    later = [p for p in points if p["batch"] > second["batch"]]
+    if later:
+        verdict.notes.append(f"from batch {second['batch']} on: " + ", ".join(
+            f"batch {p['batch']} costs {p['seconds'] / second['seconds']:.2f}× batch {second['batch']}'s step"
+            for p in later))
     print_verdict(verdict)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    bs = [p["batch"] for p in points]
-    axes[0].loglog(bs, [p["tokens_per_s"] for p in points], "o-", label="measured")
-    axes[0].loglog(bs, [points[0]["tokens_per_s"] * b / bs[0] for b in bs], "k:", label="perfectly linear")
-    if verdict["bend_at"]:
-        axes[0].axvline(verdict["bend_at"], color="grey", ls="--", label=f"bend at {verdict['bend_at']}")
+    tps = [p["batch"] / p["seconds"] for p in points]
+    axes[0].loglog(batches, tps, "o-", label="measured")
+    axes[0].loglog(batches, [tps[0] * b for b in batches], "k:", label="linear from batch 1")
+    axes[0].axvline(b_star, color="grey", ls="--", label=f"predicted nearly free up to {b_star}")
     axes[0].set(xlabel="batch", ylabel="tokens/s", title="throughput")
     axes[0].legend(fontsize=8)
-    axes[1].semilogx(bs, [p["seconds"] * 1e3 for p in points], "o-")
-    axes[1].set(xlabel="batch", ylabel="step time (ms)", title="step time", ylim=(0, None))
-    plot_roofline(axes[2], ceil, {f"decode, batch {bs[0]}..{bs[-1]}": ([p["intensity"] for p in points],
-                                                                       [p["flops_per_s"] for p in points])})
+    axes[1].errorbar(batches, [p["seconds"] * 1e3 for p in points], capsize=3, fmt="o-",
+                     yerr=[[(p["seconds"] - min(p["times_s"])) * 1e3 for p in points],
+                           [(max(p["times_s"]) - p["seconds"]) * 1e3 for p in points]])
+    axes[1].set_xscale("log", base=2)
+    axes[1].set(xlabel="batch", ylabel="step time (ms; bars: range of the rounds)", title="step time", ylim=(0, None))
+    for ax in axes[:2]:
+        ticks_at(ax, batches)
+    plot_roofline(axes[2], ceil, {f"decode, batch {batches[0]}..{batches[-1]}": ([p["intensity"] for p in points],
+                                                                                 [p["flops_per_s"] for p in points])})
     axes[2].set_title("roofline")
     save_plot(lesson, fig)
 
-    figures = {"context_len": s["context"], "points": points, "capacity": capacity,
+    figures = {"context_len": s["context"], "points": points, "predicted_free_batch": b_star, "capacity": capacity,
                "kv_bytes_per_token": per_token, "weight_bytes": weight_bytes}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,20 +1,30 @@
-"""What every lesson shares: its flags, its setup, its table, its results file and its plot.
+"""What every lesson shares: its flags, its setup, its table, its results file, its plot, and its exit.
 
 Every lesson runs the same way:
 
     python lessons/NN_name.py [--model gpt2] [--device auto] [--dtype auto] [--quick] [--out lessons/results]
 
-and leaves two files in `--out`: `NN_name.json` (the environment, the measured
-ceilings and every figure the lesson printed) and `NN_name.png` (its plot).
-`--quick` picks small sizes that finish in seconds on a CPU; the tests use it.
+and leaves two files in `--out`: `NN_name.json` (the environment, the machine's
+load, every figure the lesson printed and its verdict) and `NN_name.png` (its
+plot). `--quick` picks sizes that finish in seconds on a CPU and still judge
+the claim. The sibling modules hold the rest of the shared code: `measure.py`
+(timing in turns, the machine's load, checks and the verdict) and
+`workloads.py` (request traces and replaying them through the engine).
+
+A lesson that reaches an exercise still to be written (in a student copy)
+stops with one line that names it, says where it is and how to check it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,17 +37,21 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only, never a window: lessons run headless and in tests
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
+from measure import MachineLoad, Verdict, read_load  # noqa: E402
+from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
 from minillm.metrics import Ceilings, environment, measure_ceilings, si  # noqa: E402
-from minillm.weights import load_model, resolve_device, resolve_dtype  # noqa: E402
+from minillm.weights import load_model, locate, random_model, resolve_device, resolve_dtype  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
+STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written
+STUB = re.compile(r"exercise (?P<id>[a-z0-9][a-z0-9-]*) \(lesson ")
 
 
 def make_parser(doc: str) -> argparse.ArgumentParser:
-    """The flags every lesson takes; a lesson may add its own to the returned parser."""
-    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags every lesson takes; `--help` shows the lesson's whole docstring."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2",
                         help="preset name or checkpoint folder (default gpt2; random init when weights are absent)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
@@ -55,34 +69,63 @@ class Lesson:
     model: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
-    ceilings: Ceilings
+    ceilings: Ceilings | None
     out: Path
-    started: float
+    started: object  # measure.LoadReading at the start
 
     @property
     def config(self):
         return self.model.config
 
+    def load(self) -> MachineLoad:
+        """The machine's load from the start of the lesson until now."""
+        return MachineLoad.between(self.started, read_load())
 
-def start(name: str, args: argparse.Namespace) -> Lesson:
-    """Resolve device and dtype, load the model, measure this device's ceilings, print them."""
+
+def quiet_load_model(name: str, device, dtype):
+    """load_model, with a one-line note instead of a banner when the weights are not downloaded."""
+    folder, preset = locate(name)
+    if preset is None or folder.is_dir() or preset not in HF_CHECKPOINTS:
+        return load_model(name, device, dtype)
+    if not os.environ.get("MINILLM_LESSONS_WEIGHTS_NOTE_SHOWN"):  # run_all.py said it once for every lesson
+        print(f"(no weights in {folder}: a seeded random init of the {preset} shape; times and bytes do not depend "
+              f"on the values. `python weights_download.py {preset}` fetches the real ones)")
+    return random_model(PRESETS[preset], device, dtype)
+
+
+def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
+    """Resolve device and dtype, load the model, read the machine's load, and measure the device's ceilings."""
+    started = read_load()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    started = time.perf_counter()
-    model = load_model(args.model, device, dtype)
-    ceilings = measure_ceilings(device, dtype, quick=args.quick)
+    model = quiet_load_model(args.model, device, dtype)
+    ceil = measure_ceilings(device, dtype, quick=args.quick) if ceilings else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lesson = Lesson(name, args, model, device, dtype, ceilings, out, started)
-    print(f"== {name} ==  model {args.model} ({model.weights_source}), {ceilings.device}, {ceilings.dtype}"
+    lesson = Lesson(name, args, model, device, dtype, ceil, out, started)
+    print(f"== {name} ==  model {args.model} ({model.weights_source}), {device}, {str(dtype).removeprefix('torch.')}"
           f"{', quick' if args.quick else ''}")
-    line = (f"measured ceilings: matmul {si(ceilings.matmul_flops, 'FLOP/s')}, copy bandwidth "
-            f"{si(ceilings.bandwidth, 'B/s')}, ridge {ceilings.ridge:.1f} FLOP/B")
-    if ceilings.datasheet:
-        d = ceilings.datasheet
-        line += f"   [{d['source']}: {si(d['matmul_flops'], 'FLOP/s')}, {si(d['bandwidth'], 'B/s')}]"
-    print(line + "\n")
+    if ceil is not None:
+        line = (f"measured ceilings: matmul {si(ceil.matmul_flops, 'FLOP/s')}, copy bandwidth "
+                f"{si(ceil.bandwidth, 'B/s')}, ridge {ceil.ridge:.1f} FLOP/B")
+        if ceil.datasheet:
+            d = ceil.datasheet
+            line += f"   [{d['source']}: {si(d['matmul_flops'], 'FLOP/s')}, {si(d['bandwidth'], 'B/s')}]"
+        print(line)
+    print()
     return lesson
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run a model of tiny matrices on one thread: its kernels gain nothing from more, and on shared cores
+    the extra threads only wait for each other (30× slower on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def ms(seconds: float) -> str:
@@ -101,11 +144,6 @@ def print_table(headers: list[str], rows: list[list], title: str = "") -> None:
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
     print()
-
-
-def print_verdict(verdict: dict) -> None:
-    label = "CLAIM HOLDS" if verdict["holds"] else "CLAIM NOT SUPPORTED BY THIS RUN"
-    print(f"Verdict: {label}\n  " + "\n  ".join(verdict["reasons"]) + "\n")
 
 
 def _jsonable(x):
@@ -132,8 +170,8 @@ def command_line(lesson: Lesson) -> str:
     return " ".join(parts)
 
 
-def write_results(lesson: Lesson, figures: dict, verdict: dict) -> Path:
-    """`<out>/<name>.json`: environment, model, ceilings, every figure and the verdict."""
+def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
+    """`<out>/<name>.json`: environment, model, ceilings, every figure, the verdict and the wall time."""
     doc = {
         "lesson": lesson.name,
         "command": command_line(lesson),
@@ -141,10 +179,10 @@ def write_results(lesson: Lesson, figures: dict, verdict: dict) -> Path:
         "model": lesson.args.model,
         "weights_source": lesson.model.weights_source,
         "environment": environment(lesson.device, lesson.dtype),
-        "ceilings": lesson.ceilings.as_dict(),
+        "ceilings": lesson.ceilings.as_dict() if lesson.ceilings else None,
         "figures": figures,
-        "verdict": verdict,
-        "wall_s": time.perf_counter() - lesson.started,
+        "verdict": verdict.as_dict(),
+        "wall_s": time.perf_counter() - lesson.started.wall,
     }
     path = lesson.out / f"{lesson.name}.json"
     path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
@@ -161,6 +199,15 @@ def save_plot(lesson: Lesson, fig) -> Path:
     return path
 
 
+def ticks_at(ax, values, axis: str = "x") -> None:
+    """Ticks exactly at `values`, labelled plainly (1, 2, 4, 8), also on a log axis."""
+    values = sorted(set(values))
+    a = ax.xaxis if axis == "x" else ax.yaxis
+    a.set_major_locator(FixedLocator(values))
+    a.set_minor_locator(NullLocator())
+    a.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{v:g}" for v in values]))
+
+
 def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], list[float]]]) -> None:
     """A roofline on log-log axes: the roof min(peak, I·bandwidth), and groups of (intensity, FLOP/s) points."""
     xs = [x for pts in groups.values() for x in pts[0]] + [ceilings.ridge]
@@ -175,5 +222,35 @@ def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], l
     ax.legend(fontsize=8)
 
 
-__all__ = ["make_parser", "start", "Lesson", "si", "ms", "print_table", "print_verdict", "write_results",
-           "save_plot", "plot_roofline", "plt", "DEFAULT_OUT", "REPO_ROOT"]
+def stub_of(exc: BaseException) -> str | None:
+    """The exercise id when `exc` (or what caused it) is an exercise stub's NotImplementedError."""
+    for _ in range(10):
+        if exc is None:
+            return None
+        if isinstance(exc, NotImplementedError) and exc.args and isinstance(exc.args[0], str):
+            m = STUB.search(exc.args[0])
+            if m:
+                return m["id"]
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def run(main) -> None:
+    """Run a lesson's main(); at an exercise still to be written, stop with one line instead of a traceback."""
+    try:
+        main()
+    except NotImplementedError as e:
+        exercise = stub_of(e)
+        if exercise is None:
+            raise
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        path = Path(frame.filename).resolve()
+        where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        print(f"stopped: this lesson needs exercise {exercise}, still to be written in {where}:{frame.lineno} "
+              f"({frame.name}); write it, then run `python -m minillm.exercises check {exercise}`",
+              file=sys.stderr)
+        sys.exit(STUB_EXIT)
+
+
+__all__ = ["make_parser", "start", "Lesson", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
+           "plot_roofline", "run", "one_thread", "plt", "DEFAULT_OUT", "REPO_ROOT", "STUB_EXIT"]

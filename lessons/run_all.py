@@ -3,12 +3,16 @@
 Lessons are found by their file names, `lessons/NN_name.py`, so a new lesson
 joins the course by being saved there. Each runs in its own process (a fresh
 allocator and fresh ceilings, as a student would run it) with the flags given
-here; the summary lists each lesson's time and whether its verdict held.
+here. The summary lists each lesson's wall time and its verdict (HOLDS, NOT
+SUPPORTED or INCONCLUSIVE, from its results file), and `<out>/run_all.json`
+keeps them with the machine's load over the whole run, so the syllabus's times
+can be measured again with one command.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +20,8 @@ from pathlib import Path
 
 LESSONS_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = LESSONS_DIR / "results"
+STUB_EXIT = 3  # common.STUB_EXIT: the lesson stopped at an exercise still to be written
+WEIGHTS_NOTE = "MINILLM_LESSONS_WEIGHTS_NOTE_SHOWN"
 
 
 def discover(lessons_dir: Path = LESSONS_DIR) -> list[Path]:
@@ -27,17 +33,35 @@ def lesson_command(path: Path, flags: list[str]) -> list[str]:
     return [sys.executable, str(path), *flags]
 
 
-def verdict_of(out: Path, lesson: Path) -> str:
-    """'holds', 'not supported' or '?' from the lesson's results file."""
+def verdict_of(out: Path, lesson: Path, rc: int) -> str:
+    """The lesson's verdict from its results file, or why there is none."""
+    if rc == STUB_EXIT:
+        return "stopped: an exercise is still to be written (see its line above)"
+    if rc != 0:
+        return "failed (see its output above)"
     try:
-        holds = json.loads((out / f"{lesson.stem}.json").read_text())["verdict"]["holds"]
+        return json.loads((out / f"{lesson.stem}.json").read_text())["verdict"]["outcome"]
     except (OSError, KeyError, ValueError):
-        return "?"
-    return "holds" if holds else "not supported"
+        return "no results file"
+
+
+def weights_note(model: str) -> None:
+    """Say once, for all lessons, when the model runs on a random init; the lessons then stay quiet about it."""
+    sys.path.insert(0, str(LESSONS_DIR.parent))
+    from minillm.config import HF_CHECKPOINTS
+    from minillm.weights import locate
+    try:
+        folder, preset = locate(model)
+    except ValueError:
+        return  # the lessons will say what is wrong with the name
+    if preset in HF_CHECKPOINTS and not folder.is_dir():
+        print(f"No weights in {folder}: every lesson uses a seeded random init of the {preset} shape. Times and "
+              f"bytes do not depend on the values; `python weights_download.py {preset}` fetches the real ones.\n")
+        os.environ[WEIGHTS_NOTE] = "1"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: seconds per lesson on a CPU")
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--device", default="auto")
@@ -56,22 +80,37 @@ def main(argv=None) -> int:
                              + ", ".join(p.name[:2] for p in discover()))
     flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--out", args.out]
     flags += ["--quick"] if args.quick else []
+    if args.dry_run:
+        for path in lessons:
+            print("$ " + " ".join(lesson_command(path, flags)))
+        return 0
 
-    summary = []
+    weights_note(args.model)
+    out, summary, started = Path(args.out), [], time.perf_counter()
+    try:
+        load_before = os.getloadavg()[0]
+    except OSError:
+        load_before = None
     for path in lessons:
         cmd = lesson_command(path, flags)
         print("$ " + " ".join(cmd), flush=True)
-        if args.dry_run:
-            continue
         t0 = time.perf_counter()
         rc = subprocess.run(cmd).returncode
-        summary.append((path.stem, rc, time.perf_counter() - t0, verdict_of(Path(args.out), path) if rc == 0 else "-"))
-    if args.dry_run:
-        return 0
-    print("\nlesson                           rc   seconds   verdict")
-    for name, rc, secs, verdict in summary:
-        print(f"{name:<32} {rc:>2} {secs:>9.1f}   {verdict}")
-    return 1 if any(rc for _, rc, _, _ in summary) else 0
+        summary.append({"lesson": path.stem, "rc": rc, "wall_s": time.perf_counter() - t0,
+                        "verdict": verdict_of(out, path, rc)})
+    total = time.perf_counter() - started
+    print(f"\n{'lesson':<26} {'seconds':>8}   verdict")
+    for row in summary:
+        print(f"{row['lesson']:<26} {row['wall_s']:>8.1f}   {row['verdict']}")
+    print(f"{'total':<26} {total:>8.1f}")
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"command": " ".join(["python", "lessons/run_all.py", *(argv if argv is not None else sys.argv[1:])]),
+           "quick": args.quick, "model": args.model, "lessons": summary, "total_s": total,
+           "load_average_before": load_before, "load_average_after": os.getloadavg()[0] if load_before else None,
+           "cpu_count": os.cpu_count()}
+    (out / "run_all.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"results: {out / 'run_all.json'} (each lesson's own load reading is in its results file)")
+    return 1 if any(row["rc"] for row in summary) else 0
 
 
 if __name__ == "__main__":

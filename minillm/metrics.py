@@ -13,8 +13,9 @@ Timing
 
 Memory
     On CUDA the allocator's own statistics (allocated now, peak since a reset).
-    On the CPU there is no such allocator to ask, so we count the bytes that the
-    weights and the caches own: *accounted* bytes, labelled as such, not measured.
+    On the CPU there is no such allocator to ask: the OS's count of the pages a
+    process holds (`resident_bytes`) is the measurement, and the bytes that the
+    weights and the caches own are *accounted* bytes, labelled as such.
 
 The analytic cost of one forward step (`step_cost`)
     For a step that pushes n_i new tokens through sequence i, which already holds
@@ -188,8 +189,26 @@ def memory_budget(device: torch.device | str) -> dict:
         free, total = torch.cuda.mem_get_info(device)
         return {"bytes": total, "free_bytes": free, "source": "torch.cuda.mem_get_info total"}
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"bytes": total, "free_bytes": None,
+    return {"bytes": total, "free_bytes": _mem_available(),
             "source": "stated budget: total RAM from os.sysconf (shared with the OS and other processes)"}
+
+
+def _mem_available() -> int | None:
+    """What the OS could give this process now without swapping (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory as the OS counts it (Linux's /proc/self/statm), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 # ---- the analytic cost of one forward step -----------------------------------------
@@ -328,36 +347,49 @@ def datasheet_for(device: torch.device | str, dtype: torch.dtype) -> dict:
     return {}
 
 
-def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> Ceilings:
-    """Measure matmul FLOP/s and copy bandwidth on `device` in `dtype`; cached per process.
+@dataclass
+class Kernel:
+    """A callable that does a known amount of work: `flops` FLOPs and `bytes` bytes of memory traffic per call."""
+    fn: Callable[[], object]
+    flops: int
+    bytes: int
+
+
+def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> dict[str, Kernel]:
+    """The two kernels that define the ceilings: a large square matmul and a large copy.
 
     Sizes are chosen to defeat caches: the copy moves far more than any CPU's L3,
-    and the matmul is large enough to reach the units' steady state.
+    and the matmul is large enough to reach the units' steady state. A lesson
+    that times them in turns with its own steps compares each step with the
+    ceiling measured in the same moment, which a busy machine disturbs alike.
     """
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    n = (4096 if quick else 8192) if on_gpu else (1024 if quick else 2048)
+    copy_bytes = (1 << 30 if on_gpu else 128 << 20) if quick else (2 << 30 if on_gpu else 512 << 20)
+    a = torch.randn(n, n, device=device).to(dtype)
+    bm = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    src = torch.ones(copy_bytes // dtype_bytes(dtype), device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    return {"matmul": Kernel(lambda: torch.matmul(a, bm, out=out), 2 * n ** 3, 3 * n * n * dtype_bytes(dtype)),
+            "copy": Kernel(lambda: dst.copy_(src), 0, 2 * src.nbytes)}  # read + write counted
+
+
+def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> Ceilings:
+    """Measure matmul FLOP/s and copy bandwidth on `device` in `dtype`; cached per process."""
     device = torch.device(device)
     key = (str(device), str(dtype), quick)
     if key in _CEILINGS:
         return _CEILINGS[key]
-    on_gpu = device.type == "cuda"
-    n = (4096 if quick else 8192) if on_gpu else (1024 if quick else 2048)
-    copy_bytes = (1 << 30 if on_gpu else 128 << 20) if quick else (2 << 30 if on_gpu else 512 << 20)
-
-    a = torch.randn(n, n, device=device).to(dtype)
-    bm = torch.randn(n, n, device=device).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    t_mm = time_fn(lambda: torch.matmul(a, bm, out=out), device, warmup=2, repeats=3 if quick else 7)
-    del a, bm, out
-
-    elems = copy_bytes // dtype_bytes(dtype)
-    src = torch.ones(elems, device=device, dtype=dtype)
-    dst = torch.empty_like(src)
-    t_copy = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=3 if quick else 7)
-    del src, dst
-
+    kernels = ceiling_kernels(device, dtype, quick)
+    mm, copy = kernels["matmul"], kernels["copy"]
+    t_mm = time_fn(mm.fn, device, warmup=2, repeats=3 if quick else 7)
+    t_copy = time_fn(copy.fn, device, warmup=2, repeats=3 if quick else 7)
+    del kernels
     result = Ceilings(device=device_name(device), dtype=str(dtype).replace("torch.", ""),
-                      matmul_flops=2 * n ** 3 / t_mm.median_s,
-                      bandwidth=2 * elems * dtype_bytes(dtype) / t_copy.median_s,
-                      matmul_size=n, copy_bytes=elems * dtype_bytes(dtype),
+                      matmul_flops=mm.flops / t_mm.median_s, bandwidth=copy.bytes / t_copy.median_s,
+                      matmul_size=round((mm.flops / 2) ** (1 / 3)), copy_bytes=copy.bytes // 2,
                       datasheet=datasheet_for(device, dtype))
     _CEILINGS[key] = result
     return result
@@ -379,9 +411,8 @@ def achieved(cost: StepCost, seconds: float, ceilings: Ceilings) -> dict:
 # ---- timed steps with the contiguous KV cache ------------------------------------------
 
 
-def time_prefill(model, prompt_len: int, batch: int = 1, warmup: int = 1, repeats: int = 3,
-                 seed: int = 0) -> Timing:
-    """Time one prefill of `batch` prompts of `prompt_len` tokens into a fresh KV cache.
+def prefill_step(model, prompt_len: int, batch: int = 1, seed: int = 0) -> Callable[[], torch.Tensor]:
+    """A function that runs one prefill of `batch` prompts of `prompt_len` tokens into a fresh KV cache.
 
     The LM head runs on each prompt's last position only, as a serving engine does.
     """
@@ -392,23 +423,22 @@ def time_prefill(model, prompt_len: int, batch: int = 1, warmup: int = 1, repeat
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
     last = torch.arange(batch, device=device) * prompt_len + (prompt_len - 1)
     cache = KVCache(cfg, batch, prompt_len, device, model.dtype)
-    segments = [Segment(row, 0, prompt_len) for row in range(batch)]  # every repeat starts fresh, same reservation
+    segments = [Segment(row, 0, prompt_len) for row in range(batch)]  # every call starts fresh, same reservation
 
     @torch.inference_mode()
     def step():
         meta = cache.prepare(segments)
         return model(ids, meta.positions, cache=cache, logits_indices=last)
 
-    return time_fn(step, device, warmup, repeats)
+    return step
 
 
-def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats: int = 5,
-                seed: int = 0) -> Timing:
-    """Time one decode step: `batch` sequences each add a token after `cached_len` cached ones.
+def decode_step(model, cached_len: int, batch: int = 1, seed: int = 0) -> Callable[[], torch.Tensor]:
+    """A function that runs one decode step: `batch` sequences each add a token after `cached_len` cached ones.
 
     Time does not depend on the values in the cache, so instead of running a
     prefill we declare the first `cached_len` slots filled (they hold zeros).
-    Every repeat prepares the same step at the same length, so it does the same work.
+    Every call prepares the same step at the same length, so it does the same work.
     """
     from .kv_cache import KVCache, Segment
 
@@ -426,7 +456,19 @@ def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats
         meta = cache.prepare(segments)
         return model(ids, meta.positions, cache=cache)
 
-    return time_fn(step, device, warmup, repeats)
+    return step
+
+
+def time_prefill(model, prompt_len: int, batch: int = 1, warmup: int = 1, repeats: int = 3,
+                 seed: int = 0) -> Timing:
+    """Time `prefill_step`: one prefill of `batch` prompts of `prompt_len` tokens."""
+    return time_fn(prefill_step(model, prompt_len, batch, seed), model.device, warmup, repeats)
+
+
+def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats: int = 5,
+                seed: int = 0) -> Timing:
+    """Time `decode_step`: `batch` sequences each add a token after `cached_len` cached ones."""
+    return time_fn(decode_step(model, cached_len, batch, seed), model.device, warmup, repeats)
 
 
 def si(x: float, unit: str = "") -> str:

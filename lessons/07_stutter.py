@@ -1,0 +1,203 @@
+"""Lesson 07: stutter. A long prompt freezes every running stream, unless its prefill is chunked.
+
+The claim
+---------
+An engine that prefills every prompt whole, ahead of the decodes, stops all
+running streams for as long as a long prompt's forward pass takes: a 900-token
+prefill of gpt2 costs as much as many decode steps, and every user watching
+text appear sees it stall. Sarathi-Serve calls this a generation stall.
+Chunked prefill (`minillm/chunked_prefill.py`) fixes it: every step first gives
+each running decode its token, then fills what is left of a token budget,
+`max_num_batched_tokens`, with chunks of pending prompts. A stream's worst gap
+then is one step of at most `max_num_batched_tokens` tokens:
+
+    unchunked:  worst ITL ≈ t(prefill of the long prompt) + t(decode step)
+    chunked:    worst ITL ≈ t(step of max_num_batched_tokens tokens)
+
+and the total work is the same, so throughput should barely move. Here the two
+metrics of lesson 01 part ways: chunking shortens the streams' inter-token
+latency (ITL) and lengthens the long request's time to first token (TTFT), as
+its prompt now shares steps with the decodes.
+
+What this lesson measures
+-------------------------
+K = 4 streams with short prompts decode greedily; once each has emitted `warm`
+tokens, a long prompt of P tokens arrives (900 on gpt2; 512 with --quick). The
+trace runs without chunking (budget 2048, which holds the long request whole)
+and with chunking at budget B, alternating, three rounds each. B is sized from
+the target before anything is measured, as Sarathi-Serve sizes its token
+budget from a latency target: where step time grows with the tokens in the
+step, cutting the stall k-fold needs chunks of about P/k, and we halve that for
+the decodes and the re-read earlier chunks that ride along: B = the power of
+two ≤ P / (2k) (128 for P = 900, 64 for P = 512, with k = 3). The full run
+also tries 2B and 4B, to show where the line is crossed. From each request's
+token times: the streams' max ITL over the gaps that overlap the long prompt's
+prefill, the long request's TTFT, and throughput (generated tokens / makespan).
+
+The verdict, round by round: the chunked max ITL is at most 1/3 of the
+unchunked one, and chunked throughput is at least 90% of unchunked.
+
+Predict before you run: how long is the worst gap with chunks of 128 tokens,
+as a share of the unchunked stall? What happens to the long prompt's TTFT?
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+from common import make_parser, ms, plt, print_table, run, save_plot, start, write_results
+from measure import Check, interleave, judge, print_verdict
+from workloads import Request, greedy, percentile, pool_blocks, replay
+
+import numpy as np
+
+from minillm.engine import LLMEngine
+from minillm.scheduler import SchedulerConfig
+
+NAME = "07_stutter"
+STUTTER_FACTOR = 3.0          # chunked max ITL must be ≤ unchunked max ITL / 3
+THROUGHPUT_LOSS_LIMIT = 0.10  # chunked throughput at most 10% below unchunked
+UNCHUNKED_BUDGET = 2048       # vLLM without chunking: max(max_model_len, 2048)
+
+
+def sized_budget(long_prompt: int, factor: float = STUTTER_FACTOR, floor: int = 8) -> int:
+    """The chunk budget for a k-fold shorter stall: the power of two ≤ P / (2k), at least `floor`."""
+    return max(floor, 2 ** int(math.log2(max(1.0, long_prompt / (2 * factor)))))
+
+
+def stutter_run(model, s: dict, chunked: bool, budget: int):
+    """A function that serves the stutter trace once: K streams, then the long prompt once each has `warm` tokens."""
+    rng = np.random.default_rng(0)
+    streams = [Request(rng.integers(0, model.config.vocab_size, s["stream_prompt"]).tolist(), s["stream_tokens"])
+               for _ in range(s["streams"])]
+    long_prompt = rng.integers(0, model.config.vocab_size, s["long_prompt"]).tolist()
+    blocks = pool_blocks(streams + [Request(long_prompt, s["long_tokens"])])
+
+    def serve() -> dict:
+        engine = LLMEngine(model, SchedulerConfig(budget, s["streams"] + 1, chunked), num_blocks=blocks)
+        emitted = {}
+
+        def arrive(engine, outputs):
+            emitted.update((o.request_id, len(o.output_token_ids)) for o in outputs)
+            if "long" not in emitted and all(emitted.get(str(i), 0) >= s["warm"] for i in range(s["streams"])):
+                engine.add_request(long_prompt, greedy(s["long_tokens"]), request_id="long")
+                emitted["long"] = 0
+
+        served = replay(engine, streams, on_step=arrive)
+        return analyse_stutter([served.outputs[str(i)].metrics for i in range(s["streams"])],
+                               served.outputs["long"].metrics, served.generated)
+    return serve
+
+
+def analyse_stutter(stream_metrics: list, long_metrics, generated: int) -> dict:
+    """ITLs of the streams around the long prompt's arrival; times are relative to that arrival."""
+    arrival, first = long_metrics.arrival_time, long_metrics.first_token_time
+    gaps = [(a, b) for m in stream_metrics for a, b in zip(m.token_times, m.token_times[1:])]
+    window = [b - a for a, b in gaps if b > arrival and a < first]  # gaps that overlap the long prefill
+    before = [b - a for a, b in gaps if b <= arrival]
+    t_start = min(m.arrival_time for m in stream_metrics)
+    t_end = max(m.token_times[-1] for m in [*stream_metrics, long_metrics])
+    return {"window_max_itl_s": max(window), "window_p99_itl_s": percentile(window, 99),
+            "window_itls": len(window), "itl_before_median_s": statistics.median(before) if before else float("nan"),
+            "long_ttft_s": long_metrics.ttft, "makespan_s": t_end - t_start, "generated_tokens": generated,
+            "throughput": generated / (t_end - t_start),
+            "requests": [{"arrival": m.arrival_time - arrival, "tokens": [t - arrival for t in m.token_times]}
+                         for m in [*stream_metrics, long_metrics]]}
+
+
+def sizes(n_ctx: int, quick: bool) -> dict:
+    if quick:
+        return {"streams": 4, "stream_prompt": 8, "warm": 4, "stream_tokens": 20, "long_prompt": min(512, n_ctx - 28),
+                "long_tokens": 4, "repeats": 3, "multiples": [1]}
+    return {"streams": 4, "stream_prompt": 32, "warm": 8, "stream_tokens": 32, "long_prompt": min(900, n_ctx - 24),
+            "long_tokens": 8, "repeats": 3, "multiples": [1, 2, 4]}
+
+
+def timeline(ax, run: dict, title: str) -> None:
+    """One row per request: its arrival, its first token (TTFT ends), and every later token (ITL between)."""
+    for i, r in enumerate(run["requests"]):
+        color = "C3" if i == len(run["requests"]) - 1 else "C0"
+        ax.plot([r["arrival"], r["tokens"][0]], [i, i], color=color, lw=1, ls=":")
+        ax.plot(r["tokens"], [i] * len(r["tokens"]), "|", color=color, ms=10)
+        ax.plot(r["arrival"], i, "o", mfc="none", color=color)
+        ax.plot(r["tokens"][0], i, ">", color=color)
+    ax.axvline(0, color="k", lw=0.5)
+    ax.set_yticks(range(len(run["requests"])), [f"stream {i}" for i in range(len(run["requests"]) - 1)] + ["long"])
+    ax.set(xlabel="seconds since the long prompt arrived  (o arrival, ▶ first token, | each token)", title=title)
+
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    model = lesson.model
+    s = sizes(lesson.config.n_ctx, args.quick)
+    B = sized_budget(s["long_prompt"])
+    modes = {"unchunked": (False, max(UNCHUNKED_BUDGET, s["long_prompt"] + s["long_tokens"]))}
+    modes |= {f"chunked {m * B}": (True, m * B) for m in s["multiples"]}
+    stutter_run(model, s, True, B)()  # warm-up, untimed
+    rounds = interleave({mode: stutter_run(model, s, *cfg) for mode, cfg in modes.items()}, s["repeats"], warmup=0,
+                        device=lesson.device, desc="unchunked and chunked, in turns")
+    runs = {mode: rounds.results(mode) for mode in modes}
+    base = runs["unchunked"]
+    med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
+    print_table(["mode", "budget", "max ITL in window", "÷ unchunked", "p99 ITL in window", "ITL before",
+                 "long TTFT", "tokens/s"],
+                [[mode, budget, ms(med(mode, "window_max_itl_s")),
+                  f"1/{med('unchunked', 'window_max_itl_s') / med(mode, 'window_max_itl_s'):.1f}",
+                  ms(med(mode, "window_p99_itl_s")), ms(med(mode, "itl_before_median_s")), ms(med(mode, "long_ttft_s")),
+                  f"{med(mode, 'throughput'):.1f}"] for mode, (_, budget) in modes.items()],
+                f"{s['streams']} streams decoding when a {s['long_prompt']}-token prompt arrives "
+                f"(medians of {s['repeats']} rounds):")
+
+    chosen = runs[f"chunked {B}"]
+    checks = [Check(f"unchunked max ITL ÷ chunked max ITL, budget {B}",
+                    [u["window_max_itl_s"] / c["window_max_itl_s"] for u, c in zip(base, chosen)], STUTTER_FACTOR,
+                    ">=", fmt="{:.2f}"),
+              Check(f"chunked throughput ÷ unchunked, budget {B}",
+                    [c["throughput"] / u["throughput"] for u, c in zip(base, chosen)], 1 - THROUGHPUT_LOSS_LIMIT,
+                    ">=", fmt="{:.2f}")]
+    verdict = judge(f"chunked prefill at max_num_batched_tokens={B} (sized before measuring: the power of two ≤ "
+                    f"P/(2·{STUTTER_FACTOR:g}) for P = {s['long_prompt']}) cuts the streams' worst stall at least "
+                    f"{STUTTER_FACTOR:g}-fold and keeps 90% of the throughput", checks, lesson.load())
+    verdict.notes.append(f"the long request's TTFT: {ms(med('unchunked', 'long_ttft_s'))} unchunked, "
+                         f"{ms(med(f'chunked {B}', 'long_ttft_s'))} chunked: what the streams gain, it pays")
+    if len(modes) > 2:
+        verdict.notes.append("the worst gap grows with the budget: " + ", ".join(
+            f"{mode} → 1/{med('unchunked', 'window_max_itl_s') / med(mode, 'window_max_itl_s'):.1f}"
+            for mode in list(modes)[1:]))
+    print_verdict(verdict)
+
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    timeline(axes[0, 0], base[0], f"unchunked: the streams stall, the long prompt's TTFT is short")
+    timeline(axes[0, 1], chosen[0], f"chunked at {B}: the streams keep going, the long prompt waits longer")
+    right = max(max(r["tokens"][-1] for r in run["requests"]) for run in (base[0], chosen[0]))
+    for ax in axes[0]:
+        ax.set_xlim(min(r["arrival"] for r in base[0]["requests"]) - 0.05, right + 0.05)
+    for mode, color in (("unchunked", "C3"), (f"chunked {B}", "C0")):
+        run = runs[mode][0]
+        itls = [(b, b - a) for r in run["requests"][:-1] for a, b in zip(r["tokens"], r["tokens"][1:])]
+        axes[1, 0].plot([t for t, _ in itls], [1e3 * x for _, x in itls], ".", color=color,
+                        label=f"{mode}: max {ms(run['window_max_itl_s'])} while the long prompt is prefilled")
+        axes[1, 0].axvline(run["requests"][-1]["tokens"][0], color=color, ls=":", lw=1)
+    axes[1, 0].axvline(0, color="k", lw=0.5)
+    axes[1, 0].set(xlabel="seconds since the long prompt arrived (dotted: its first token)",
+                   ylabel="gap before each stream token (ms)", title="inter-token latency of the streams", ylim=(0, None))
+    axes[1, 0].legend(fontsize=8)
+    names = list(modes)
+    ratios = [[u["window_max_itl_s"] / c["window_max_itl_s"] for u, c in zip(base, runs[m])] for m in names[1:]]
+    mid = [statistics.median(r) for r in ratios]
+    axes[1, 1].bar(names[1:], mid, yerr=[[m - min(r) for m, r in zip(mid, ratios)],
+                                         [max(r) - m for m, r in zip(mid, ratios)]], capsize=4, color="C0")
+    axes[1, 1].axhline(STUTTER_FACTOR, color="k", ls=":", label=f"the claim's line: {STUTTER_FACTOR:g}× shorter")
+    axes[1, 1].set(ylabel="unchunked max ITL ÷ chunked (bars: range of the rounds)", title="the stall, cut by chunking")
+    axes[1, 1].legend(fontsize=8)
+    save_plot(lesson, fig)
+
+    figures = {"setup": {**s, "chunk_budget": B, "modes": {m: {"chunked": c, "budget": b} for m, (c, b) in modes.items()}},
+               "runs": runs}
+    write_results(lesson, figures, verdict)
+    return {"figures": figures, "verdict": verdict}
+
+
+if __name__ == "__main__":
+    run(main)
