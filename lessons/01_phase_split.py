@@ -192,11 +192,11 @@ def main(argv=None) -> dict:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].plot([p["tokens"] for p in prefill], [p["seconds"] * 1e3 for p in prefill], "o-")
-    axes[0].set(xlabel="prompt length (tokens)", ylabel="prefill time (ms)", title="prefill time grows with the prompt",
+    axes[0].set(xlabel="prompt length (tokens)", ylabel="prefill time (ms)", title="prefill time vs prompt length",
                 xlim=(0, None), ylim=(0, None))
     axes[1].plot([d["context"] for d in decode], [d["seconds"] * 1e3 for d in decode], "s-", label="decode step")
     axes[1].plot([s["prompt"] + i for i in range(len(itl))], [t * 1e3 for t in itl], ".", label="ITL, one request")
-    axes[1].set(xlabel="tokens already in context", ylabel="step time (ms)", title="a decode step barely grows",
+    axes[1].set(xlabel="tokens already in context", ylabel="step time (ms)", title="decode step time vs context",
                 xlim=(0, None), ylim=(0, None))
     axes[1].legend()
     plot_roofline(axes[2], ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),

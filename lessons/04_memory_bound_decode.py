@@ -136,10 +136,11 @@ def main(argv=None) -> dict:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     tps = [p["batch"] / p["seconds"] for p in points]
-    axes[0].loglog(batches, tps, "o-", label="measured")
-    axes[0].loglog(batches, [tps[0] * b for b in batches], "k:", label="linear from batch 1")
+    axes[0].plot(batches, tps, "o-", label="measured")
+    axes[0].plot(batches, [tps[0] * b for b in batches], "k:", label="linear from batch 1")
+    axes[0].set_xscale("log", base=2)
     axes[0].axvline(b_star, color="grey", ls="--", label=f"predicted nearly free up to {b_star}")
-    axes[0].set(xlabel="batch", ylabel="tokens/s", title="throughput")
+    axes[0].set(xlabel="batch", ylabel="tokens/s", title="throughput", ylim=(0, 1.05 * max(tps[0] * batches[-1], *tps)))
     axes[0].legend(fontsize=8)
     axes[1].errorbar(batches, [p["seconds"] * 1e3 for p in points], capsize=3, fmt="o-",
                      yerr=[[(p["seconds"] - min(p["times_s"])) * 1e3 for p in points],

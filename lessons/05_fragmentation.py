@@ -183,8 +183,8 @@ def main(argv=None) -> dict:
     axes[0].set(xlabel="engine step", ylabel="real tokens / allocated KV memory", ylim=(0, 1.05),
                 title="share of allocated KV memory holding tokens")
     axes[1].set(xlabel="engine step", ylabel="running sequences", ylim=(0, None), title="concurrency in the same budget")
-    for ax in axes[:2]:
-        ax.legend(fontsize=8, loc="lower left")
+    axes[0].legend(fontsize=8, loc="center right")
+    axes[1].legend(fontsize=8, loc="upper right")
     labels = [str(r["block_size"]) for r in sweep]
     axes[2].bar(labels, [100 * r["waste"] for r in sweep], color="C0", label="paged, by block size")
     axes[2].axhline(100 * c["waste"], color="C1", ls="--", label=f"contiguous: {c['waste']:.0%}")

@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
         ax.set_xscale("log", base=2)
         ticks_at(ax, xs)
         ax.set(xlabel=label, ylabel="paged ÷ contiguous (bars: range of the rounds)", ylim=(0, None))
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8)
     axes[1].set_title(f"by context, block {BLOCK_SIZE}")
     axes[2].set_title(f"by block size, context {s['judged']}")
     save_plot(lesson, fig)

@@ -168,8 +168,8 @@ def main(argv=None) -> dict:
     print_verdict(verdict)
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
-    timeline(axes[0, 0], base[0], f"unchunked: the streams stall, the long prompt's TTFT is short")
-    timeline(axes[0, 1], chosen[0], f"chunked at {B}: the streams keep going, the long prompt waits longer")
+    timeline(axes[0, 0], base[0], f"each request's tokens, unchunked (budget {modes['unchunked'][1]})")
+    timeline(axes[0, 1], chosen[0], f"each request's tokens, chunked at {B}")
     right = max(max(r["tokens"][-1] for r in run["requests"]) for run in (base[0], chosen[0]))
     for ax in axes[0]:
         ax.set_xlim(min(r["arrival"] for r in base[0]["requests"]) - 0.05, right + 0.05)

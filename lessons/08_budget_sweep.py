@@ -124,7 +124,8 @@ def main(argv=None) -> dict:
                    label="budgets > 2048 (the claim)" if key == "throughput" else None)
         ax.set_xscale("log", base=2)
         ticks_at(ax, xs + [configs[unchunked][0]])
-        ax.set(xlabel="max_num_batched_tokens", ylabel=label, ylim=(0, None))
+        ax.set(xlabel="max_num_batched_tokens", ylabel=label)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room above the highest marker
         ax.legend(fontsize=8, loc="lower left")
     axes[0].set_title(f"throughput ({LARGE} ÷ {OLD_DEFAULT}: {statistics.median(gain):.2f}×; bars: range)")
     axes[1].set_title("time to first token")

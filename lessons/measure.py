@@ -17,7 +17,8 @@ The API
 -------
     read_load() -> LoadReading                a snapshot: load average, CPU time of the machine and of this process
     MachineLoad.between(before, after)        the load over a window, and `share`: the fraction of the
-                                              machine's CPU time other processes took in it
+                                              machine's CPU time other processes took in it (/proc/stat
+                                              on Linux; elsewhere estimated from the load average)
     interleave(fns, repeats, ...) -> Rounds   call every function once per round, in turns, order reversed
                                               every other round; times (and return values) per round
     Rounds.times / median / ratio / results   what each round measured
@@ -102,22 +103,27 @@ class MachineLoad:
     loadavg_before: float | None
     loadavg_after: float | None
     share: float | None  # fraction of the machine's CPU time other processes took over the window; None: unknown
+    estimated: bool = False  # share estimated from the load average (no /proc/stat: macOS, Windows)
 
     @classmethod
     def between(cls, before: LoadReading, after: LoadReading) -> "MachineLoad":
         cores, seconds = os.cpu_count() or 1, max(after.wall - before.wall, 1e-9)
-        share = None
+        own = after.own_cpu_s - before.own_cpu_s
         if before.machine_busy_s is not None and after.machine_busy_s is not None:
-            others = (after.machine_busy_s - before.machine_busy_s) - (after.own_cpu_s - before.own_cpu_s)
-            share = min(1.0, max(0.0, others / (seconds * cores)))
-        return cls(cores, seconds, before.loadavg, after.loadavg, share)
+            others = after.machine_busy_s - before.machine_busy_s - own
+            return cls(cores, seconds, before.loadavg, after.loadavg, min(1.0, max(0.0, others / (seconds * cores))))
+        if after.loadavg is not None:  # runnable threads on average, less the cores this process kept busy
+            others = max(before.loadavg or 0.0, after.loadavg) - own / seconds
+            return cls(cores, seconds, before.loadavg, after.loadavg, min(1.0, max(0.0, others / cores)), True)
+        return cls(cores, seconds, before.loadavg, after.loadavg, None)
 
     def describe(self) -> str:
         avg = (f"load average {self.loadavg_before:.2f} → {self.loadavg_after:.2f} on {self.cores} cores"
                if self.loadavg_before is not None else f"{self.cores} cores")
         if self.share is None:
             return f"{avg}; what other processes used is unknown on this system"
-        return f"{avg}; other processes took {self.share:.0%} of the CPU while this lesson measured"
+        how = " (estimated from the load average)" if self.estimated else ""
+        return f"{avg}; other processes took {self.share:.0%} of the CPU{how} while this lesson measured"
 
 
 # ---- timing in turns --------------------------------------------------------------------

@@ -5,6 +5,9 @@
 `generate` prints the text, then the two numbers that describe a request's
 speed: TTFT (time to first token: the prefill, one forward pass over the whole
 prompt) and decode tokens/s (one forward pass per token, reading the KV cache).
+Both are timed after an untimed warm-up generation of the same prompt, so they
+leave out what only a process's first forward passes pay (allocation, kernel
+selection).
 
 Each command is one `add_<name>_command(subparsers)` function that adds its
 parser and sets `func`; `COMMANDS` lists them. A new command is one such
@@ -49,6 +52,8 @@ def run_generate(args: argparse.Namespace) -> int:
         synchronize(device)
         marks.append(time.perf_counter())
 
+    # Untimed warm-up: the first forward passes pay for allocation and kernel selection, which no later request does.
+    cached_generate(model, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(2, params.max_tokens)))
     synchronize(device)
     start = time.perf_counter()
     new_ids = cached_generate(model, [prompt_ids], params, on_step=on_step)[0]
@@ -58,7 +63,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"model    {args.model} ({model.weights_source}) on {device}, {str(dtype).removeprefix('torch.')}")
     print(f"tokens   prompt {len(prompt_ids)}, generated {len(new_ids)}; tokenizer: {tokenizer.name}")
     ttft = marks[0] - start
-    line = f"TTFT     {ttft * 1e3:.1f} ms (prefill {len(prompt_ids) / ttft:.0f} tok/s)"
+    line = f"TTFT     {ttft * 1e3:.1f} ms (prefill {len(prompt_ids) / ttft:.0f} tok/s; after an untimed warm-up)"
     if len(marks) > 1:
         decode_s = marks[-1] - marks[0]
         line += f"   decode {(len(marks) - 1) / decode_s:.1f} tok/s over {len(marks) - 1} steps"

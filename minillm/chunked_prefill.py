@@ -39,7 +39,7 @@ The trade-off of the budget:
 
 Tile effects: matmul kernels work in tiles (e.g. 64 or 128 rows), so a step of
 130 tokens can cost nearly as much as one of 256. Budgets that are multiples
-of the tile size waste the least. Lesson 06 sweeps the budget.
+of the tile size waste the least. Lesson 08 sweeps the budget.
 
 Everything else, the queues, admission and preemption, is the scheduler's
 (`scheduler.py`); this file replaces only its policy.

@@ -24,7 +24,7 @@ contiguous cache; the gather is an extra copy of K and V:
 
     gathered bytes per step = 2 · n_layer · n_embd · bytes · Σ context_len_i      (read, then written)
 
-which is the overhead lesson 05 measures. The pool keeps K and V of a slot
+which is the overhead lesson 06 measures. The pool keeps K and V of a slot
 side by side, so that one index_select per layer gathers both, and the
 gathered K and V are free views, never copied a second time.
 

@@ -17,7 +17,7 @@ member. This file's policy is the one engines used before chunked prefill:
                     `max_num_batched_tokens` and `max_num_seqs` allow, in a step
                     of their own; only a step that admits nothing runs the decodes
 
-`chunked_prefill.py` (lesson 06) replaces that one policy and keeps the rest.
+`chunked_prefill.py` (lessons 07 and 08) replaces that one policy and keeps the rest.
 
 Memory, and preemption by recompute
 -----------------------------------

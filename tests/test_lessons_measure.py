@@ -115,6 +115,10 @@ def test_load_share_is_what_other_processes_used():
     assert quiet.share == 0.0
     unknown = MachineLoad.between(LoadReading(0.0, 0.0, None, None), LoadReading(1.0, 0.5, None, None))
     assert unknown.share is None and "unknown" in unknown.describe()
+    # without /proc/stat: the load average, less the cores this process kept busy
+    estimated = MachineLoad.between(LoadReading(0.0, 0.0, None, 2.5), LoadReading(10.0, 10.0, None, 3.0))
+    assert estimated.estimated and estimated.share == pytest.approx(min(1.0, 2.0 / estimated.cores))
+    assert "estimated from the load average" in estimated.describe()
 
 
 def test_read_load_on_this_machine():

@@ -69,3 +69,12 @@ def test_the_scheduler_files_need_no_torch():
     for module in TORCH_FREE:
         _, others = imports_of(module)
         assert "torch" not in others, f"minillm/{module}.py imports torch"
+
+
+def test_readme_installs_the_cpu_build_of_torch_first_and_ci_never_pulls_the_cuda_build():
+    commands = readme_commands()
+    cpu_step = next(i for i, c in enumerate(commands) if "download.pytorch.org/whl/cpu" in c)
+    first_install = next(i for i, c in enumerate(commands) if "pip install -e ." in c or "pip install -q -e" in c)
+    assert cpu_step < first_install, "the CPU-torch step must come before the first `pip install -e .`"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("pip install -q torch==") < ci.index("pip install -q -e"), "CI installs the CPU torch first"
