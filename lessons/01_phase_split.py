@@ -70,11 +70,12 @@ class ListCache:
         self.k, self.v, self.frozen = [None] * n_layer, [None] * n_layer, frozen
 
     def attend(self, layer: int, q, k, v):
-        if self.k[layer] is not None:
-            k, v = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)  # (1, H, L, D)
+        keys, values = k, v
+        if self.k[layer] is not None:  # everything before, then the new tokens: (1, H, L, D)
+            keys, values = torch.cat((self.k[layer], k), dim=2), torch.cat((self.v[layer], v), dim=2)
         if not self.frozen:
-            self.k[layer], self.v[layer] = k, v
-        return causal_attention(q, k, v)
+            self.k[layer], self.v[layer] = keys, values
+        return causal_attention(q, keys, values)
 
 
 @torch.inference_mode()
