@@ -102,7 +102,7 @@ def slack_bytes(device) -> int:
 def main(argv=None) -> dict:
     args = make_parser(__doc__).parse_args(argv)
     lesson = start(NAME, args, ceilings=False)
-    model, cfg, device, dtype = lesson.model, lesson.config, lesson.device, lesson.dtype
+    cfg, device, dtype = lesson.config, lesson.device, lesson.dtype
     budget = memory_budget(device)
     available = budget["free_bytes"] if budget["free_bytes"] is not None else budget["bytes"]
     usable = GPU_MEMORY_UTILIZATION * budget["bytes"]

@@ -146,15 +146,15 @@ def main(argv=None) -> dict:
                   point["step_ratio"], STEP_COST_LIMIT, "<=", fmt="{:.2f}")
     verdict = judge(f"at batch {BATCH} and context {s['judged']}, the paged decode step costs at most "
                     f"{STEP_COST_LIMIT}× the contiguous one", [check], lesson.load())
-    verdict.notes += [
-        f"attention alone costs {attn + 1:.2f}× ({attn:+.0%}); vLLM's in-place CUDA kernel paid "
-        f"+{VLLM_ATTENTION_OVERHEAD[0]:.0%}–{VLLM_ATTENTION_OVERHEAD[1]:.0%}: a gather copies what a fused kernel "
-        "reads in place",
-        f"the gather moves {si(moved, 'B')} per step in {ms(point['gather_s'])}, {share:.0%} of the measured copy "
-        f"bandwidth{' (over 100%: the buffer is reused layer after layer and stays partly in cache)' if share > 1 else ''}"
-        f"; it is {point['gather_s'] / (point['paged_step_s'] - point['contiguous_step_s']):.0%} of the paged step's "
-        "extra time" if point["paged_step_s"] > point["contiguous_step_s"] else
-        f"the gather moves {si(moved, 'B')} per step in {ms(point['gather_s'])}; the paged step was no slower here"]
+    extra = point["paged_step_s"] - point["contiguous_step_s"]
+    verdict.notes.append(f"attention alone costs {attn + 1:.2f}× ({attn:+.0%}); vLLM's in-place CUDA kernel paid "
+                         f"+{VLLM_ATTENTION_OVERHEAD[0]:.0%}–{VLLM_ATTENTION_OVERHEAD[1]:.0%}: a gather copies what a "
+                         "fused kernel reads in place")
+    verdict.notes.append(f"the gather moves {si(moved, 'B')} per step in {ms(point['gather_s'])}, {share:.0%} of the "
+                         "measured copy bandwidth" + (" (over 100%: the buffer is reused layer after layer and stays "
+                                                      "partly in cache)" if share > 1 else "")
+                         + (f"; the paged step's extra {ms(extra)} is {extra / point['gather_s']:.1f}× the gather alone"
+                            if extra > 0 else "; the paged step was no slower here"))
     print_verdict(verdict)
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
