@@ -87,7 +87,8 @@ def one_request(model, prompt_len: int, new_tokens: int) -> list[float]:
     cache, ids, pos = ListCache(model.config.n_layer), prompt.to(model.device), torch.arange(prompt_len)
     watch.start()
     for _ in range(new_tokens):
-        logits = model(ids, pos[None].to(model.device), cache=cache, logits_indices=torch.tensor([ids.shape[1] - 1], device=model.device))
+        last = torch.tensor([ids.shape[1] - 1], device=model.device)
+        logits = model(ids, pos[None].to(model.device), cache=cache, logits_indices=last)
         token = sample(logits, greedy)[0]  # on the host: the step is over, as a user sees it
         watch.lap()
         ids, pos = torch.tensor([[token]], device=model.device), pos[-1:] + 1
@@ -150,7 +151,8 @@ def main(argv=None) -> dict:
     def point(name: str, cost) -> dict:
         p = achieved(cost, rounds.median(name), ceil)
         p["matmul_share"] = [cost.flops / t / (kernels["matmul"].flops / m) for t, m in zip(rounds.times(name), mm_time)]
-        p["bandwidth_share"] = [cost.bytes / t / (kernels["copy"].bytes / c) for t, c in zip(rounds.times(name), copy_time)]
+        p["bandwidth_share"] = [cost.bytes / t / (kernels["copy"].bytes / c)
+                                for t, c in zip(rounds.times(name), copy_time)]
         return p
 
     prefill = [{"tokens": n, **point(f"prefill {n}", prefill_cost(cfg, n, 1, dtype))} for n in s["prefill_lens"]]

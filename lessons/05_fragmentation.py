@@ -136,8 +136,8 @@ def main(argv=None) -> dict:
                  for bs in s["block_sizes"]]
     real = {}
     if s["real_model"]:  # the same trace through the lesson's model: the same waste, and real tokens/s
-        real = {policy: serve(model, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous", desc=f"{policy}, {args.model}")
-                for policy in ("contiguous", "paged")}
+        real = {policy: serve(model, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous",
+                              desc=f"{policy}, {args.model}") for policy in ("contiguous", "paged")}
     shown = real or runs
     print_table(["policy", "waste of allocated", "real / budget", "peak seqs", "sustained seqs", "steps", "preemptions"]
                 + (["tokens/s", "time"] if real else []),
@@ -154,8 +154,8 @@ def main(argv=None) -> dict:
     c, p = runs["contiguous"], runs["paged"]
     checks = [Check(f"paged waste, block {BLOCK_SIZE}", [p["waste"]], PAGED_WASTE_LIMIT, "<=", timed=False,
                     fmt="{:.1%}"),
-              Check("sustained concurrent sequences, paged ÷ contiguous", [p["sustained_running"] / c["sustained_running"]],
-                    CONCURRENCY_FACTOR, ">=", timed=False, fmt="{:.2f}")]
+              Check("sustained concurrent sequences, paged ÷ contiguous",
+                    [p["sustained_running"] / c["sustained_running"]], CONCURRENCY_FACTOR, ">=", timed=False, fmt="{:.2f}")]
     verdict = judge(f"paging cuts KV waste under {PAGED_WASTE_LIMIT:.0%} and so at least doubles the sequences that "
                     "run in the same memory", checks, lesson.load())
     lo, hi = VLLM_CONTIGUOUS_WASTE

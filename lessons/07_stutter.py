@@ -193,8 +193,8 @@ def main(argv=None) -> dict:
     axes[1, 1].legend(fontsize=8)
     save_plot(lesson, fig)
 
-    figures = {"setup": {**s, "chunk_budget": B, "modes": {m: {"chunked": c, "budget": b} for m, (c, b) in modes.items()}},
-               "runs": runs}
+    setup = {**s, "chunk_budget": B, "modes": {m: {"chunked": c, "budget": b} for m, (c, b) in modes.items()}}
+    figures = {"setup": setup, "runs": runs}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -102,7 +102,8 @@ def main(argv=None) -> dict:
     verdict = judge(f"a budget above 2048 ({LARGE}) gives ~{CLAIM_GAIN:.0%} more throughput than {OLD_DEFAULT}",
                     [check], lesson.load())
     unchunked = f"unchunked {UNCHUNKED_BUDGET}"
-    verdict.notes.append(f"against {unchunked} (vLLM without chunking): {med(large, 'throughput') / med(unchunked, 'throughput'):.2f}×;"
+    vs_unchunked = med(large, "throughput") / med(unchunked, "throughput")
+    verdict.notes.append(f"against {unchunked} (vLLM without chunking): {vs_unchunked:.2f}×;"
                          f" TTFT p99 {ms(med(large, 'ttft_p99_s'))} at {LARGE} against {ms(med(old, 'ttft_p99_s'))} at "
                          f"{OLD_DEFAULT}, ITL p99 {ms(med(large, 'itl_p99_s'))} against {ms(med(old, 'itl_p99_s'))}")
     print_verdict(verdict)
