@@ -7,9 +7,10 @@ attention that finds a sequence's keys and values through its block table.
 The pool and the slot mapping
 -----------------------------
 All KV memory is one tensor per layer, [num_blocks, block_size, K|V, head,
-head_dim]. Flatten the first two axes and every token slot has a number:
-
-    slot of the token at position p  =  table[p // block_size] · block_size  +  p % block_size
+head_dim]. Flatten the first two axes and every token slot has a number, the
+slots of one block numbered consecutively. A token's slot is found in two
+steps: the block table entry that covers its position names the block, and
+its offset inside that block picks the slot.
 
 A forward pass writes each new token's K and V to its slot, one scatter for
 the whole ragged batch; the list of slots is the step's *slot mapping*.
