@@ -61,8 +61,9 @@ Adding an exercise
  1. Mark the region in the concept module, around whole statements of one
     function. Its hint, the function's docstring and the check's messages name
     the idea and the shape of the answer, never its expression: the leak check
-    (`find_leaks`) fails on 8 consecutive tokens of the solution in a hint, a
-    docstring, a message, a lesson or a README, names and spacing aside.
+    (`find_leaks`) fails on 8 consecutive tokens of the solution, names and
+    spacing aside, in a hint, a docstring, a message, a lesson or a README
+    (unless the run is generic, `f(a, b, c):`, or the given code shows it).
  2. Write its Check in tests/exercises/test_ex_<concept>.py: visible cases, one
     held-out situation per visible case, `run` importing minillm inside and
     calling only the function that holds the region (put independent stand-ins
@@ -83,26 +84,26 @@ import sys
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]   # run as a script: the package's folder, a submission's files, must not shadow the stdlib
 
-import argparse  # noqa: E402  (after the path fix above, on purpose)
-import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import keyword  # noqa: E402
-import numbers  # noqa: E402
-import re  # noqa: E402
-import secrets  # noqa: E402
-import selectors  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
-import tokenize  # noqa: E402
-import traceback  # noqa: E402
-from collections import deque  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse  # the imports come after that fix, on purpose
+import dataclasses
+import importlib.util
+import io
+import json
+import keyword
+import numbers
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import time
+import tokenize
+import traceback
+from collections import deque
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]   # the project this file lives in: the reference or a student copy
 PACKAGE = "minillm"
@@ -151,6 +152,10 @@ class Exercise:
 
     def where(self) -> str:
         return f"{self.file}:{self.line}, in {self.function}"
+
+    @property
+    def worth(self) -> str:
+        return f"lesson {self.lesson}, {self.points} pt{'s' if self.points != 1 else ''}"
 
     def header(self) -> tuple:
         """What the marker line says: compared between a copy's manifest and its source."""
@@ -1087,7 +1092,7 @@ def cmd_check(args) -> int:
     ex = select(find_exercises(ROOT), [args.id])[0]
     user = _checked_user(args.user)
     (score,), seed = grade_exercises([ex], ROOT, args.seed, grade_timeout(args.timeout), 1, user)
-    print(f"exercise {ex.id} (lesson {ex.lesson}, {ex.points} pts): {ex.title}")
+    print(f"exercise {ex.id} ({ex.worth}): {ex.title}")
     for held_out in (False, True):
         results = score.of(held_out)
         print(f"\n{'held-out checks, drawn with seed ' + str(seed) if held_out else 'visible cases'}: "

@@ -61,7 +61,7 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (N, V); the rest become -inf."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    # >>> exercise sampling-top-k (lesson 01, 1 pts): mask everything below the k-th largest logit
+    # >>> exercise sampling-top-k (lesson 01, 1 pt): mask everything below the k-th largest logit
     # hint: each row has its own threshold, its k-th largest logit (torch can find a row's k largest values); every logit below its row's threshold becomes -inf, the rest keep their values
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, float("-inf"))

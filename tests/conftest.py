@@ -72,7 +72,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
     tr.section(f"{len(stubs)} exercise{'s' if len(stubs) > 1 else ''} still to write (their tests did not run)", sep="=")
     for ex in stubs:
-        tr.line(f"{ex.id} (lesson {ex.lesson}, {ex.points} pts): {ex.where()}")
+        tr.line(f"{ex.id} ({ex.worth}): {ex.where()}")
     tr.line("once one is written: python -m minillm.exercises check <id>")
 
 
