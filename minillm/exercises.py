@@ -667,8 +667,8 @@ def cases_of(check, seed: int) -> list[Case]:
 
 @dataclasses.dataclass
 class ChildRun:
-    messages: list[dict]   # what the child sent, in order, up to its "done"
-    stray: int             # lines that were not the grader's messages (or came after "done")
+    messages: list[dict]   # what the child sent, in order
+    stray: int             # lines that were not messages at all
     ended: str             # "" when it finished; otherwise what happened, in words
     printed: str           # the tail of what the code printed
 
@@ -677,7 +677,7 @@ class _Child:
     """A forked child running one exercise's cases; the parent's handle on it."""
 
     def __init__(self, ex: Exercise, check, cases: list[Case], root: Path, timeout: float, user, others: list):
-        self.ex, self.timeout = ex, timeout
+        self.ex, self.timeout, self.num_cases = ex, timeout, len(cases)
         self.out = tempfile.TemporaryFile()
         read, write = os.pipe()
         self.pid = os.fork()
@@ -704,7 +704,6 @@ class _Child:
         os.set_blocking(read, False)
         self.deadline = time.monotonic() + timeout
         self.buffer = bytearray()
-        self.status = 0
 
     def read(self) -> None:
         while True:
@@ -727,20 +726,20 @@ class _Child:
         timed_out = not self.exited()
         too_much = len(self.buffer) > 64 << 20
         self._kill_group()
-        self.status = os.waitpid(self.pid, 0)[1]
+        status = os.waitpid(self.pid, 0)[1]
         self.read()
         os.close(self.fd)
         messages, stray = _parse_messages(bytes(self.buffer[:64 << 20]))
         started = [m["start"] for m in messages if "start" in m]
-        done = any("done" in m for m in messages)
+        answered = {m["case"] for m in messages if isinstance(m.get("case"), int)}
         ended = ""
         if too_much:
             ended = "it sent over 64 MB of output and was stopped"
         elif timed_out:
             ended = (f"it ran past the time limit of {self.timeout:g} s and was stopped: an endless loop? (a loop "
                      f"that catches BaseException cannot escape this limit)")
-        elif not done:
-            code = os.waitstatus_to_exitcode(self.status)
+        elif len(answered) < self.num_cases:
+            code = os.waitstatus_to_exitcode(status)
             if code < 0:
                 ended = f"the process was killed by signal {signal.Signals(-code).name}: a crash"
             else:
@@ -764,6 +763,7 @@ class _Child:
 
 
 def _parse_messages(data: bytes) -> tuple[list[dict], int]:
+    """The JSON objects, one per line, and how many lines were something else."""
     messages, stray = [], 0
     for line in data.split(b"\n"):
         if not line.strip():
@@ -771,14 +771,11 @@ def _parse_messages(data: bytes) -> tuple[list[dict], int]:
         try:
             message = json.loads(line)
         except (ValueError, RecursionError):
-            stray += 1
-            continue
-        if not isinstance(message, dict):
-            stray += 1
-        elif any("done" in m for m in messages):
-            stray += 1                     # after "done": not the harness's (an atexit hook, a thread)
-        else:
+            message = None
+        if isinstance(message, dict):
             messages.append(message)
+        else:
+            stray += 1
     return messages, stray
 
 
@@ -807,7 +804,6 @@ def _child_main(check, cases: list[Case], root: Path, channel: int, user: str | 
             send(message)
         except (TypeError, ValueError, RecursionError, OverflowError) as e:
             send({"case": i, "raised": {"type": "UnsendableOutput", "message": f"the output cannot be sent: {e}"}})
-    send({"done": True})
     os.close(channel)
 
 
@@ -900,7 +896,7 @@ def judge(ex: Exercise, check, cases: list[Case], run: ChildRun) -> Score:
     for m in run.messages:
         if "case" in m and isinstance(m["case"], int) and 0 <= m["case"] < len(cases):
             answers.setdefault(m["case"], []).append(m)
-        elif "start" not in m and "done" not in m:
+        elif "start" not in m:
             stray += 1
     results = []
     for i, case in enumerate(cases):
@@ -961,7 +957,8 @@ def grade_exercises(exercises: list[Exercise], root: Path = ROOT, seed: int | No
         raise ExerciseError(f"no check in {EXERCISE_TESTS}/ for exercise{'s' if len(missing) > 1 else ''} "
                             f"{', '.join(missing)}; every exercise needs one (see exercise_checks.py)")
     work = [(ex, checks[ex.id], cases_of(checks[ex.id], seed)) for ex in exercises]
-    runs = run_exercises(work, root, timeout, jobs or os.cpu_count() or 1, user)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    runs = run_exercises(work, root, timeout, jobs or cores, user)
     return [judge(ex, check, cases, runs[ex.id]) for ex, check, cases in work], seed
 
 
@@ -1118,6 +1115,8 @@ def cmd_grade(args) -> int:
         if args.held_out_visibility not in VISIBILITIES:
             raise ExerciseError(f"--held-out-visibility {args.held_out_visibility!r} is not one of "
                                 f"{', '.join(VISIBILITIES)}")
+        if args.jobs is not None and args.jobs < 1:
+            raise ExerciseError(f"--jobs {args.jobs}: grade at least 1 exercise at a time")
         user = _checked_user(args.user)
         exercises = select(assigned_exercises(ROOT), args.only)
         scores, seed = grade_exercises(exercises, ROOT, args.seed, grade_timeout(args.timeout), args.jobs, user)
@@ -1192,7 +1191,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument("--json", help="where to write the results file, e.g. /autograder/results/results.json")
             p.add_argument("--only", help="comma-separated exercise ids to grade (default: what the manifest assigns)")
-            p.add_argument("--jobs", type=int, default=None, help="exercises graded at once (default: the CPU count)")
+            p.add_argument("--jobs", type=int, default=None, help="exercises graded at once (default: the cores "
+                                                                   "this process may use)")
             p.add_argument("--held-out-visibility", default="visible",
                            help=f"Gradescope visibility of the held-out checks: {', '.join(VISIBILITIES)}")
         p.add_argument("--seed", type=int, default=None, help="seed of the held-out inputs (default: "

@@ -441,6 +441,10 @@ def test_cli_errors_are_one_clear_line_and_grade_still_writes_results(tmp_path, 
         assert "exercises.json" in err and ("missing" in err if manifest is None else "not valid JSON" in err)
         results = json.loads((tmp_path / "results.json").read_text())
         assert results["score"] == 0 and "grading failed" in results["output"] and tool.results_problems(results) == []
+    monkeypatch.setenv("MINILLM_GRADE_SEED", "1234")
+    assert tool.grade_seed() == 1234
+    monkeypatch.delenv("MINILLM_GRADE_SEED")
+    assert tool.grade_seed() != tool.grade_seed()   # a fresh one each time (two equal draws in 2³¹: never)
     monkeypatch.setenv("MINILLM_GRADE_TIMEOUT", "soon")
     with pytest.raises(ExerciseError, match="MINILLM_GRADE_TIMEOUT"):
         tool.grade_timeout(None)
@@ -490,17 +494,38 @@ import sys, json
 sys.path.insert(0, {str(ROOT / "minillm")!r})
 import exercises as tool
 checks = tool.load_checks(tool.ROOT)
-print(json.dumps({{i: [len(c.visible()), len(c.held_out(1)), sorted(c.held_out(1)) == sorted(c.held_out(2)), c.where]
+def values(cases):
+    return json.dumps(tool.to_wire(cases))
+print(json.dumps({{i: [len(c.visible()), len(c.held_out(1)), sorted(c.held_out(1)) == sorted(c.held_out(2)), c.where,
+                      values(c.held_out(1)) == values(c.held_out(1)) != values(c.held_out(2))]
                   for i, c in checks.items()}}))
 """], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     checks = json.loads(proc.stdout)
     assert sorted(checks) == sorted(ex.id for ex in reference), "every region needs exactly one Check"
     for ex in reference:
-        visible, held_out, same_situations, where = checks[ex.id]
+        visible, held_out, same_situations, where, seeded = checks[ex.id]
+        assert seeded, f"{ex.id}: a seed must give the same held-out inputs every time, and another seed others"
         assert visible >= 3 and held_out >= 6, f"{ex.id}: {visible} visible cases, {held_out} held-out"
         assert same_situations, f"{ex.id}: every draw must hold the same situations, the same number of times"
         assert where == f"{ex.file}, {ex.function}", f"{ex.id}'s check says the code is at {where}"
+
+
+def test_the_grader_refuses_checks_that_import_the_graded_package(tmp_path):
+    (tmp_path / "tests" / "exercises").mkdir(parents=True)
+    shutil.copy(ROOT / tool.EXERCISE_TESTS / "exercise_checks.py", tmp_path / tool.EXERCISE_TESTS)
+    (tmp_path / tool.EXERCISE_TESTS / "test_ex_bad.py").write_text("import minillm\n")
+    proc = subprocess.run([sys.executable, "-c", f"""
+import sys
+sys.path.insert(0, {str(ROOT / "minillm")!r})
+import exercises
+from pathlib import Path
+try:
+    exercises.load_checks(Path({str(tmp_path)!r}))
+except exercises.ExerciseError as e:
+    print(e)
+"""], capture_output=True, text=True, timeout=300)
+    assert "the grader must never import the code it grades, but minillm" in proc.stdout, proc.stdout + proc.stderr
 
 
 PROBE = '''\
@@ -549,7 +574,7 @@ def test_a_stubbed_copy_scores_0_and_its_pytest_report_is_one_line_per_exercise(
     assert "Traceback" not in out and "NotImplementedError" not in out and len(out.splitlines()) < 30, out
 
 
-CHEATED = {"paged-slot-mapping", "sampling-top-p", "paged-gather", "paged-free", "model-heads"}
+CHEATED = {"paged-slot-mapping", "sampling-top-p", "paged-gather", "paged-free", "kv-cache-read", "model-heads"}
 
 
 def cheat(copy: Path, exercises: dict[str, tool.Exercise], results_path: Path) -> dict[str, str]:
@@ -594,7 +619,8 @@ if _os.fork() == 0:                # and, later, from a process of its own
     restore(copy, exercises["paged-gather"], ["import sys", "sys.exit(0)"])
     restore(copy, exercises["paged-free"], ["import time", "while True:", "    try:", "        time.sleep(0.01)",
                                             "    except BaseException:", "        pass"])
-    return {"paged-slot-mapping": "a dict of the visible cases", "sampling-top-p": "os._exit(0)",
+    restore(copy, exercises["kv-cache-read"], ["import ctypes", "ctypes.string_at(0)"])
+    return {"kv-cache-read": "a crash (a segmentation fault)", "paged-slot-mapping": "a dict of the visible cases", "sampling-top-p": "os._exit(0)",
             "paged-gather": "sys.exit(0)", "paged-free": "an endless loop that catches BaseException",
             "model-heads": "left a stub, with the verdicts forged (atexit, excepthook, pytest's reports, a late process)"}
 
@@ -624,7 +650,7 @@ def test_run_autograder_grades_a_submission_and_no_cheat_scores(reference):
         student = base / "student"
         make_copy(student)                                # the student's copy, solved in part, cheating in part
         by_id = {ex.id: ex for ex in find_exercises(student)}
-        restored = [ex for ex in reference if ex.id not in CHEATED | {"kv-cache-read"}]   # kv-cache-read: a stub
+        restored = [ex for ex in reference if ex.id not in CHEATED]
         for ex in restored:
             restore(student, ex)
         results_path = autograder / "results" / "results.json"
@@ -657,6 +683,7 @@ def test_run_autograder_grades_a_submission_and_no_cheat_scores(reference):
         assert "sys.exit(0)" in outputs["paged-gather"]
         assert "ran past the time limit of 10 s" in outputs["paged-free"]
         assert "KeyError" in outputs["paged-slot-mapping"]
+        assert "killed by signal SIGSEGV: a crash" in outputs["kv-cache-read"]
         assert json.loads(results_path.read_text())["score"] == sum(ex.points for ex in restored)
     finally:
         shutil.rmtree(base, ignore_errors=True)
