@@ -142,12 +142,18 @@ def check_folder(folder: Path, name: str | None = None) -> None:
 
 
 def read_config(folder: Path) -> GPT2Config:
+    """The config.json of a checkpoint folder, every field checked; a CheckpointError names the file and field."""
     path = folder / CONFIG_FILE
+    fix = "re-download it or rewrite it with save_pretrained"
     try:
-        return GPT2Config.from_hf_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{path} is not a GPT-2 config.json ({type(e).__name__}: {e}); "
-                              "re-download it or rewrite it with save_pretrained") from e
+        return GPT2Config.from_hf_dict(json.loads(path.read_text(encoding="utf-8")))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                              f"{fix}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _plan(file_keys: list[str], file_shapes: dict[str, tuple], config: GPT2Config, path: Path) -> dict[str, str]:
