@@ -112,10 +112,11 @@ def open_part(path: Path):
 # ---- the guard on huggingface_hub's HTTP client ------------------------------
 
 class _StallWatch(httpx2.SyncByteStream):
-    """A response body that raises once fewer than STALL_BYTES arrive in STALL_SECONDS."""
+    """A response body that raises once fewer than STALL_BYTES arrive in STALL_SECONDS. (A connection that
+    sends nothing at all is the client's own read timeout, HF_HUB_DOWNLOAD_TIMEOUT.)"""
 
-    def __init__(self, stream: httpx2.SyncByteStream, url: str):
-        self.stream, self.url = stream, url
+    def __init__(self, stream: httpx2.SyncByteStream, host: str):
+        self.stream, self.host = stream, host
 
     def __iter__(self):
         since, got = time.monotonic(), 0
@@ -123,8 +124,8 @@ class _StallWatch(httpx2.SyncByteStream):
             got += len(chunk)
             if time.monotonic() - since >= STALL_SECONDS:
                 if got < STALL_BYTES:
-                    raise DownloadError(f"{self.url} stalled: {got} bytes in the last {STALL_SECONDS:g} s; "
-                                        "run the same command again to resume")
+                    raise DownloadError(f"the download from {self.host} stalled: {got} bytes in the last "
+                                        f"{STALL_SECONDS:g} s; run the same command again to resume")
                 since, got = time.monotonic(), 0
             yield chunk
 
@@ -140,7 +141,7 @@ def _guard(response: httpx2.Response) -> None:
         got = response.headers.get("Content-Range", "")
         if not got.startswith(f"bytes {start}-"):
             raise _Restart(f"asked for {asked}, the server sent {got or 'no Content-Range'}")
-    response.stream = _StallWatch(response.stream, str(response.request.url))
+    response.stream = _StallWatch(response.stream, response.request.url.host)
 
 
 def _install_guard() -> None:

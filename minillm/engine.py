@@ -42,14 +42,16 @@ caller does to them reaches the engine. A finished request's output is
 returned once, with its metrics and preemption count, and then the engine
 forgets the request, as vLLM does: keep what you need from that output. The
 requests still running or waiting are in `scheduler.running` and
-`scheduler.waiting`.
+`scheduler.waiting`. Logits that are not finite fail only their own requests:
+those are aborted (the next step reports them) and `step()` raises
+NonFiniteLogitsError naming them; the rest redo the step's tokens.
 
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
 whatever the batch, arrival pattern, block size, budget or preemptions; after
 every step each block is free or held by exactly the running sequences'
 tables; when every request has finished, every block is free and the engine
-holds no request; 2,000 requests leave the Python heap as it was after 200.
+holds no request; over 2,000 requests the Python heap stays flat.
 """
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ across all of them.
 
 Logits that are not finite (NaN weights, a bad `layer_norm_epsilon`, an fp16
 overflow) have no argmax worth the name: `sample` raises NonFiniteLogitsError
-instead of returning a token. The check costs one pass over the logits and no
-device sync of its own: a bad row is made to pick the id one past the
-vocabulary, and that id is noticed on the host, in the ids `sample` fetches
-anyway.
+instead of returning a token. The check is one pass over the logits (their
+min and max) and adds no device sync: on a GPU a bad row is made to pick the
+id one past the vocabulary, and that id is noticed on the host, in the ids
+`sample` fetches anyway.
 
 Invariants held by the tests: greedy is the argmax; top-k keeps exactly the k
 largest logits and top-p the smallest nucleus of mass ≥ p (always the top
@@ -96,19 +96,34 @@ class NonFiniteLogitsError(ValueError):
             "(try --dtype fp32)"))
 
 
-def flag_nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(N, V) → (N, V + 1). A row with NaN or ±inf becomes -inf everywhere except a new last column, so
-    argmax and sampling alike (temperature, top-k and top-p keep a row's top token) pick id V for it;
-    finite rows get -inf there and are unchanged. The flag reaches the host inside the sampled ids, so
-    the check adds no device sync; `reject_flagged_rows` reads it."""
-    finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (N, 1)
+def check_finite(logits: torch.Tensor) -> torch.Tensor:
+    """The logits to sample from, or NonFiniteLogitsError for rows holding NaN or ±inf.
+
+    A row is finite when its min and max are (both propagate NaN): one pass, done by `aminmax`. On
+    the CPU the flags are already on the host, so a bad row raises at once. On a GPU reading them
+    would stall the host until the GPU caught up, so they travel with the sampled ids instead
+    (`fold_nonfinite_rows`), and `reject_flagged_rows` raises once the ids are on the host.
+    """
+    lo, hi = torch.aminmax(logits, dim=-1, keepdim=True)
+    finite = lo.isfinite() & hi.isfinite()  # (N, 1)
+    if logits.device.type != "cpu":
+        return fold_nonfinite_rows(logits, finite)
+    if not finite.all():
+        raise NonFiniteLogitsError((~finite).nonzero()[:, 0].tolist())
+    return logits
+
+
+def fold_nonfinite_rows(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """(N, V) → (N, V + 1). A row that is not `finite` becomes -inf everywhere except a new last column,
+    so argmax and sampling alike (temperature, top-k and top-p keep a row's top token) pick id V for
+    it; finite rows get -inf there and sample as before. No sync: the flag is in the ids."""
     flag = torch.where(finite, float("-inf"), 0.0).to(logits.dtype)
-    return torch.cat([logits.masked_fill(~finite, float("-inf")), flag], dim=-1)
+    return torch.cat([torch.where(finite, logits, float("-inf")), flag], dim=-1)
 
 
-def reject_flagged_rows(tokens: list[int], flagged: torch.Tensor) -> list[int]:
-    """The tokens sampled from `flag_nonfinite_rows`' output, or NonFiniteLogitsError naming the bad rows."""
-    bad = [i for i, t in enumerate(tokens) if t == flagged.shape[-1] - 1]
+def reject_flagged_rows(tokens: list[int], vocab_size: int) -> list[int]:
+    """The sampled tokens, or NonFiniteLogitsError naming the rows `fold_nonfinite_rows` flagged."""
+    bad = [i for i, t in enumerate(tokens) if t == vocab_size]
     if bad:
         raise NonFiniteLogitsError(bad)
     return tokens
@@ -160,14 +175,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if len(generators) != len(params):  # zip would silently drop rows
         raise ValueError(f"{len(params)} SamplingParams but {len(generators)} generators; pass one per row (None "
                          "for an unseeded row), or no list at all")
-    logits = flag_nonfinite_rows(logits).float()  # (N, V + 1): a row with NaN or ±inf samples id V
+    vocab_size = logits.shape[-1]
+    logits = check_finite(logits).float()  # NaN or ±inf: raises now on the CPU; on a GPU the row samples id V
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; one device sync for the batch
     for i, (sp, gen) in enumerate(zip(params, generators)):
         if sp.greedy:
             continue
         row = apply_top_p(apply_top_k(logits[i:i + 1] / sp.temperature, sp.top_k), sp.top_p)
         tokens[i] = int(torch.multinomial(row.softmax(dim=-1), 1, generator=gen))
-    return reject_flagged_rows(tokens, logits)
+    return reject_flagged_rows(tokens, vocab_size)
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,

@@ -7,7 +7,8 @@ from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
 from minillm import kv_cache, naive_decode
 from minillm.kv_cache import KVCache, Segment
 from minillm.model import causal_attention, causal_mask
-from minillm.sampling import NonFiniteLogitsError, apply_top_k, apply_top_p, finish_reason, sample
+from minillm.sampling import (NonFiniteLogitsError, apply_top_k, apply_top_p, finish_reason, fold_nonfinite_rows,
+                              reject_flagged_rows, sample)
 from models import context_model
 
 CFG = PRESETS["tiny"]
@@ -235,6 +236,33 @@ def test_sample_refuses_rows_that_are_not_finite():
         assert e.value.rows == [1, 3]
     with pytest.raises(NonFiniteLogitsError):
         sample(logits[1:2].bfloat16(), [SamplingParams(temperature=0)])
+
+
+def test_on_a_gpu_the_finite_flags_travel_with_the_sampled_ids():
+    """The GPU path, run here on CPU tensors: a bad row samples id V, greedy or not, and the host rejects it."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6))
+    logits[1, 4] = float("nan")
+    finite = torch.tensor([[True], [False], [True]])
+    folded = fold_nonfinite_rows(logits, finite)
+    greedy = folded.argmax(-1).tolist()
+    assert greedy == [logits[0].argmax().item(), 50, logits[2].argmax().item()]
+    row = apply_top_p(apply_top_k(folded[1:2] / 0.7, 5), 0.9)
+    assert int(torch.multinomial(row.softmax(-1), 1)) == 50
+    with pytest.raises(NonFiniteLogitsError) as e:
+        reject_flagged_rows(greedy, 50)
+    assert e.value.rows == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sample_on_cuda_refuses_rows_that_are_not_finite():
+    logits = torch.randn(4, 50, device="cuda")
+    logits[2, 7] = float("inf")
+    for sp in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5, seed=2)):
+        with pytest.raises(NonFiniteLogitsError) as e:
+            sample(logits, [sp] * 4, [torch.Generator("cuda").manual_seed(2) for _ in range(4)])
+        assert e.value.rows == [2]
+    assert sample(logits[:2], [SamplingParams(temperature=0)] * 2) == logits[:2].argmax(-1).tolist()
 
 
 def test_the_finite_check_changes_no_finite_row():
