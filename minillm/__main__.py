@@ -58,6 +58,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     prompt_ids = tokenizer.encode(args.prompt)
     model.config.check_prompt(prompt_ids, params.max_tokens)
+    # Untimed warm-up: a first call pays one-off costs (allocation, kernel choice) that are not the request's.
     cached_generate(model, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(2, params.max_tokens)))
 
     marks: list[float] = []  # wall time after each forward pass; marks[0] ends the prefill

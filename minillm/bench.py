@@ -47,7 +47,7 @@ CPU_DECODE_GOAL = 0.80   # batch-1 decode on a CPU in fp32: weight bytes per ste
 CPU_PREFILL_GOAL = 0.60  # 512-token prefill on a CPU in fp32: share of matmul FLOP/s
 GPU_DECODE_GOAL = 2.0    # decode step time within this factor of the weight-read floor
 GOAL_PROMPT_LEN = 512
-EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emulated (native ones are as fast or faster)
+EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emulated (native ones are as fast)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

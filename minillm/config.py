@@ -181,9 +181,10 @@ class GPT2Config:
                                  "prompt is one sequence of token ids (pass one request per prompt)")
             token_ids = token_ids.tolist()
         elif isinstance(token_ids, (str, bytes, bytearray)):
-            raise ValueError(f"the prompt is a {kind}, not a sequence of token ids; encode text with the tokenizer")
+            raise ValueError(f"the prompt has type {kind}, not a sequence of token ids; encode text with the "
+                             "tokenizer")
         elif not isinstance(token_ids, Sequence):
-            raise ValueError(f"the prompt is a {kind}, not a sequence of token ids (a list of ints); a call that "
+            raise ValueError(f"the prompt has type {kind}, not a sequence of token ids (a list of ints); a call that "
                              "takes several prompts wants a list of such lists")
         ids = []
         for i, t in enumerate(token_ids):

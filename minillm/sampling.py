@@ -43,7 +43,7 @@ FINISH_STOP = "stop"        # an end-of-text or stop token was generated
 FINISH_LENGTH = "length"    # max_tokens reached, or the context is full
 FINISH_ABORT = "abort"      # the caller aborted the request
 
-MIN_TEMPERATURE = 0.01  # vLLM's floor: below it sampling is argmax in all but name, and logits / T can overflow
+MIN_TEMPERATURE = 0.01  # vLLM raises smaller temperatures to this; we refuse them: logits / T can overflow
 
 
 @dataclass(frozen=True)
@@ -57,27 +57,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: set once, here)
+        """Check every field, and keep it as a plain Python value; from here on the params are frozen."""
         t = check_real("temperature", self.temperature, " (0 means greedy)")
         if t < 0 or 0 < t < MIN_TEMPERATURE:
             raise ValueError(f"temperature={t:g} must be 0 (greedy) or at least {MIN_TEMPERATURE}: below that, "
                              "sampling is greedy in all but name and dividing the logits by it can overflow")
-        field("temperature", t)
-        field("top_k", check_int("top_k", self.top_k, -1, hint=" (0 or -1 keep every token)"))
         p = check_real("top_p", self.top_p)
         if not 0.0 < p <= 1.0:
             raise ValueError(f"top_p={p} must be in (0, 1]; 1 keeps every token")
-        field("top_p", p)
-        field("max_tokens", check_int("max_tokens", self.max_tokens, 1,
-                                     hint=": a request has to generate at least one token"))
-        if self.seed is not None:
-            field("seed", check_int("seed", self.seed, 0, 2**64, hint=", or None for an unseeded request"))
         stops = self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
             raise ValueError(f"stop_token_ids={stops!r} must be a list of token ids, e.g. [{stops!r}]")
-        field("stop_token_ids", tuple(check_int("a stop token id", t, 0) for t in stops))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        checked = dict(
+            temperature=t, top_p=p,
+            top_k=check_int("top_k", self.top_k, -1, hint=" (0 or -1 keep every token)"),
+            max_tokens=check_int("max_tokens", self.max_tokens, 1, hint=": a request generates at least one token"),
+            seed=None if self.seed is None else check_int("seed", self.seed, 0, 2**64,
+                                                          hint=", or None for an unseeded request"),
+            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # the one way to set a field of a frozen dataclass
 
     @property
     def greedy(self) -> bool:

@@ -97,7 +97,8 @@ class FakeHub:
                         self.send_header("Content-Length", "0")
                         self.end_headers()
                         return
-                    shown = 0 if hub.wrong_range and name == hub.faulty else start  # the wrong range: other bytes, honestly labelled
+                    # the wrong range: other bytes, honestly labelled
+                    shown = 0 if hub.wrong_range and name == hub.faulty else start
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {shown}-{len(data) - 1}/{len(data)}")
                     payload = data[shown:shown + len(data) - start]  # the length asked for, so the size is right

@@ -431,14 +431,15 @@ def test_a_soak_of_2000_requests_leaves_the_python_heap_flat(model):
     assert engine.requests == {} and not engine.scheduler.has_unfinished() and engine.block_manager.block_tables == {}
     assert not [o for o in gc.get_objects() if type(o) is Sequence], "a finished request is still alive"
     per_request = (traced_2000 - traced_200) / 1800
-    assert per_request < 64, f"{per_request:.0f} B kept per request ({traced_200:,} B after 200, {traced_2000:,} after 2000)"
+    assert per_request < 64, \
+        f"{per_request:.0f} B kept per request ({traced_200:,} B after 200 requests, {traced_2000:,} after 2000)"
 
 
 @pytest.mark.parametrize("prompt, match", [
-    ("hello", "the prompt is a str"),
-    (b"hello", "the prompt is a bytes"),
-    (7, "the prompt is a int"),
-    ({1, 2}, "the prompt is a set"),
+    ("hello", "the prompt has type str"),
+    (b"hello", "the prompt has type bytes"),
+    (7, "the prompt has type int"),
+    ({1, 2}, "the prompt has type set"),
     (torch.tensor([[1, 2]]), "2-D Tensor of shape"),
     (np.array([[1, 2]]), "2-D ndarray of shape"),
     (torch.tensor([1.0, 2.0]), "token id 1.0 at position 0 is a float"),
@@ -463,7 +464,7 @@ def test_integer_arrays_and_tensors_are_prompts(model):
 
 def test_no_prompts_is_no_outputs_and_a_bare_prompt_is_explained(model):
     assert kv_cache.generate(model, []) == [] and LLMEngine(model, num_blocks=8).generate([]) == []
-    with pytest.raises(ValueError, match="the prompt is a int.*list of such lists"):
+    with pytest.raises(ValueError, match="the prompt has type int.*list of such lists"):
         kv_cache.generate(model, [1, 2, 3])  # one prompt, not wrapped in a list of prompts
 
 

@@ -212,9 +212,10 @@ def test_bad_sampling_params_are_refused_when_made(bad, match):
         SamplingParams(**bad)
 
 
-@pytest.mark.parametrize("bad, match", [(dict(n_head=0), "n_head=0 must be"), (dict(n_embd=64.0), "n_embd=64.0 is a float"),
-                                        (dict(layer_norm_epsilon=-1), "layer_norm_epsilon=-1 must be in"),
-                                        (dict(n_embd=100), "n_embd=100 is not divisible by n_head=12")])
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_head=0), "n_head=0 must be"), (dict(n_embd=64.0), "n_embd=64.0 is a float"),
+    (dict(layer_norm_epsilon=-1), "layer_norm_epsilon=-1 must be in"),
+    (dict(n_embd=100), "n_embd=100 is not divisible by n_head=12")])
 def test_a_config_made_in_code_is_checked_too(bad, match):
     with pytest.raises(ValueError, match=match):
         GPT2Config(**bad)
