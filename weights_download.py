@@ -21,10 +21,10 @@ blocks every request.
 
 What this script adds, and why
 ------------------------------
-We call `http_get` rather than `hf_hub_download(local_dir=...)`: since
-huggingface_hub 2, `hf_hub_download` writes each file to a temporary name that
-it deletes on any failure, so an interrupted gpt2-xl starts again from zero,
-and it checks a file's size but never its content. On top of the client:
+We call `http_get` rather than `hf_hub_download(local_dir=...)`: in
+huggingface_hub 2.4, `hf_hub_download` writes each file to a temporary name
+that it deletes on any failure, so an interrupted gpt2-xl starts again from
+zero, and it checks a file's size but never its content. On top of the client:
 
 - Bytes go to `<file>.part`, which survives an interruption, so rerunning the
   command asks only for the rest; a stream that ends early (a server that

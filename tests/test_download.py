@@ -22,6 +22,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -142,6 +143,12 @@ def _serve(handler) -> ThreadingHTTPServer:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return server
+
+
+@pytest.fixture(autouse=True)
+def no_telemetry(monkeypatch):
+    """huggingface_hub's user agent would otherwise ask huggingface.co for a list of AI agents: no network here."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
 
 
 @pytest.fixture
