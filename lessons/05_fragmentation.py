@@ -141,10 +141,10 @@ def serve(engine: LLMEngine, trace: list[Request], reservation: int | None = Non
     """
     for r in trace:
         engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
-    blocks, snapshots = engine.block_manager, []
+    blocks, snapshots, finished = engine.block_manager, [], []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        finished += [o for o in engine.step() if o.finished]  # the engine forgets a request once it reports it
         running = engine.scheduler.running  # the sequences holding KV
         allocated = (len(running) * reservation if reservation is not None
                      else (blocks.num_blocks - blocks.num_free_blocks) * blocks.block_size)
@@ -152,10 +152,10 @@ def serve(engine: LLMEngine, trace: list[Request], reservation: int | None = Non
                           "allocated_tokens": allocated, "running": len(running),
                           "waiting": len(engine.scheduler.waiting)})
     seconds = time.perf_counter() - t0
-    generated = sum(len(s.output_token_ids) for s in engine.requests.values())
+    generated = sum(len(o.output_token_ids) for o in finished)
     return {"snapshots": snapshots, "seconds": seconds, "generated_tokens": generated,
             "throughput": generated / seconds, "steps": len(engine.timeline),
-            "preemptions": sum(s.num_preemptions for s in engine.requests.values())}
+            "preemptions": sum(o.num_preemptions for o in finished)}
 
 
 def kv_use(snapshots: list[dict], budget_tokens: int) -> dict:

@@ -122,13 +122,13 @@ def stutter_run(model, s: dict, chunked: bool, budget: int, seed: int = 0) -> di
                          + [s["long_prompt"] + s["long_tokens"]])
     engine = LLMEngine(model, SchedulerConfig(budget, s["streams"] + 1, chunked), num_blocks=blocks)
     ids = [engine.add_request(p, greedy(s["stream_tokens"])) for p in streams]
-    long_id = None
+    long_id, latest = None, {}
     while engine.has_unfinished_requests():
-        engine.step()
-        if long_id is None and all(len(engine.requests[i].output_token_ids) >= s["warm"] for i in ids):
+        latest.update((o.request_id, o) for o in engine.step())  # each request's last output: its metrics
+        if long_id is None and all(i in latest and len(latest[i].output_token_ids) >= s["warm"] for i in ids):
             long_id = engine.add_request(long_prompt, greedy(s["long_tokens"]))  # arrives now
-    return analyse_stutter([engine.requests[i].metrics for i in ids], engine.requests[long_id].metrics,
-                           sum(len(r.output_token_ids) for r in engine.requests.values()))
+    return analyse_stutter([latest[i].metrics for i in ids], latest[long_id].metrics,
+                           sum(len(o.output_token_ids) for o in latest.values()))
 
 
 def analyse_stutter(stream_metrics: list, long_metrics, generated: int) -> dict:
@@ -183,7 +183,7 @@ def longest(trace: list[TimedRequest]) -> int:
 
 def replay(engine: LLMEngine, trace: list[TimedRequest]) -> dict:
     """Serve the trace in real time: add every request whose arrival has passed, then step; idle → sleep."""
-    pending = list(trace)
+    pending, finished = list(trace), []
     t0 = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter()
@@ -191,22 +191,22 @@ def replay(engine: LLMEngine, trace: list[TimedRequest]) -> dict:
             r = pending.pop(0)
             engine.add_request(r.prompt, greedy(r.max_tokens), arrival_time=t0 + r.arrival_s)
         if engine.has_unfinished_requests():
-            engine.step()
+            finished += [o for o in engine.step() if o.finished]  # the engine forgets a request once reported
         elif pending:
             time.sleep(t0 + pending[0].arrival_s - now)
-    metrics = [s.metrics for s in engine.requests.values()]
+    metrics = [o.metrics for o in finished]
     t_end = max(m.token_times[-1] for m in metrics)
     ttfts = [m.ttft for m in metrics]
     itls = [x for m in metrics for x in m.itls]
     generated = sum(len(m.token_times) for m in metrics)
-    prompt_tokens = sum(len(s.prompt_token_ids) for s in engine.requests.values())
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
     return {"makespan_s": t_end - t0, "generated_tokens": generated, "throughput": generated / (t_end - t0),
             "total_tokens_per_s": (generated + prompt_tokens) / (t_end - t0),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99), "steps": len(engine.timeline),
             "mean_tokens_per_step": statistics.mean(x.num_prefill_tokens + x.num_decode_tokens
                                                     for x in engine.timeline),
-            "preemptions": sum(s.num_preemptions for s in engine.requests.values())}
+            "preemptions": sum(o.num_preemptions for o in finished)}
 
 
 def budget_sweep(model, trace: list[TimedRequest], budgets: list[int], repeats: int = 1) -> list[dict]:

@@ -36,14 +36,27 @@ What it costs: per step, one forward pass over Σ tokens planned, plus Python
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
 block_size · KV bytes per token.
 
+Who owns what: `step()` hands back `RequestOutput`s that are the caller's own
+copies (token lists, metrics), and `SamplingParams` are frozen, so nothing a
+caller does to them reaches the engine. A finished request's output is
+returned once, with its metrics and preemption count, and then the engine
+forgets the request, as vLLM does: keep what you need from that output. The
+requests still running or waiting are in `scheduler.running` and
+`scheduler.waiting`. Logits that are not finite fail only their own requests:
+those are aborted (the next step reports them) and `step()` raises
+NonFiniteLogitsError naming them; the rest redo the step's tokens.
+
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
 whatever the batch, arrival pattern, block size, budget or preemptions; after
 every step each block is free or held by exactly the running sequences'
-tables; when every request has finished, every block is free.
+tables; when every request has finished, every block is free and the engine
+holds no request; over 2,000 requests the Python heap stays flat.
 """
 from __future__ import annotations
 
+import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -51,20 +64,50 @@ import torch
 
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
+from .config import check_int, check_real
 from .kv_cache import Segment
 from .model import GPT2
 from .paged_attention import PagedKVCache
-from .sampling import FINISH_ABORT, SamplingParams, finish_reason, make_generator, sample
+from .sampling import FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> None:
+    """Each sizing knob's type and range, whatever the device: a knob that does nothing here is still checked."""
+    check_int("block_size", block_size, 1)
+    if num_blocks is not None:
+        check_int("num_blocks", num_blocks, 1, hint=": the pool needs at least one block")
+    if kv_cache_memory_bytes is not None:
+        check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
+    if not 0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]: it is the share of "
+                         "the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
+
+
+def available_memory(device: torch.device) -> float:
+    """Bytes a new pool could take: CUDA's free memory; on the CPU, what Linux calls MemAvailable, else the
+    total RAM (inf where the OS tells neither)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
+
+
 @dataclass
 class RequestOutput:
+    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     output_token_ids: list[int]  # everything generated so far
     finished: bool
     finish_reason: str | None
@@ -87,26 +130,28 @@ class StepStats:
 class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9):
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 record_timeline: bool = True):
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
+        _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         if num_blocks is None:
             num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization)
+        self._check_pool_fits(num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
         policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
         self.scheduler = policy(self.scheduler_config, self.block_manager)
-        self.requests: dict[str, Sequence] = {}
-        self.timeline: list[StepStats] = []
+        self.requests: dict[str, Sequence] = {}  # unfinished, or finished and not yet reported
+        self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
+        self.record_timeline = record_timeline
         self._aborted: list[Sequence] = []
         self._next_id = 0
 
     def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float) -> int:
         block_bytes = block_size * self.config.kv_bytes_per_token(self.model.dtype)
         if budget is None and self.model.device.type == "cuda":
-            if not 0 < utilization <= 1:
-                raise ValueError(f"gpu_memory_utilization={utilization} must be in (0, 1]")
             free, total = torch.cuda.mem_get_info(self.model.device)
             budget = int(total * utilization) - (total - free)  # what is left of our share after the weights
         elif budget is None:
@@ -118,17 +163,31 @@ class LLMEngine:
                              "or use a smaller model")
         return num_blocks
 
+    def _check_pool_fits(self, num_blocks: int, block_size: int) -> None:
+        """Refuse a pool larger than the memory there is, before allocating it: on the CPU an oversized
+        allocation is not an error but a process the kernel kills later, without a word."""
+        device = self.model.device
+        pool = num_blocks * block_size * self.config.kv_bytes_per_token(self.model.dtype)
+        have = available_memory(device)
+        if pool > have:
+            raise ValueError(f"num_blocks={num_blocks} blocks of {block_size} tokens need {pool / 2**30:,.1f} GiB of "
+                             f"KV cache, but {device} has {have / 2**30:,.1f} GiB available; lower num_blocks, or "
+                             "leave it out and size the pool with kv_cache_memory_bytes")
+
     # ---- requests -----------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; it joins the running batch at a coming step. Returns its id."""
-        params = params or SamplingParams()
-        prompt_token_ids = self.config.check_prompt(prompt_token_ids, params.max_tokens)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params is a {type(params).__name__}; pass a SamplingParams (or None for the defaults)")
+        prompt_token_ids = tuple(self.config.check_prompt(prompt_token_ids, params.max_tokens))
         if request_id is None:
-            while str(self._next_id) in self.requests:  # taken: by an earlier request, or chosen by a caller
+            while str(self._next_id) in self.requests:  # taken by a caller's own choice
                 self._next_id += 1
             request_id = str(self._next_id)
+            self._next_id += 1  # never reused, though the request it named is forgotten once finished
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique "
                              "(pass another, or none for an automatic one)")
@@ -154,16 +213,19 @@ class LLMEngine:
                              f"reach {tokens} tokens > max_num_batched_tokens={budget}; raise the budget to at "
                              f"least {tokens} or set enable_chunked_prefill=True")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort")."""
-        if request_id not in self.requests:
-            raise KeyError(f"no request with id {request_id!r}; known ids: {sorted(self.requests)[:10]}")
-        seq = self.requests[request_id]
-        if seq.is_finished:
-            return
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort").
+
+        Returns False, and does nothing, for an id the engine does not hold: one already finished (a
+        finished request is forgotten once its output is returned), aborted, or never added.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
         self.scheduler.remove(seq)
         self._finish(seq, FINISH_ABORT, time.perf_counter())
         self._aborted.append(seq)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
@@ -180,7 +242,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; return the requests that got a token or finished."""
         start = time.perf_counter()
-        outputs = [self._output(s) for s in self._aborted]
+        outputs = [self._report(s) for s in self._aborted]
         self._aborted = []
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -197,9 +259,10 @@ class LLMEngine:
             if reason:
                 self.scheduler.remove(seq)
                 self._finish(seq, reason, now)
-            outputs.append(self._output(seq))
-        self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
-                                       len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
+            outputs.append(self._report(seq))
+        if self.record_timeline:
+            self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
+                                           len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
@@ -220,9 +283,16 @@ class LLMEngine:
         meta = self.cache.prepare(segments)
         logits = self.model(torch.tensor([ids], device=device), meta.positions, cache=self.cache,
                             logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device))
+        try:
+            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
+            bad = [samplers[i].request_id for i in e.rows]
+            for request_id in bad:
+                self.abort_request(request_id)
+            raise NonFiniteLogitsError(e.rows, f"{e}. Requests {bad} were aborted; the next step() reports "
+                                               "them") from None
         for chunk in plan.chunks:  # their keys and values are in the cache now
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         return list(zip(samplers, tokens))
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
@@ -230,16 +300,19 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.metrics.finished_time = now
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _report(self, seq: Sequence) -> RequestOutput:
+        """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
+        if seq.is_finished:
+            del self.requests[seq.request_id]
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics, seq.num_preemptions)
+                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions)
 
     # ---- convenience --------------------------------------------------------
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in the order of the prompts."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; pass one per prompt, "
                              "or a single SamplingParams for all")

@@ -328,11 +328,13 @@ def datasheet_for(device: torch.device | str, dtype: torch.dtype) -> dict:
     return {}
 
 
-def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> Ceilings:
+def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False,
+                     progress: Callable[[str], None] = lambda message: None) -> Ceilings:
     """Measure matmul FLOP/s and copy bandwidth on `device` in `dtype`; cached per process.
 
     Sizes are chosen to defeat caches: the copy moves far more than any CPU's L3,
     and the matmul is large enough to reach the units' steady state.
+    `progress(message)` is called as each of the two measurements starts.
     """
     device = torch.device(device)
     key = (str(device), str(dtype), quick)
@@ -342,16 +344,19 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool
     n = (4096 if quick else 8192) if on_gpu else (1024 if quick else 2048)
     copy_bytes = (1 << 30 if on_gpu else 128 << 20) if quick else (2 << 30 if on_gpu else 512 << 20)
 
+    repeats = 3 if quick else 7
+    progress(f"matmul FLOP/s: 2 + {repeats} products of two {n}×{n} matrices in {str(dtype).removeprefix('torch.')}")
     a = torch.randn(n, n, device=device).to(dtype)
     bm = torch.randn(n, n, device=device).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    t_mm = time_fn(lambda: torch.matmul(a, bm, out=out), device, warmup=2, repeats=3 if quick else 7)
+    t_mm = time_fn(lambda: torch.matmul(a, bm, out=out), device, warmup=2, repeats=repeats)
     del a, bm, out
 
     elems = copy_bytes // dtype_bytes(dtype)
+    progress(f"copy bandwidth: 2 + {repeats} copies of {copy_bytes >> 20} MiB")
     src = torch.ones(elems, device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    t_copy = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=3 if quick else 7)
+    t_copy = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=repeats)
     del src, dst
 
     result = Ceilings(device=device_name(device), dtype=str(dtype).replace("torch.", ""),

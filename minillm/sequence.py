@@ -27,7 +27,7 @@ a preempted sequence restarts from num_computed_tokens = 0 with its output kept.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -67,11 +67,15 @@ class RequestMetrics:
         """Inter-token latencies: the gaps between consecutive output tokens."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
+    def copy(self) -> "RequestMetrics":
+        """A copy the caller may keep and change, sharing nothing with the engine's."""
+        return replace(self, token_times=list(self.token_times))
+
 
 @dataclass(eq=False)  # a request is an entity: equal only to itself, so `in` and `remove` compare identity
 class Sequence:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # a prompt never changes: a tuple, safe to hand out
     params: SamplingParams
     metrics: RequestMetrics
     generator: torch.Generator | None = None
@@ -84,7 +88,7 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
 """The measurement toolkit: the cost model against hand-computed numbers, the timers, the ceilings, bench."""
+import sys
 import time
 
 import pytest
@@ -171,9 +172,13 @@ def test_cuda_events_and_memory_stats():
 # ---- bench ----------------------------------------------------------------------------------
 
 
-def test_bench_reports_both_phases_against_ceilings():
+def test_bench_reports_both_phases_against_ceilings(monkeypatch):
+    monkeypatch.setattr(metrics, "_CEILINGS", {})  # measured afresh, so its progress is said
     model = random_model(TINY, "cpu", torch.float32)
-    r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2)
+    said = []
+    r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2, progress=said.append)
+    assert [m.split()[0] for m in said] == ["measuring", "measuring", "timing", "timing", "measuring"]
+    assert "matmul" in said[0] and "copy" in said[1] and "prefill" in said[2] and "decode" in said[3]
     for phase in ("prefill", "decode"):
         assert r[phase]["tokens_per_s"] > 0 and 0 < r[phase]["frac_bandwidth"]
     d = r["decode"]
@@ -183,7 +188,8 @@ def test_bench_reports_both_phases_against_ceilings():
     k = r["kernel_limits"]
     assert k["read_stream_bytes_per_s"] > 0 and k["matvec_bytes_per_s"] > 0
     lines = bench.report(r, on_gpu=False)
-    assert any("target" in line and ("MET" in line or "MISSED" in line) for line in lines)
+    assert any(line.startswith("goals") and "minillm aims for 80% on a CPU" in line for line in lines)
+    assert not any("MISSED" in line or "target" in line for line in lines)  # bench speaks to students
     assert any("of what the matrix-vector kernel alone achieves" in line for line in lines)
 
 
@@ -191,3 +197,28 @@ def test_bench_command_rejects_too_long_prompt(capsys):
     from minillm.__main__ import main
     assert main(["bench", "--model", "tiny", "--device", "cpu", "--prompt-len", "500"]) == 2
     assert "n_ctx=128" in capsys.readouterr().err
+
+
+def test_a_dtype_the_device_emulates_is_warned_about_before_anything_slow(capsys, monkeypatch):
+    from minillm.__main__ import main
+
+    class Stop(Exception):
+        pass
+
+    def ceilings(*args, **kwargs):
+        print("ceilings start", file=sys.stderr)  # the first thing that takes minutes when emulated
+        raise Stop
+    monkeypatch.setattr(bench, "emulation_slowdown", lambda device, dtype: (38.0, 4.8e8))
+    monkeypatch.setattr(bench, "measure_ceilings", ceilings)
+    with pytest.raises(Stop):
+        main(["bench", "--model", "tiny", "--device", "cpu", "--dtype", "fp16", "--prompt-len", "16"])
+    err = capsys.readouterr().err
+    assert err.index("warning: float16 matmuls run 38× slower than fp32") < err.index("ceilings start")
+    assert "use --dtype fp32" in err
+
+
+def test_emulation_slowdown_is_measured():
+    same, rate = bench.emulation_slowdown(torch.device("cpu"), torch.float32)
+    assert same == 1.0 and rate > 0
+    slowdown, _ = bench.emulation_slowdown(torch.device("cpu"), torch.bfloat16)
+    assert slowdown > 0
