@@ -68,12 +68,13 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     # <<< exercise
 
 
-def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
     """Nucleus sampling: keep the smallest set of top tokens whose probabilities sum to ≥ p.
 
-    The most likely token is always kept, so p → 0 becomes greedy.
+    p is one value for every row of logits (N, V), or an (N, 1) column of
+    per-row values. The most likely token is always kept, so p → 0 becomes greedy.
     """
-    if p >= 1.0:
+    if not isinstance(p, torch.Tensor) and p >= 1.0:
         return logits
     # >>> exercise sampling-top-p (lesson 01, 2 pts): keep the smallest prefix of sorted tokens with mass ≥ p
     # hint: sort descending, cumsum the softmax; a token is dropped if the mass *before* it already reaches p; scatter the mask back
@@ -96,21 +97,75 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None] | None = None) -> list[int]:
-    """Pick one token per row of logits (N, V) under each row's own parameters."""
+    """Pick one token per row of logits (N, V) under each row's own parameters: tensor ops for the whole
+    batch, and one device→host transfer, the token ids, at the end.
+
+    Greedy rows take the argmax. The others are drawn together: logits over
+    each row's temperature, its top-k and top-p applied, then the exponential
+    race, argmax(p / E) with one E ~ Exp(1) per token. The smallest of
+    independent exponential clocks E_i / p_i rings at i with probability p_i,
+    so this draws from p exactly, with no cumulative sum and no search. A
+    seeded row draws its E from its own generator, so its tokens do not depend
+    on what else shares the batch. A row whose logits are not finite raises.
+    """
     if len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} SamplingParams")
     generators = generators or [None] * len(params)
     if len(generators) != len(params):  # zip would silently drop rows
         raise ValueError(f"{len(params)} SamplingParams but {len(generators)} generators; pass one per row (None "
                          "for an unseeded row), or no list at all")
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; one device sync for the batch
-    for i, (sp, gen) in enumerate(zip(params, generators)):
-        if sp.greedy:
-            continue
-        row = apply_top_p(apply_top_k(logits[i:i + 1] / sp.temperature, sp.top_k), sp.top_p)
-        tokens[i] = int(torch.multinomial(row.softmax(dim=-1), 1, generator=gen))
-    return tokens
+    if not params:
+        return []
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    best, tokens = logits.max(dim=-1)  # the greedy rows are done; a NaN anywhere in a row makes its max NaN
+    drawn = [i for i, sp in enumerate(params) if not sp.greedy]
+    if len(drawn) == len(params):
+        tokens = _draw(logits, params, generators)
+    elif drawn:
+        rows = _column(drawn, torch.long, logits.device)[:, 0]
+        tokens[rows] = _draw(logits[rows], [params[i] for i in drawn], [generators[i] for i in drawn])
+    ids = torch.where(best.isfinite(), tokens, -1).tolist()  # the step's one transfer to the host
+    if -1 in ids:
+        rows = [i for i, t in enumerate(ids) if t == -1]
+        raise ValueError(f"the logits of rows {rows} are not finite (NaN or ±inf), so no token can be chosen; "
+                         "the likely cause is the model: NaN or inf weights, or a bad layer_norm_epsilon")
+    return ids
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+    """The exponential race over rows that all sample: (M, V) logits → (M,) token ids, on the device."""
+    x = logits / _column([sp.temperature for sp in params], torch.float32, logits.device)
+    for k in sorted({sp.top_k for sp in params if 0 < sp.top_k < logits.shape[-1]}):  # one call per distinct k
+        x = _on_rows(x, [i for i, sp in enumerate(params) if sp.top_k == k], lambda rows: apply_top_k(rows, k))
+    nucleus = [i for i, sp in enumerate(params) if sp.top_p < 1.0]
+    if nucleus:  # one sort for every row that asks for a nucleus, each with its own p
+        p = _column([params[i].top_p for i in nucleus], torch.float32, logits.device)
+        x = _on_rows(x, nucleus, lambda rows: apply_top_p(rows, p))
+    probs = x.softmax(dim=-1)
+    race = torch.empty_like(probs)
+    if None in generators:
+        race.exponential_()  # one draw for the batch, from the global stream
+    for i, g in enumerate(generators):
+        if g is not None:
+            race[i].exponential_(generator=g)  # a seeded row from its own stream
+    # A clock of exactly 0 would turn a zero probability into 0/0; the smallest normal float rules it out.
+    return probs.div_(race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def _on_rows(x: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+    """x with fn applied to the listed rows (to x whole when that is every row)."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    index = _column(rows, torch.long, x.device)[:, 0]
+    x[index] = fn(x[index])
+    return x
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row values as an (N, 1) tensor on `device`; on CUDA through pinned memory with non_blocking=True,
+    so the host does not wait for the GPU (see kv_cache.to_device)."""
+    host = torch.tensor(values, dtype=dtype)[:, None]
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,
