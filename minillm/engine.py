@@ -11,7 +11,8 @@ One step, data flowing one way:
                                 first (and which were preempted to make room); the
                                 block manager has given every planned token a slot
     cache.prepare(segments)   → the step's AttentionMetadata: positions, slot mapping,
-                                block tables, context lengths, built once
+                                block tables, context lengths, built once (decodes
+                                only: written into buffers allocated once, below)
     model(ids, positions)     → one forward pass over the flattened ragged batch,
                                 logits only at the rows that will sample
     sample, update, record    → new tokens, finished requests free their blocks,
@@ -52,7 +53,8 @@ block_size · KV bytes per token.
 
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
-whatever the batch, arrival pattern, block size, budget or preemptions; after
+whatever the batch, arrival pattern, block size, budget or preemptions, and
+whether decode steps run eagerly, padded, or as CUDA graphs; after
 every step each block is free or held by exactly the running sequences'
 tables; when every request has finished, every block is free.
 """
@@ -110,6 +112,7 @@ class LLMEngine:
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
         use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
+        self.memory: dict[str, int] = {}  # how the pool was sized: budget, activation peak, graph bytes
         if num_blocks is None:
             num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization,
                                                      use_graphs)
@@ -129,7 +132,7 @@ class LLMEngine:
     def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float,
                                use_graphs: bool) -> int:
         block_bytes = block_size * self.config.kv_bytes_per_token(self.model.dtype)
-        self.memory = {"block_bytes": block_bytes}
+        self.memory["block_bytes"] = block_bytes
         if budget is None and self.model.device.type == "cuda":
             if not 0 < utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization={utilization} must be in (0, 1]")

@@ -46,8 +46,16 @@ and then read, unchanged, by every layer's `attend`. The paged cache answers
 the same `prepare` with the same metadata type, adding its slot mapping and
 block tables.
 
+A decode step can also be described without allocating anything:
+`prepare_decode(segments, batch, width)` writes the step's integers into
+buffers allocated once (`StaticBuffer`: one upload from pinned memory on CUDA)
+and returns metadata made once per shape. That is what a CUDA graph needs
+(`cuda_graphs.py`); host lists reach the device through `to_device`, which
+never makes the host wait.
+
 Invariants held by the tests: greedy tokens are identical to naive decode, and
-the logits of a cached step equal the logits of recomputing the whole sequence.
+the logits of a cached step equal the logits of recomputing the whole sequence;
+a static decode step gives the logits of the step `prepare` describes.
 """
 from __future__ import annotations
 

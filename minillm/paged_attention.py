@@ -11,8 +11,12 @@ head_dim]. Flatten the first two axes and every token slot has a number:
 
     slot of the token at position p  =  table[p // block_size] · block_size  +  p % block_size
 
-A forward pass writes each new token's K and V to its slot, one scatter for
-the whole ragged batch; the list of slots is the step's *slot mapping*.
+A forward pass writes each new token's K and V to its slot, one copy for
+the whole ragged batch; the list of slots is the step's *slot mapping*. The
+pool holds one block more than the block manager hands out, the *pad block*:
+padded block-table entries name it, and the padding rows of a static decode
+step (`prepare_decode`, for CUDA graphs) write into it. Nothing reads it
+unmasked.
 
 What paging costs the attention kernel
 --------------------------------------
@@ -35,13 +39,15 @@ calls `prepare` once (the same call, and the same `AttentionMetadata`, as the
 contiguous cache). Every layer's `attend` then reads that metadata only:
 
     decodes        one batched call: each query attends over its own gathered
-                   context, a mask hiding the padding of shorter ones
+                   context, a mask hiding the padding of shorter ones (a
+                   static step always masks: its width is padded to a bucket)
     prefill chunk  one call per chunk: a fresh prompt attends over its own new
                    keys; a later chunk gathers the earlier chunks too
 
 Invariants held by the tests: a ragged step of decodes and chunks gives the
 contiguous cache's logits; greedy tokens through the engine are identical to
-`kv_cache.generate`.
+`kv_cache.generate`, with decode steps exact or padded; padding writes only
+the pad block.
 """
 from __future__ import annotations
 
