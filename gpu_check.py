@@ -83,13 +83,12 @@ def topic(lesson: Path) -> str:
 
 
 def plan(lessons: list[Path], models: list[str], quick: bool) -> list[tuple[str, str, list[str]]]:
-    """(label, kind, argv) of every run after the in-process checks, in order; kind is bench, pytest or a
-    lesson's path."""
+    """(label, kind, argv) of every run after the in-process checks, in order, model by model (so each model
+    is built once); kind is bench, pytest or a lesson's path."""
     steps = [("pytest -m gpu", "pytest", ["-m", "gpu", "-q"])]
     for model in models:
         steps.append((f"bench {model} bf16", "bench",
                       ["--model", model, "--device", "cuda", "--dtype", "bf16", "--batch", "1"]))
-    for model in models:
         for path in lessons:
             argv = ["--device", "cuda", "--model", model, *LESSON_ARGS.get(topic(path), [])]
             steps.append((f"{path.stem} {model}", str(path), argv + (["--quick"] if quick else [])))
@@ -118,7 +117,8 @@ class ModelCache:
     def __call__(self, name, device="auto", dtype="auto", *args, **kwargs):
         from minillm.weights import resolve_device, resolve_dtype
         device = resolve_device(device)
-        key = (str(name), str(device), str(resolve_dtype(dtype, device)), args, tuple(sorted(kwargs.items())))
+        key = (str(name), str(device), str(resolve_dtype(dtype, device)),  # the defaults (None) do not tell calls apart
+               tuple(a for a in args if a is not None), tuple(sorted(i for i in kwargs.items() if i[1] is not None)))
         if key != self.key:
             self.model = self.key = None
             free_memory()

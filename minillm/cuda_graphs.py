@@ -9,7 +9,8 @@ kernel launch, a few µs each. The device waits for the host:
     step time ≈ max(device time, ops per step · host time per op)
 
 `gpt2` in bf16 reads 0.25 GB of weights per step, 0.05 ms at an H200's
-4.8 TB/s, but dispatches about 450 ops: 1–2 ms of host time at 2–5 µs each.
+4.8 TB/s, but one engine step dispatches about 400 ops (`metrics.count_ops`):
+1–2 ms of host time at 2–5 µs each.
 Such a step is bound by launch overhead, not by memory; the larger the model,
 the more work each launch carries, until memory binds again (lesson 09
 finds the crossover). `metrics.count_ops` counts a step's ops.
@@ -39,8 +40,9 @@ the whole padded width (paged_attention.py), so a short context must not pay
 for the longest one.
 
 What padding costs: a batch of n runs as bucket(n) rows (< 2n), and a decode
-reads up to 2× the keys its longest context needs. That pays off only where a
-shape is replayed. So the runner has three modes for one and the same code:
+reads up to 2× the keys its longest context needs; at batch 8 and ~270-token
+contexts that made a CPU step about a quarter slower. Padding pays off only
+where a shape is replayed. So the runner has three modes for one and the same code:
 
     eager    exact shapes on the static buffers: the CPU's decode, and CUDA's
              with enforce_eager; no padding, no graph

@@ -155,10 +155,10 @@ class LLMEngine:
         (max_num_batched_tokens, sampled) and largest decode step (max_num_seqs rows over whole-context tables),
         and the memory that the largest CUDA graph holds (0 without graphs)."""
         device, sc = self.model.device, self.scheduler_config
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
         prefill, decoder = profile_steps(self.model, sc.max_num_batched_tokens, sc.max_num_seqs, block_size)
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)  # the throwaway pool is not an activation: measure above it
+        torch.cuda.reset_peak_memory_stats(device)
         prefill()
         decoder.run_largest()
         torch.cuda.synchronize(device)

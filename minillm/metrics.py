@@ -422,8 +422,11 @@ def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats
     Every repeat prepares the same step at the same length, so it does the same work.
 
     mode "eager"   `cache.prepare` and a forward pass, new metadata tensors each step
-         "static"  the same step on buffers allocated once (`cuda_graphs.DecodeRunner`)
-         "graph"   that step replayed as a CUDA graph (CUDA only)
+         "static"  the same step on buffers allocated once (`cuda_graphs.DecodeRunner`);
+                   its rows are read through an index, a copy of their keys and
+                   values that eager's consecutive rows (a view) do not pay
+         "graph"   that static step replayed as a CUDA graph (CUDA only): the
+                   same kernels as "static", so the difference is launch overhead
     Each repeat includes the host's work: filling the step's inputs, and the
     launches (or the one replay).
     """

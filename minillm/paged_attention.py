@@ -86,7 +86,7 @@ def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len:
     _, block_size, _, H, D = layer_pool.shape
     blocks = layer_pool.index_select(0, block_tables.reshape(-1))          # one copy for K and V together
     tokens = blocks.view(b, max_blocks * block_size, 2, H, D)[:, :context_len]
-    return tokens[:, :, 0].transpose(1, 2), tokens[:, :, 1].transpose(1, 2)  # (b, H, L, D) views
+    return tokens.permute(2, 0, 3, 1, 4).unbind(0)  # K and V, each (b, H, L, D): views, no copy
     # <<< exercise
 
 

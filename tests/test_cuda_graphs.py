@@ -58,7 +58,7 @@ def test_static_decode_logits_equal_eager_while_the_batch_changes(model):
     2 → 1 with padding rows in between, and block tables cross width buckets; every row's logits equal those of
     the exact-shaped step (fp32: 1e-5)."""
     prompts = random_prompts(7, [2, 5, 13, 30], seed=5)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 20, 9, 14, 5, 30, 11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 16, 9, 12, 5, 18, 7)]
     got = {}
     for mode in ("eager", "static"):
         engine = static_engine(model, SchedulerConfig(256, 8), block_size=4, num_blocks=200, mode=mode)
@@ -78,7 +78,7 @@ def test_static_decode_logits_equal_eager_while_the_batch_changes(model):
         torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(8))
 def test_static_engine_fuzz(model, seed):
     """The engine's random traces (arrivals, aborts, preemption, block sizes 1–16) with every decode step
     padded to its buckets: no wrong token, no leaked block."""
@@ -178,6 +178,7 @@ def test_the_exact_shaped_step_does_recompile(model):
         compiled_decode_steps(model, "eager", 100, (5, 8), (64, 70), (10, 50))
 
 
+@pytest.mark.slow
 def test_compiles_are_bounded_by_the_buckets_visited(model):
     """Across buckets: one compile per (batch, width) bucket the steps visit, however many steps."""
     compiles, steps, batches, contexts = compiled_decode_steps(model, "static", 60, (1, 3), (2, 40), (5, 60))
