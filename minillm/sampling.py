@@ -97,39 +97,6 @@ class NonFiniteLogitsError(ValueError):
             "(try --dtype fp32)"))
 
 
-def check_finite(logits: torch.Tensor) -> torch.Tensor:
-    """The logits to sample from, or NonFiniteLogitsError for rows holding NaN or ±inf.
-
-    A row is finite when its min and max are (both propagate NaN): one pass, done by `aminmax`. On
-    the CPU the flags are already on the host, so a bad row raises at once. On a GPU reading them
-    would stall the host until the GPU caught up, so they travel with the sampled ids instead
-    (`fold_nonfinite_rows`), and `reject_flagged_rows` raises once the ids are on the host.
-    """
-    lo, hi = torch.aminmax(logits, dim=-1, keepdim=True)
-    finite = lo.isfinite() & hi.isfinite()  # (N, 1)
-    if logits.device.type != "cpu":
-        return fold_nonfinite_rows(logits, finite)
-    if not finite.all():
-        raise NonFiniteLogitsError((~finite).nonzero()[:, 0].tolist())
-    return logits
-
-
-def fold_nonfinite_rows(logits: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    """(N, V) → (N, V + 1). A row that is not `finite` becomes -inf everywhere except a new last column,
-    so argmax and sampling alike (temperature, top-k and top-p keep a row's top token) pick id V for
-    it; finite rows get -inf there and sample as before. No sync: the flag is in the ids."""
-    flag = torch.where(finite, float("-inf"), 0.0).to(logits.dtype)
-    return torch.cat([torch.where(finite, logits, float("-inf")), flag], dim=-1)
-
-
-def reject_flagged_rows(tokens: list[int], vocab_size: int) -> list[int]:
-    """The sampled tokens, or NonFiniteLogitsError naming the rows `fold_nonfinite_rows` flagged."""
-    bad = [i for i, t in enumerate(tokens) if t == vocab_size]
-    if bad:
-        raise NonFiniteLogitsError(bad)
-    return tokens
-
-
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (N, V); the rest become -inf."""
     if k <= 0 or k >= logits.shape[-1]:
@@ -141,12 +108,13 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     # <<< exercise
 
 
-def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
     """Nucleus sampling: keep the smallest set of top tokens whose probabilities sum to ≥ p.
 
-    The most likely token is always kept, so p → 0 becomes greedy.
+    p is one value for every row of logits (N, V), or an (N, 1) column of
+    per-row values. The most likely token is always kept, so p → 0 becomes greedy.
     """
-    if p >= 1.0:
+    if not isinstance(p, torch.Tensor) and p >= 1.0:
         return logits
     # >>> exercise sampling-top-p (lesson 01, 2 pts): keep the smallest prefix of sorted tokens with mass ≥ p
     # hint: sort descending, cumsum the softmax; a token is dropped if the mass *before* it already reaches p; scatter the mask back
@@ -169,22 +137,75 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None] | None = None) -> list[int]:
-    """Pick one token per row of logits (N, V) under each row's own parameters."""
+    """Pick one token per row of logits (N, V) under each row's own parameters: tensor ops for the whole
+    batch, and one device→host transfer, the token ids, at the end.
+
+    Greedy rows take the argmax. The others are drawn together: logits over
+    each row's temperature, its top-k and top-p applied, then the exponential
+    race, argmax(p / E) with one E ~ Exp(1) per token. The smallest of
+    independent exponential clocks E_i / p_i rings at i with probability p_i,
+    so this draws from p exactly, with no cumulative sum and no search. A
+    seeded row draws its E from its own generator, so its tokens do not depend
+    on what else shares the batch. A row whose logits are not finite raises.
+    """
     if len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} SamplingParams")
     generators = generators or [None] * len(params)
     if len(generators) != len(params):  # zip would silently drop rows
         raise ValueError(f"{len(params)} SamplingParams but {len(generators)} generators; pass one per row (None "
                          "for an unseeded row), or no list at all")
-    vocab_size = logits.shape[-1]
-    logits = check_finite(logits).float()  # NaN or ±inf: raises now on the CPU; on a GPU the row samples id V
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; one device sync for the batch
-    for i, (sp, gen) in enumerate(zip(params, generators)):
-        if sp.greedy:
-            continue
-        row = apply_top_p(apply_top_k(logits[i:i + 1] / sp.temperature, sp.top_k), sp.top_p)
-        tokens[i] = int(torch.multinomial(row.softmax(dim=-1), 1, generator=gen))
-    return reject_flagged_rows(tokens, vocab_size)
+    if not params:
+        return []
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    best, tokens = logits.max(dim=-1)  # the greedy rows are done; a NaN anywhere in a row makes its max NaN
+    drawn = [i for i, sp in enumerate(params) if not sp.greedy]
+    if len(drawn) == len(params):
+        tokens = _draw(logits, params, generators)
+    elif drawn:
+        rows = _column(drawn, torch.long, logits.device)[:, 0]
+        tokens[rows] = _draw(logits[rows], [params[i] for i in drawn], [generators[i] for i in drawn])
+    # The step's one transfer to the host. A row whose max is NaN or ±inf cannot be sampled; its flag (-1)
+    # rides on the same transfer, so checking costs no extra device sync.
+    ids = torch.where(best.isfinite(), tokens, -1).tolist()
+    if -1 in ids:
+        raise NonFiniteLogitsError([i for i, t in enumerate(ids) if t == -1])
+    return ids
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+    """The exponential race over rows that all sample: (M, V) logits → (M,) token ids, on the device."""
+    x = logits / _column([sp.temperature for sp in params], torch.float32, logits.device)
+    for k in sorted({sp.top_k for sp in params if 0 < sp.top_k < logits.shape[-1]}):  # one call per distinct k
+        x = _on_rows(x, [i for i, sp in enumerate(params) if sp.top_k == k], lambda rows: apply_top_k(rows, k))
+    nucleus = [i for i, sp in enumerate(params) if sp.top_p < 1.0]
+    if nucleus:  # one sort for every row that asks for a nucleus, each with its own p
+        p = _column([params[i].top_p for i in nucleus], torch.float32, logits.device)
+        x = _on_rows(x, nucleus, lambda rows: apply_top_p(rows, p))
+    probs = x.softmax(dim=-1)
+    race = torch.empty_like(probs)
+    if None in generators:
+        race.exponential_()  # one draw for the batch, from the global stream
+    for i, g in enumerate(generators):
+        if g is not None:
+            race[i].exponential_(generator=g)  # a seeded row from its own stream
+    # A clock of exactly 0 would turn a zero probability into 0/0; the smallest normal float rules it out.
+    return probs.div_(race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def _on_rows(x: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+    """x with fn applied to the listed rows (to x whole when that is every row)."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    index = _column(rows, torch.long, x.device)[:, 0]
+    x[index] = fn(x[index])
+    return x
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row values as an (N, 1) tensor on `device`; on CUDA through pinned memory with non_blocking=True,
+    so the host does not wait for the GPU (see kv_cache.to_device)."""
+    host = torch.tensor(values, dtype=dtype)[:, None]
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,

@@ -15,6 +15,7 @@ import torch
 from minillm import PRESETS, SamplingParams
 from minillm import engine as engine_module
 from minillm import kv_cache, naive_decode
+from minillm.cuda_graphs import DecodeRunner
 from minillm.engine import LLMEngine
 from minillm.sampling import NonFiniteLogitsError
 from minillm.scheduler import SchedulerConfig
@@ -126,10 +127,12 @@ def fuzz_trace(seed: int):
                 num_blocks=num_blocks, arrivals=arrivals, aborts=aborts)
 
 
-def run_fuzz(model, seed):
+def run_fuzz(model, seed, decode_mode="eager"):
     t = fuzz_trace(seed)
     engine = LLMEngine(model, SchedulerConfig(t["budget"], t["max_seqs"], t["chunked"]), block_size=t["bs"],
                        num_blocks=t["num_blocks"])
+    if decode_mode != "eager":  # tests/test_cuda_graphs.py: the same traces with padded decode steps
+        engine.decoder = DecodeRunner(model, engine.cache, t["max_seqs"], decode_mode)
     ids, finals, step = {}, {}, 0
     while len(ids) < len(t["prompts"]) or engine.has_unfinished_requests():
         for i, at in enumerate(t["arrivals"]):
@@ -284,11 +287,12 @@ def test_seeded_sampling_is_reproducible(model):
 
 
 def test_pool_size_from_a_byte_budget(model):
+    """The budget holds the blocks and the pad block (paged_attention.py), and the pool is no larger."""
     block_bytes = 16 * CFG.kv_bytes_per_token(torch.float32)
-    engine = LLMEngine(model, kv_cache_memory_bytes=10 * block_bytes + 1)
-    assert engine.block_manager.num_blocks == 10
+    engine = LLMEngine(model, kv_cache_memory_bytes=11 * block_bytes + 1)
+    assert engine.block_manager.num_blocks == 10 and engine.cache.nbytes == 11 * block_bytes
     with pytest.raises(ValueError, match="holds no block"):
-        LLMEngine(model, kv_cache_memory_bytes=block_bytes - 1)
+        LLMEngine(model, kv_cache_memory_bytes=2 * block_bytes - 1)
 
 
 @pytest.mark.parametrize("prompt, params, match", [
@@ -495,8 +499,9 @@ def poison_rows(model, monkeypatch, rows: set[int], on_call: int):
         logits = forward(*args, **kwargs)
         calls["n"] += 1
         if calls["n"] == on_call:
-            logits = logits.clone()
-            logits[sorted(rows)] = float("nan")
+            flat = logits.reshape(-1, logits.shape[-1]).clone()  # (rows, V), whatever layout the step used
+            flat[sorted(rows)] = float("nan")
+            logits = flat.view(logits.shape)
         return logits
     monkeypatch.setattr(model, "forward", poisoned)
 

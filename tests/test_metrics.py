@@ -222,3 +222,56 @@ def test_emulation_slowdown_is_measured():
     assert same == 1.0 and rate > 0
     slowdown, _ = bench.emulation_slowdown(torch.device("cpu"), torch.bfloat16)
     assert slowdown > 0
+
+
+# ---- launch overhead: what lesson 09 measures ------------------------------------------
+
+
+def test_count_ops_counts_each_dispatched_op_once_and_tells_views_apart():
+    x = torch.ones(4, 4)
+    count = metrics.count_ops(lambda: (x + 1).t().relu().reshape(16))
+    assert (count.total, count.views, count.kernels) == (4, 2, 2)
+    assert count.by_op == {"add.Tensor": 1, "t.default": 1, "relu.default": 1, "reshape.default": 1}
+    assert metrics.count_ops(lambda: torch.nn.functional.linear(x, x)).total == 1  # as Python called it
+
+
+def test_a_static_decode_step_dispatches_fewer_ops_than_a_fresh_one():
+    """The same paged decode step, described anew (cache.prepare: new tensors) and on the static buffers: the
+    static one dispatches fewer ops (no metadata tensors are made, no slicing per layer)."""
+    from minillm.block_manager import BlockManager
+    from minillm.cuda_graphs import DecodeRunner
+    from minillm.kv_cache import Segment
+    from minillm.paged_attention import PagedKVCache
+    from types import SimpleNamespace
+    model = random_model(TINY, "cpu", "fp32")
+    blocks = BlockManager(16, 4)
+    cache = PagedKVCache(TINY, blocks)
+    for sid, n in ((0, 9), (1, 14)):
+        blocks.append_slots(SimpleNamespace(seq_id=sid, num_computed_tokens=0), n)
+    step = [Segment(0, 8, 1, True), Segment(1, 13, 1, True)]
+    runner = DecodeRunner(model, cache, 2, "static")
+    ids = torch.tensor([[5, 7]])
+    with torch.inference_mode():
+        fresh = metrics.count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache))
+        static = metrics.count_ops(lambda: runner.run(step, [5, 7]))
+    assert static.total < fresh.total and static.by_op.get("lift_fresh.default", 0) == 0, (static, fresh)
+
+
+def test_weight_read_floor_is_weight_bytes_over_bandwidth():
+    cfg = PRESETS["gpt2"]
+    floor = metrics.weight_read_floor(cfg, torch.bfloat16, 1e12)
+    assert floor == pytest.approx((cfg.num_params() - cfg.n_ctx * cfg.n_embd) * 2 / 1e12)  # wpe is gathered, not read
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_time_decode_in_each_mode(mode):
+    model = random_model(TINY, "cpu", "fp32")
+    t = metrics.time_decode(model, cached_len=20, batch=3, warmup=1, repeats=2, mode=mode)
+    assert t.median_s > 0 and len(t.times_s) == 2
+
+
+def test_time_decode_refuses_graphs_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        metrics.time_decode(random_model(TINY, "cpu", "fp32"), cached_len=5, mode="graph")
