@@ -83,7 +83,7 @@ sequence's first `num_cached` tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,7 @@ from .sampling import SamplingParams, apply_top_k, apply_top_p, finish_reason, m
 
 @dataclass
 class SpecDecodingStats:
-    """What one speculative generation did; vLLM counts the same things under these names."""
+    """What one speculative generation did (the first two are vLLM's counters, by vLLM's names)."""
     num_draft_tokens: int = 0      # guesses proposed
     num_accepted_tokens: int = 0   # guesses the target accepted
     num_rejections: int = 0        # rounds that ended at a rejected guess
@@ -117,7 +117,7 @@ class SpecDecodingStats:
 class SpeculativeOutput:
     token_ids: list[int]           # the new tokens, as `kv_cache.generate` returns them
     finish_reason: str
-    stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    stats: SpecDecodingStats
 
 
 def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
@@ -134,8 +134,13 @@ def expected_speedup(alpha: float, gamma: int, c: float) -> float:
 
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(N, V) logits → the distributions `sampling.sample` draws from: temperature, top-k, top-p, softmax."""
-    return apply_top_p(apply_top_k(logits.float() / params.temperature, params.top_k), params.top_p).softmax(dim=-1)
+    """(N, V) logits → the distributions `sampling.sample` draws from: temperature, top-k, top-p, softmax.
+
+    In float64: a rejection needs q > p at the guess, hence p > q somewhere else for the residual to
+    sample from, and that holds only while p and q each sum to 1 more closely than their gap (fp32's
+    rounding of ~1e-7 would leave a rare rejection with nothing to sample).
+    """
+    return apply_top_p(apply_top_k(logits.double() / params.temperature, params.top_k), params.top_p).softmax(dim=-1)
 
 
 def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -158,8 +163,6 @@ def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor, targ
         last = target_probs[k]                         # every guess kept: a bonus token from p_k+1
     else:
         last = (target_probs[n] - draft_probs[n]).clamp(min=0)   # norm(max(0, p − q)); multinomial normalises
-        if not last.any():   # only by rounding (p ≤ q everywhere, so p ≈ q): the residual is then p itself
-            last = target_probs[n]
     return draft_token_ids[:n] + [int(torch.multinomial(last, 1, generator=generator))]
     # <<< exercise
 

@@ -253,13 +253,13 @@ def test_chi_square_oracle_is_the_targets_own_sampling(vocab4):
 
 
 SAMPLED_CASES = {   # name: (draft, params, γ)
-    "model draft, T=1, γ=2": ("model", SamplingParams(temperature=1.0), 2),
+    "model draft, T=1.3 top-p 0.7, γ=3": ("model", SamplingParams(temperature=1.3, top_p=0.7), 3),
     "prompt lookup, T=0.8 top-k 3, γ=3": ("lookup", SamplingParams(temperature=0.8, top_k=3), 3),
 }
 SLOW_SAMPLED_CASES = {
     "model draft, T=1, γ=1": ("model", SamplingParams(temperature=1.0), 1),
     "model draft, T=0.7 top-k 2, γ=4": ("model", SamplingParams(temperature=0.7, top_k=2), 4),
-    "model draft, T=1.3 top-p 0.7, γ=3": ("model", SamplingParams(temperature=1.3, top_p=0.7), 3),
+    "model draft, T=1, γ=2": ("model", SamplingParams(temperature=1.0), 2),
     "prompt lookup, T=1, γ=5": ("lookup", SamplingParams(temperature=1.0), 5),
 }
 
@@ -281,36 +281,31 @@ def test_sampled_tokens_follow_the_targets_distribution(vocab4, name):
     assert p_value > SIGNIFICANCE, f"{name}: χ² p = {p_value:.2g}"
 
 
-def accept_every_guess(draft_token_ids, draft_probs, target_probs, generator=None):
-    k = len(draft_token_ids)
-    return draft_token_ids + [int(torch.multinomial(target_probs[k], 1, generator=generator))]
+def accept_every_guess(guesses, q, p, generator=None):
+    return guesses + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
 
-def resample_from_p(draft_token_ids, draft_probs, target_probs, generator=None):
+def resample_from_p(guesses, q, p, generator=None):
     """Rejects correctly, then draws the replacement from p instead of the residual max(0, p − q)."""
-    k = len(draft_token_ids)
-    for i, d in enumerate(draft_token_ids):
-        if float(torch.rand(1, generator=generator)) >= float(target_probs[i, d] / draft_probs[i, d]):
-            return draft_token_ids[:i] + [int(torch.multinomial(target_probs[i], 1, generator=generator))]
-    return draft_token_ids + [int(torch.multinomial(target_probs[k], 1, generator=generator))]
+    for i, d in enumerate(guesses):
+        if float(torch.rand(1, generator=generator)) >= float(p[i, d] / q[i, d]):
+            return guesses[:i] + [int(torch.multinomial(p[i], 1, generator=generator))]
+    return guesses + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
 
-def inverted_ratio(draft_token_ids, draft_probs, target_probs, generator=None):
+def inverted_ratio(guesses, q, p, generator=None):
     """Accepts with probability min(1, q/p) instead of min(1, p/q)."""
-    k = len(draft_token_ids)
-    for i, d in enumerate(draft_token_ids):
-        if float(torch.rand(1, generator=generator)) >= float(draft_probs[i, d] / target_probs[i, d]):
-            residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-            return draft_token_ids[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
-    return draft_token_ids + [int(torch.multinomial(target_probs[k], 1, generator=generator))]
+    for i, d in enumerate(guesses):
+        if float(torch.rand(1, generator=generator)) >= float(q[i, d] / p[i, d]):
+            return guesses[:i] + [int(torch.multinomial((p[i] - q[i]).clamp(min=0), 1, generator=generator))]
+    return guesses + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
 
-def bonus_from_the_last_guess_row(draft_token_ids, draft_probs, target_probs, generator=None):
-    """Correct, except that after k accepts the bonus comes from p_k (the last guess's row), not p_k+1."""
-    emitted = speculative_rule(draft_token_ids, draft_probs, target_probs, generator)
-    k = len(draft_token_ids)
-    if len(emitted) == k + 1 and k:
-        emitted[-1] = int(torch.multinomial(target_probs[k - 1], 1, generator=generator))
+def bonus_from_the_last_guess_row(guesses, q, p, generator=None):
+    """Correct, except that after every guess is accepted the bonus comes from the last guess's row of p."""
+    emitted = speculative_rule(guesses, q, p, generator)
+    if len(emitted) == len(guesses) + 1 and guesses:
+        emitted[-1] = int(torch.multinomial(p[-2], 1, generator=generator))
     return emitted
 
 
@@ -371,3 +366,27 @@ def test_bad_calls_get_clear_errors(target):
         NgramProposer(prompt_lookup_max=2, prompt_lookup_min=3)
     with pytest.raises(ValueError, match="prompt is empty"):
         speculative.generate(target, NgramProposer(), [], GREEDY, num_speculative_tokens=2)
+
+
+# ---- the measurements lesson 11 calls ----------------------------------------------------------
+
+
+def test_the_measurements_run_and_add_up(target):
+    """Tiny shapes, one repeat: the figures are not the point here, their bookkeeping is."""
+    from minillm.speculative_bench import draft_cost, speculation_sweep, verification_cost
+    cost = verification_cost(target, context_len=20, ks=(1, 3), repeats=1, warmup=0)
+    assert cost["ratio"][1] == 1.0 and cost["per_k"][3]["median_s"] > 0
+    c = draft_cost(target, NgramProposer(), context_len=20, repeats=1)["c"]
+    prompts = [p * 2 for p in random_prompts(2, [5, 9], seed=9)]
+    sweep = speculation_sweep(target, target, prompts, GREEDY, gammas=[2, 3], repeats=1, c=0.5,
+                              verify_ratio={3: 1.2, 4: 1.4})
+    for row in sweep["per_gamma"]:   # a draft that is the target: every guess accepted
+        g = row["gamma"]
+        assert row["alpha"] == 1.0 and row["same_tokens_as_baseline"], row
+        assert row["num_accepted_tokens"] == row["num_draft_tokens"] == row["num_draft_passes"]
+        assert row["new_tokens"] == GREEDY.max_tokens * len(prompts) == row["num_accepted_tokens"] + row["num_target_passes"]
+        assert row["predicted_speedup"] == pytest.approx((g + 1) / (g * 0.5 + 1))
+        assert row["predicted_with_verify_cost"] == pytest.approx((g + 1) / (g * 0.5 + {2: 1.2, 3: 1.4}[g]))
+    lookup = speculation_sweep(target, NgramProposer(), prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=1),
+                               gammas=[4], repeats=1, c=c)["per_gamma"][0]
+    assert lookup["same_tokens_as_baseline"] is None and lookup["num_draft_passes"] == 0 and 0 <= lookup["alpha"] <= 1
