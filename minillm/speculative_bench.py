@@ -1,6 +1,7 @@
 """The measurements behind speculative decoding (lesson 11): what verification costs, and when speculation pays.
 
-    verification_cost(model, context_len, ks)           one target pass over k new tokens, for each k, vs k = 1
+    verification_cost(model, context_len, ks)           one target pass over k new tokens, for each k, vs k = 1,
+                                                        and the same pass's matrix products alone
     draft_cost(target, draft, context_len)              c: a draft step's time over a target step's
     speculation_sweep(target, draft, prompts, params)   per γ: α, tokens per target pass, measured and predicted speedup
 
@@ -25,11 +26,12 @@ import statistics
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .kv_cache import KVCache, Segment
 from .kv_cache import generate as cached_generate
 from .metrics import time_fn
-from .model import GPT2
+from .model import GPT2, Conv1D
 from .sampling import SamplingParams
 from .speculative import NgramProposer, expected_tokens_per_pass
 from .speculative import generate as speculative_generate
@@ -57,8 +59,10 @@ def verification_cost(model: GPT2, context_len: int = 256, ks=(1, 2, 4, 8, 16), 
     """One target pass feeding k new tokens after `context_len` cached ones, with logits at all k (as a
     verification needs), for each k; `ratio[k]` is its median time over the k = 1 step's.
 
-    Time does not depend on the cached values, so the cache is declared filled (zeros), as `metrics.time_decode`
-    does; every call prepares the same pass, so every repeat does the same work.
+    Beside each pass it times the pass's matrix products alone (every projection and the LM head, on k
+    random rows): when the pass grows faster with k than the weight reads explain, `matmul_ratio` says
+    whether the matrix-product kernel for k rows is the cause. Time does not depend on the cached values,
+    so the cache is declared filled (zeros), as `metrics.time_decode` does.
     """
     cfg, device = model.config, model.device
     if context_len + max(ks) > cfg.n_ctx:
@@ -67,6 +71,7 @@ def verification_cost(model: GPT2, context_len: int = 256, ks=(1, 2, 4, 8, 16), 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, max(ks)), generator=g).to(device)
     cache = KVCache(cfg, 1, context_len + max(ks), device, model.dtype)
+    projections = [m for m in model.modules() if isinstance(m, Conv1D)]
 
     def verify_pass(k: int):
         @torch.inference_mode()
@@ -75,11 +80,23 @@ def verification_cost(model: GPT2, context_len: int = 256, ks=(1, 2, 4, 8, 16), 
             return model(ids[:, :k], meta.positions, cache=cache, logits_indices=torch.arange(k, device=device))
         return run
 
-    times = interleaved({str(k): verify_pass(k) for k in ks}, device, repeats, warmup)
-    per_k = {k: _summary(times[str(k)]) for k in ks}
-    base = per_k[ks[0]]["median_s"]
-    return {"context_len": context_len, "ks": list(ks), "per_k": per_k,
-            "ratio": {k: per_k[k]["median_s"] / base for k in ks}}
+    def matmuls(k: int):
+        xs = {n: torch.randn(k, n, generator=g).to(device, model.dtype) for n in {p.weight.shape[0] for p in projections}}
+
+        @torch.inference_mode()
+        def run():
+            for p in projections:
+                p(xs[p.weight.shape[0]])
+            return F.linear(xs[cfg.n_embd], model.wte.weight)   # the LM head, over all k rows
+        return run
+
+    fns = {**{f"pass {k}": verify_pass(k) for k in ks}, **{f"matmuls {k}": matmuls(k) for k in ks}}
+    times = interleaved(fns, device, repeats, warmup)
+    per_k = {k: _summary(times[f"pass {k}"]) for k in ks}
+    mm = {k: _summary(times[f"matmuls {k}"]) for k in ks}
+    return {"context_len": context_len, "ks": list(ks), "per_k": per_k, "matmuls": mm,
+            "ratio": {k: per_k[k]["median_s"] / per_k[ks[0]]["median_s"] for k in ks},
+            "matmul_ratio": {k: mm[k]["median_s"] / mm[ks[0]]["median_s"] for k in ks}}
 
 
 def draft_cost(target: GPT2, draft: GPT2 | NgramProposer, context_len: int = 256, repeats: int = 9,

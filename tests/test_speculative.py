@@ -50,7 +50,7 @@ def make_draft(kind, target):
 
 def prompts_with_repeats(seed: int) -> list[list[int]]:
     """Random prompts, and prompts that repeat themselves, so that prompt lookup finds matches."""
-    prompts = random_prompts(3, [1, 4, 19, 40], seed=seed)
+    prompts = random_prompts(5, [1, 4, 19, 40], seed=seed)
     return prompts + [p * 3 + p[:len(p) // 2] for p in random_prompts(2, [3, 7], seed=seed + 1)]
 
 
@@ -325,6 +325,24 @@ def test_the_chi_square_test_rejects_a_broken_rule(vocab4, monkeypatch, broken):
     assert p_value < SIGNIFICANCE, f"a {broken} rule passed the distribution test (χ² p = {p_value:.2g})"
 
 
+@pytest.mark.parametrize("kind", ["other init", "noisy copy", "prompt lookup"])
+def test_sampled_runs_stop_and_add_up_like_greedy_ones(target, kind):
+    """Sampling, with a stop token drawn often enough to land inside rounds: the output ends at its first stop
+    token or at max_tokens, and the statistics add up."""
+    draft = make_draft(kind, target)
+    for seed, p in enumerate(prompts_with_repeats(seed=10)):
+        stop = SamplingParams(temperature=1.0, top_k=3, max_tokens=12, seed=seed, ignore_eos=True)
+        first = speculative.generate(target, draft, p, stop, num_speculative_tokens=4).token_ids
+        params = SamplingParams(temperature=1.0, top_k=3, max_tokens=12, seed=seed, stop_token_ids=[first[3]],
+                                ignore_eos=True)
+        for gamma in (1, 3, 8):
+            out = speculative.generate(target, draft, p, params, num_speculative_tokens=gamma)
+            stops = [i for i, t in enumerate(out.token_ids) if t == first[3]]
+            assert stops in ([], [len(out.token_ids) - 1]), out.token_ids
+            assert out.finish_reason == ("stop" if stops else "length") and len(out.token_ids) <= 12
+            check_accounting(out, gamma, kind)
+
+
 def test_seeds_are_honoured(target):
     p = random_prompts(1, [6], seed=8)[0]
     draft = context_model(seed=1)
@@ -375,7 +393,7 @@ def test_the_measurements_run_and_add_up(target):
     """Tiny shapes, one repeat: the figures are not the point here, their bookkeeping is."""
     from minillm.speculative_bench import draft_cost, speculation_sweep, verification_cost
     cost = verification_cost(target, context_len=20, ks=(1, 3), repeats=1, warmup=0)
-    assert cost["ratio"][1] == 1.0 and cost["per_k"][3]["median_s"] > 0
+    assert cost["ratio"][1] == cost["matmul_ratio"][1] == 1.0 and cost["per_k"][3]["median_s"] > 0
     c = draft_cost(target, NgramProposer(), context_len=20, repeats=1)["c"]
     prompts = [p * 2 for p in random_prompts(2, [5, 9], seed=9)]
     sweep = speculation_sweep(target, target, prompts, GREEDY, gammas=[2, 3], repeats=1, c=0.5,
