@@ -163,9 +163,11 @@ def speculation_sweep(target: GPT2, draft: GPT2 | NgramProposer, prompts: list[l
         passes = sum(o.stats.num_target_passes for o in outs)
         new_tokens = sum(len(o.token_ids) for o in outs)
         spec = _summary(times[f"γ={g}"])
+        proposed = sum(o.stats.num_draft_tokens for o in outs)
         row = {"gamma": g, "alpha": alpha, "tokens_per_target_pass": new_tokens / passes,
                "expected_tokens_per_pass": expected_tokens_per_pass(alpha, g),
-               "num_draft_tokens": sum(o.stats.num_draft_tokens for o in outs), "num_accepted_tokens": accepted,
+               "guesses_per_target_pass": proposed / passes,   # < γ where lookup finds nothing or max_tokens nears
+               "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
                "num_target_passes": passes, "num_draft_passes": sum(o.stats.num_draft_passes for o in outs),
                "new_tokens": new_tokens, "seconds": spec, "speedup": base["median_s"] / spec["median_s"],
                "same_tokens_as_baseline": ([o.token_ids for o in outs] == outputs["baseline"]) if params.greedy else None}
