@@ -9,7 +9,10 @@ Feed the same step k tokens instead of one and it still reads each weight
 once; only the arithmetic grows k-fold. Until k · 0.5 FLOP/B nears the ridge,
 the step costs about what a one-token step costs: lesson 01's decode point
 moves right along the roofline, under the flat memory roof. So *checking* k
-tokens is nearly free; what decode lacks is tokens worth checking.
+tokens is nearly free; what decode lacks is tokens worth checking. (That
+holds where the matrix-product kernel for k rows streams the weights as fast
+as the one-row kernel does; CPU BLAS libraries often do not, and lesson 11
+measures it on your device.)
 
 A cheap drafter supplies them. Each round:
 
