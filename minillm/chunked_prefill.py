@@ -76,7 +76,7 @@ class ChunkedPrefillScheduler(Scheduler):
         if out.preempted:  # memory is short: a newcomer would only be preempted in turn
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._first_waiting()
             n = min(seq.num_remaining, budget)
             if not self.blocks.can_append(seq, n):
                 return

@@ -24,7 +24,14 @@ preemption) or `chunked_prefill.py` (its decode-first policy),
 
 Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
 `SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
-`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`.
+`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`,
+`enable_prefix_caching`, `num_cached_tokens`.
+
+Prefix caching (`enable_prefix_caching=True`, off by default): full blocks are
+kept by the hash of their whole prefix and shared by every request that
+starts alike (`prefix_caching.py`). Each output carries `num_cached_tokens`,
+the prompt tokens its request found cached; `prefix_cache_hit_rate` is the
+share of all admitted prompt tokens that were.
 
 Sizing the pool: give `num_blocks` directly; or a byte budget
 `kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
@@ -38,9 +45,10 @@ block_size · KV bytes per token.
 
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
-whatever the batch, arrival pattern, block size, budget or preemptions; after
-every step each block is free or held by exactly the running sequences'
-tables; when every request has finished, every block is free.
+whatever the batch, arrival pattern, block size, budget, preemptions or
+prefix cache hits; after every step each block is free (or evictable) or held
+by exactly the running sequences' tables; when every request has finished,
+every block is free (or evictable).
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from .chunked_prefill import ChunkedPrefillScheduler
 from .kv_cache import Segment
 from .model import GPT2
 from .paged_attention import PagedKVCache
+from .prefix_caching import PrefixCachingBlockManager
 from .sampling import FINISH_ABORT, SamplingParams, finish_reason, make_generator, sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
@@ -70,6 +79,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
 
 
 @dataclass
@@ -87,13 +97,15 @@ class StepStats:
 class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9):
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = False):
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
         if num_blocks is None:
             num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        self.block_manager = blocks(num_blocks, block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
         policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
         self.scheduler = policy(self.scheduler_config, self.block_manager)
@@ -170,9 +182,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def check_invariants(self) -> None:
-        """Every block is free or held, as often as the tables say, by exactly the running sequences, and each
-        running sequence's table covers its cached tokens. Cheap enough for tests to call after every step."""
+        """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
+        exactly the running sequences, and each running sequence's table covers its computed tokens. Cheap
+        enough for tests to call after every step."""
         self.block_manager.check_invariants(self.scheduler.running)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
+        s = self.scheduler
+        return s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
 
     # ---- one step -----------------------------------------------------------
 
@@ -232,7 +251,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics, seq.num_preemptions)
+                             seq.finish_reason, seq.metrics, seq.num_preemptions, seq.num_cached_tokens)
 
     # ---- convenience --------------------------------------------------------
 
