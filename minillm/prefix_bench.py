@@ -30,12 +30,14 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .engine import LLMEngine
 from .sampling import SamplingParams
@@ -131,11 +133,12 @@ def make_engine(model, conversations: list[Conversation], caching: bool, block_s
 
 
 def compare(model, workloads: dict[str, list[Conversation]], repeats: int = 3,
-            concurrency: int | None = None) -> dict:
+            concurrency: int | None = None, on_run=None) -> dict:
     """Every workload with caching off and on, back to back, `repeats` times, alternating which goes first.
 
     Returns, per workload: every run, and per repeat the ratios on ÷ off of TTFT p50 (all requests, and of the
-    requests that hit, against the same requests without caching) and of throughput.
+    requests that hit, against the same requests without caching) and of throughput. `on_run(name, caching,
+    run)` is called after every run, to show progress.
     """
     result = {}
     for name, conversations in workloads.items():
@@ -143,6 +146,8 @@ def compare(model, workloads: dict[str, list[Conversation]], repeats: int = 3,
         for r in range(repeats):
             for caching in ((False, True) if r % 2 == 0 else (True, False)):
                 runs[caching].append(serve(make_engine(model, conversations, caching), conversations, concurrency))
+                if on_run:
+                    on_run(name, caching, runs[caching][-1])
         ratios = [pair_ratios(off, on) for off, on in zip(runs[False], runs[True])]
         result[name] = {"off": runs[False], "on": runs[True], "ratios": ratios,
                         "median_ratios": {k: statistics.median(r[k] for r in ratios) for k in ratios[0]}}
@@ -160,12 +165,15 @@ def pair_ratios(off: dict, on: dict) -> dict:
             "prefill_tokens_ratio": on["prefill_tokens_computed"] / off["prefill_tokens_computed"]}
 
 
-def default_workloads(vocab_size: int, n_ctx: int, quick: bool, seed: int = 0) -> dict[str, list[Conversation]]:
-    """The issue's sizes (a 768-token system prompt, 32-token suffixes), or small ones with --quick."""
+def default_workloads(vocab_size: int, n_ctx: int, quick: bool, n: int | None = None,
+                      seed: int = 0) -> dict[str, list[Conversation]]:
+    """A 768-token system prompt with 32-token suffixes and answers (n requests, 16 by default), conversations
+    of 4 turns (n / 2 of them); or small sizes with `quick`."""
     if quick:
-        prefix, suffix, n, answer, first, user, turns = 48, 8, 4, 4, 24, 8, 3
+        prefix, suffix, answer, first, user, turns = 48, 8, 4, 24, 8, 3
     else:
-        prefix, suffix, n, answer, first, user, turns = 768, 32, 16, 32, 256, 64, 4
+        prefix, suffix, answer, first, user, turns = 768, 32, 32, 256, 64, 4
+    n = n or (4 if quick else 16)
     assert prefix + suffix + answer <= n_ctx and first + (turns - 1) * (answer + user) + answer <= n_ctx
     return {"shared": shared_prefix_workload(n, prefix, suffix, answer, vocab_size, seed),
             "turns": multi_turn_workload(n // 2, turns, first, user, answer, vocab_size, seed + 1),
@@ -196,17 +204,23 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=None, help="closed-loop clients (default: all at once)")
+    parser.add_argument("--requests", type=int, default=None, help="requests of the shared and control workloads")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--workloads", default="shared,turns,control")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model = load_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
-    workloads = default_workloads(model.config.vocab_size, model.config.n_ctx, args.quick)
+    workloads = default_workloads(model.config.vocab_size, model.config.n_ctx, args.quick, args.requests)
     workloads = {k: workloads[k] for k in args.workloads.split(",")}
     warm = no_sharing_workload(2, 32, 2, model.config.vocab_size)
     serve(make_engine(model, warm, False), warm)  # the first forward passes allocate; keep them out of the figures
-    result = compare(model, workloads, args.repeats, args.concurrency)
+    result = compare(model, workloads, args.repeats, args.concurrency, on_run=lambda name, caching, run: print(
+        f"{time.strftime('%H:%M:%S')} {name} caching {'on' if caching else 'off'}: makespan {run['makespan_s']:.1f} s, "
+        f"TTFT p50 {run['ttft_p50_s']:.3f} s", file=sys.stderr, flush=True))
     print("\n".join(report(result)))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -48,9 +48,9 @@ else holds, and no shared block is ever written.
 *When a block is cached.* A block is hashed as soon as a step is planned to
 fill it, not after: the step's forward pass writes every new token's keys and
 values before any layer's attention reads (`paged_attention.py`), so a request
-admitted in the same step already shares it. A block computed twice (a second
-request got there before the first had registered it) keeps no hash: one
-block per key.
+admitted in the same step already shares it. When two sequences compute the
+same block side by side (one was admitted before the other had reached that
+block), the block registered second keeps no hash: one block per key.
 
 *Eviction, and why its order decides the hit rate.* A block whose last
 reference goes keeps its contents and its hash on an *evictable* list, least

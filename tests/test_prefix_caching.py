@@ -168,6 +168,7 @@ def test_a_shared_evictable_block_no_longer_counts_as_free():
 
 def test_admitting_at_more_than_is_cached_is_an_error():
     blocks = PrefixCachingBlockManager(num_blocks=4, block_size=2)
+    assert blocks.num_cached_tokens(seq(0, [1, 2, 3])) == 0
     with pytest.raises(RuntimeError, match="holds 0 of them; ask num_cached_tokens"):
         blocks.append_slots(seq(0, [1, 2, 3], computed=2), 1)
 
