@@ -165,15 +165,15 @@ def pair_ratios(off: dict, on: dict) -> dict:
             "prefill_tokens_ratio": on["prefill_tokens_computed"] / off["prefill_tokens_computed"]}
 
 
-def default_workloads(vocab_size: int, n_ctx: int, quick: bool, n: int | None = None,
+def default_workloads(vocab_size: int, n_ctx: int, quick: bool, n: int | None = None, answer: int | None = None,
                       seed: int = 0) -> dict[str, list[Conversation]]:
-    """A 768-token system prompt with 32-token suffixes and answers (n requests, 16 by default), conversations
-    of 4 turns (n / 2 of them); or small sizes with `quick`."""
+    """A 768-token system prompt with 32-token suffixes (n requests, 16 by default), conversations of 4 turns
+    (n / 2 of them), answers of `answer` tokens (32 by default); or small sizes with `quick`."""
     if quick:
-        prefix, suffix, answer, first, user, turns = 48, 8, 4, 24, 8, 3
+        prefix, suffix, first, user, turns = 48, 8, 24, 8, 3
     else:
-        prefix, suffix, answer, first, user, turns = 768, 32, 32, 256, 64, 4
-    n = n or (4 if quick else 16)
+        prefix, suffix, first, user, turns = 768, 32, 256, 64, 4
+    n, answer = n or (4 if quick else 16), answer or (4 if quick else 32)
     assert prefix + suffix + answer <= n_ctx and first + (turns - 1) * (answer + user) + answer <= n_ctx
     return {"shared": shared_prefix_workload(n, prefix, suffix, answer, vocab_size, seed),
             "turns": multi_turn_workload(n // 2, turns, first, user, answer, vocab_size, seed + 1),
@@ -205,6 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=None, help="closed-loop clients (default: all at once)")
     parser.add_argument("--requests", type=int, default=None, help="requests of the shared and control workloads")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 32)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--workloads", default="shared,turns,control")
     parser.add_argument("--quick", action="store_true")
@@ -214,7 +215,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model = load_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
-    workloads = default_workloads(model.config.vocab_size, model.config.n_ctx, args.quick, args.requests)
+    workloads = default_workloads(model.config.vocab_size, model.config.n_ctx, args.quick, args.requests,
+                                  args.max_tokens)
     workloads = {k: workloads[k] for k in args.workloads.split(",")}
     warm = no_sharing_workload(2, 32, 2, model.config.vocab_size)
     serve(make_engine(model, warm, False), warm)  # the first forward passes allocate; keep them out of the figures
