@@ -1,6 +1,7 @@
 """What prefix caching saves, measured: workloads that repeat themselves, served with caching off and on.
 
-    python -m minillm.prefix_bench --model gpt2 [--repeats 3] [--concurrency N] [--quick] [--json PATH]
+    python -m minillm.prefix_bench --model gpt2 [--workloads shared,turns,control] [--requests 16]
+        [--max-tokens 32] [--concurrency N] [--repeats 3] [--threads 1] [--quick] [--json PATH]
 
 Three workloads, each drawn from a seed:
 
@@ -22,7 +23,17 @@ blocks nobody holds count as free, since any allocation may take them).
 A shared machine only ever adds time, and by different amounts from one minute to
 the next. So `compare` runs caching off and on back to back, for every workload and
 every repeat, alternating which goes first, and reports each ratio per repeat: a
-ratio of two neighbouring runs, not of two medians taken minutes apart.
+ratio of two neighbouring runs, not of two medians taken minutes apart. On a CPU
+that other processes share, `--threads 1` steadies the figures: with every core
+in use, a step of many small operations can wait at each one for a thread that
+was descheduled (the same decode step was seen to take 0.6 s and 1.3 s with two
+threads, 0.31 s and 0.46 s with one).
+
+What to expect: TTFT of a hit ≈ the prefill of its uncached suffix, so with one
+client (`--concurrency 1`, no queueing) it falls by up to P / (P − S), the ratio
+of the matmul work (attention over the whole context and each step's fixed costs
+remain); with all requests at once it includes the queue. Throughput gains as much as the work
+was prefill: decode is untouched, so longer answers dilute the gain.
 """
 from __future__ import annotations
 
