@@ -26,12 +26,19 @@ static buffers, as CUDA graphs), `sampling.py`.
 
 Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
 `SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
-`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, `enforce_eager`.
+`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, `enforce_eager`,
+`enable_prefix_caching`, `num_cached_tokens`.
 
 Decode-only steps run on buffers allocated once (`cuda_graphs.DecodeRunner`):
 on CUDA each is the replay of a CUDA graph captured at start, one per batch and
 width bucket; with `enforce_eager=True` (vLLM's name), or on the CPU, they run
 eagerly at their exact shapes. Prefill and mixed steps always run eagerly.
+
+Prefix caching (`enable_prefix_caching=True`, off by default): full blocks are
+kept by the hash of their whole prefix and shared by every request that
+starts alike (`prefix_caching.py`). Each output carries `num_cached_tokens`,
+the prompt tokens its request found cached; `prefix_cache_hit_rate` is the
+share of all admitted prompt tokens that were.
 
 Sizing the pool: give `num_blocks` directly; or a byte budget
 `kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
@@ -63,11 +70,12 @@ NonFiniteLogitsError naming them; the rest redo the step's tokens.
 
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
-whatever the batch, arrival pattern, block size, budget or preemptions, and
-whether decode steps run eagerly, padded, or as CUDA graphs; after
-every step each block is free or held by exactly the running sequences'
-tables; when every request has finished, every block is free and the engine
-holds no request; over 2,000 requests the Python heap stays flat.
+whatever the batch, arrival pattern, block size, budget, preemptions or
+prefix cache hits, and whether decode steps run eagerly, padded, or as CUDA
+graphs; after every step each block is free (or evictable) or held by exactly
+the running sequences' tables; when every request has finished, every block is
+free (or evictable) and the engine holds no request; over 2,000 requests the
+Python heap stays flat.
 """
 from __future__ import annotations
 
@@ -87,6 +95,7 @@ from .cuda_graphs import DecodeRunner
 from .kv_cache import Segment, to_device
 from .model import GPT2
 from .paged_attention import PagedKVCache
+from .prefix_caching import PrefixCachingBlockManager
 from .sampling import FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
@@ -132,6 +141,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
 
 
 @dataclass
@@ -150,7 +160,8 @@ class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, record_timeline: bool = True):
+                 enforce_eager: bool = False, enable_prefix_caching: bool = False,
+                 record_timeline: bool = True):
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -161,7 +172,8 @@ class LLMEngine:
             num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization,
                                                      use_graphs)
         self._check_pool_fits(num_blocks, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        self.block_manager = blocks(num_blocks, block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
         self.decoder = DecodeRunner(model, self.cache, self.scheduler_config.max_num_seqs,
                                     "graph" if use_graphs else "eager")
@@ -307,9 +319,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def check_invariants(self) -> None:
-        """Every block is free or held, as often as the tables say, by exactly the running sequences, and each
-        running sequence's table covers its cached tokens. Cheap enough for tests to call after every step."""
+        """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
+        exactly the running sequences, and each running sequence's table covers its computed tokens. Cheap
+        enough for tests to call after every step."""
         self.block_manager.check_invariants(self.scheduler.running)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
+        s = self.scheduler
+        return s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
 
     # ---- one step -----------------------------------------------------------
 
@@ -393,7 +412,7 @@ class LLMEngine:
         if seq.is_finished:
             del self.requests[seq.request_id]
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions)
+                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens)
 
     # ---- convenience --------------------------------------------------------
 

@@ -12,6 +12,10 @@ scheduler needs follows from the gap between the two:
                                         it (after a preemption: prompt + output,
                                         recomputed)
 
+A waiting sequence holds no KV. When it is admitted, num_computed_tokens
+starts at the leading tokens whose KV the pool already holds: 0, or with
+prefix caching the whole blocks another request left there.
+
 A step that feeds a sequence's last pending token yields logits for its next
 token; only then does the engine sample for it. That single rule keeps TTFT
 exact however a prompt is split across steps: the first token comes after the
@@ -84,6 +88,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     seq_id: int = field(default_factory=lambda: next(_ids))  # the cache's key for this sequence
 
     @property

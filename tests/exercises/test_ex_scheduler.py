@@ -16,6 +16,9 @@ class TokenCountingBlocks:
         self.capacity = capacity
         self.held: dict[int, int] = {}
 
+    def num_cached_tokens(self, seq) -> int:
+        return 0  # no prefix cache
+
     def can_append(self, seq, num_new: int) -> bool:
         return sum(self.held.values()) + num_new <= self.capacity
 
