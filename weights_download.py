@@ -7,70 +7,95 @@
 
 Each checkpoint is three files from the Hugging Face hub repo
 openai-community/<name>: config.json, tokenizer.json and model.safetensors.
-`HF_ENDPOINT` replaces https://huggingface.co (a mirror, or a local server in
-the tests), as it does for the hub's own client.
 
-How a file arrives safely
--------------------------
-1. Ask first. A HEAD request on the file's `resolve` URL, without following
-   the redirect to the storage CDN, returns what the hub knows: for a large
-   (LFS) file `X-Linked-Size` and `X-Linked-Etag`, the quoted SHA-256 of the
-   content; for a small file kept in git, `Content-Length` and a git hash.
-   This is how the hub's own client reads file metadata.
-2. Stream into `<file>.part`. If a `.part` is already there from an
-   interrupted run, ask only for the rest with `Range: bytes=<have>-`.
-   A dropped connection is resumed the same way, a few times, before giving up.
-3. Check the size, and the SHA-256 when the hub reported one. Only then
-   rename `.part` to the final name, so a file under its final name is always
-   complete and verified; a mismatch deletes the `.part` and fails.
-4. A file already present at the reported size is skipped.
+What the hub's own client does
+------------------------------
+The HTTP is `huggingface_hub`'s, what every user of the hub already runs:
+`hf_hub_url` builds the address (honouring `HF_ENDPOINT`), `get_hf_file_metadata`
+asks the hub for a file's size, ETag and commit (`X-Linked-Size`,
+`X-Linked-Etag`, `X-Repo-Commit`, following the hub's redirects and sending
+`HF_TOKEN`), and `http_get` streams the file with a progress bar, resumes with
+`Range` after a dropped connection, restarts when a server ignores `Range`, and
+raises when the byte count differs from the announced size. `HF_HUB_OFFLINE=1`
+blocks every request.
 
-Standard library plus tqdm only, so it runs before anything else is installed.
+What this script adds, and why
+------------------------------
+We call `http_get` rather than `hf_hub_download(local_dir=...)`: in
+huggingface_hub 2.4, `hf_hub_download` writes each file to a temporary name
+that it deletes on any failure, so an interrupted gpt2-xl starts again from
+zero, and it checks a file's size but never its content. On top of the client:
+
+- Bytes go to `<file>.part`, which survives an interruption, so rerunning the
+  command asks only for the rest; a stream that ends early (a server that
+  closes the connection instead of sending `Content-Length`) is resumed the
+  same way, a few times, within one run.
+- A file takes its final name only after its content matches the hub's
+  checksum: the SHA-256 in `X-Linked-Etag` for a large (LFS) file, the git blob
+  hash in `ETag` for a small one. A file whose size or checksum the server does
+  not give is refused, so a truncated or wrong file never takes the final name.
+- Writes stop at the announced size, so a server that sends more cannot fill
+  the disk; the `.part` is deleted, since its content cannot be trusted.
+- A reply to `Range: bytes=N-` that starts anywhere but N is refused before a
+  byte of it is written, and the file starts over.
+- The client times out a silent connection, but not one that drips a byte at
+  a time; a file that receives fewer than STALL_BYTES in STALL_SECONDS stops,
+  keeping its `.part`.
+- A full disk, a `--dir` that cannot hold files, a malformed `HF_ENDPOINT` or
+  an unreachable hub end in a one-line `error:` (exit code 1), never a traceback.
+
+Invariant held by the tests (against a local server that answers as the hub
+does): a file under its final name is complete and verified.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import os
 import re
+import shutil
 import sys
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
+import time
+from contextlib import nullcontext
 from pathlib import Path
-from urllib.parse import urljoin
+from urllib.parse import urlsplit
 
-try:
-    from tqdm import tqdm
-except ImportError:  # the progress bar is a nicety, not a requirement
-    tqdm = None
+import httpx2  # huggingface_hub's HTTP library: the stall watch wraps its response streams
+from huggingface_hub import get_hf_file_metadata, get_session, hf_hub_url, is_offline_mode
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from huggingface_hub.file_download import http_get
+from huggingface_hub.utils import build_hf_headers, disable_progress_bars
 
 CHECKPOINTS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # = minillm.config.HF_CHECKPOINTS
 FILES = ("config.json", "tokenizer.json", "model.safetensors")  # small ones first: a bad name fails fast
 REPO_OWNER = "openai-community"
 DEFAULT_ENDPOINT = "https://huggingface.co"
-CHUNK = 1 << 20
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+ATTEMPTS = 4                # GETs per file in one run when the stream ends early
+STALL_SECONDS = 60.0        # a file that receives fewer than STALL_BYTES in this long has stalled
+STALL_BYTES = 64 << 10
+_SHA256 = re.compile(r"[0-9a-f]{64}")    # an LFS file's ETag: the SHA-256 of its content
+_GIT_SHA1 = re.compile(r"[0-9a-f]{40}")  # a git file's ETag: sha1(b"blob <size>\0" + content)
 
 
 class DownloadError(Exception):
     """A download that cannot finish; the message says why and what to do."""
 
 
-@dataclass
-class RemoteFile:
-    url: str
-    size: int | None      # bytes, when the server said
-    sha256: str | None    # hex digest, when the server said (LFS files)
+class _Restart(Exception):
+    """The server answered a range request with other bytes: start the file over."""
 
 
 def endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    """$HF_ENDPOINT (a mirror, or a local server in the tests), else the hub itself."""
+    url = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise DownloadError(f"HF_ENDPOINT={url!r} is not a URL like {DEFAULT_ENDPOINT}; fix it or unset it")
+    return url
 
 
-def file_url(name: str, filename: str, base: str | None = None) -> str:
-    return f"{base or endpoint()}/{REPO_OWNER}/{name}/resolve/main/{filename}"
+def file_url(name: str, filename: str) -> str:
+    return hf_hub_url(f"{REPO_OWNER}/{name}", filename, endpoint=endpoint())
 
 
 def default_dir() -> Path:
@@ -79,153 +104,199 @@ def default_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent / "weights"
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None  # surface the 3xx itself: its headers carry the file's metadata
+def open_part(path: Path):
+    """The `.part` file, opened to append (the tests swap in a file that runs out of space)."""
+    return open(path, "ab")
 
 
-def _unreachable(url: str, err: Exception) -> DownloadError:
-    reason = getattr(err, "reason", err)
-    return DownloadError(f"cannot reach {url} ({reason}). Check the network connection, or set HF_ENDPOINT "
-                         "to a reachable mirror. Without the download, minillm runs on random weights.")
+# ---- the guard on huggingface_hub's HTTP client ------------------------------
+
+class _StallWatch(httpx2.SyncByteStream):
+    """A response body that raises once fewer than STALL_BYTES arrive in STALL_SECONDS. (A connection that
+    sends nothing at all is the client's own read timeout, HF_HUB_DOWNLOAD_TIMEOUT.)"""
+
+    def __init__(self, stream: httpx2.SyncByteStream, host: str):
+        self.stream, self.host = stream, host
+
+    def __iter__(self):
+        since, got = time.monotonic(), 0
+        for chunk in self.stream:
+            got += len(chunk)
+            if time.monotonic() - since >= STALL_SECONDS:
+                if got < STALL_BYTES:
+                    raise DownloadError(f"the download from {self.host} stalled: {got} bytes in the last "
+                                        f"{STALL_SECONDS:g} s; run the same command again to resume")
+                since, got = time.monotonic(), 0
+            yield chunk
+
+    def close(self) -> None:
+        self.stream.close()
 
 
-def _http_error(url: str, err: urllib.error.HTTPError) -> DownloadError:
-    return DownloadError(f"the server answered HTTP {err.code} {err.reason} for {url}; "
-                         "check the model name and HF_ENDPOINT")
+def _guard(response: httpx2.Response) -> None:
+    """Every response the hub's client receives: the range must be the one asked for, the body must flow."""
+    asked = response.request.headers.get("Range")
+    if response.status_code == 206 and asked:
+        start = asked.removeprefix("bytes=").split("-")[0]
+        got = response.headers.get("Content-Range", "")
+        if not got.startswith(f"bytes {start}-"):
+            raise _Restart(f"asked for {asked}, the server sent {got or 'no Content-Range'}")
+    response.stream = _StallWatch(response.stream, response.request.url.host)
 
 
-def _normalize_etag(etag: str | None) -> str | None:
-    if not etag:
-        return None
-    etag = etag.strip().removeprefix("W/").strip('"').lower()
-    return etag if _SHA256.fullmatch(etag) else None
+def _install_guard() -> None:
+    session = get_session()  # huggingface_hub's shared client, with its own hooks and redirects
+    if _guard not in session.event_hooks["response"]:
+        session.event_hooks = {**session.event_hooks, "response": [*session.event_hooks["response"], _guard]}
 
 
-def remote_info(url: str, timeout: float = 30.0, max_hops: int = 5) -> RemoteFile:
-    """HEAD the file: its size and (for LFS files) its SHA-256, following only relative redirects."""
-    opener = urllib.request.build_opener(_NoRedirect)
-    for _ in range(max_hops):
-        req = urllib.request.Request(url, method="HEAD",
-                                     headers={"Accept-Encoding": "identity", "User-Agent": "minillm-download"})
+# ---- one file -----------------------------------------------------------------
+
+class _PartFile:
+    """The `.part` being written: never past `size` bytes, and a failed write is a DownloadError."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size, self.overflow = path, size, False
         try:
-            with opener.open(req, timeout=timeout) as resp:
-                headers, redirect = resp.headers, False
-        except urllib.error.HTTPError as e:
-            if e.code not in (301, 302, 303, 307, 308):
-                raise _http_error(url, e) from None
-            headers, redirect = e.headers, True
-            location = headers.get("Location", "")
-            if location.startswith("/"):  # a renamed repo on the hub itself: follow it
-                url = urljoin(url, location)
-                continue
-        except (urllib.error.URLError, OSError) as e:
-            raise _unreachable(url, e) from None
-        size = headers.get("X-Linked-Size") or (None if redirect else headers.get("Content-Length"))
-        sha = _normalize_etag(headers.get("X-Linked-Etag") or headers.get("ETag"))
-        return RemoteFile(url, int(size) if size is not None else None, sha)
-    raise DownloadError(f"too many redirects for {url}")
+            self.file = open_part(path)
+        except OSError as e:
+            raise DownloadError(f"cannot write {path}: {e.strerror or e}; choose a writable --dir") from None
+
+    def write(self, data: bytes) -> int:
+        if self.file.tell() + len(data) > self.size:
+            self.overflow = True
+            raise DownloadError(f"the server sent more than the {self.size} bytes it announced for {self.path.name}; "
+                                "deleted the partial file, run the command again")
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            raise self._failed(e) from None
+
+    def _failed(self, e: OSError) -> DownloadError:
+        return DownloadError(f"writing {self.path} failed ({e.strerror or e}); free some disk space or choose "
+                             "another --dir, then run the same command again to resume")
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.file.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        return self.file.truncate(size)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.file.close()
+        except OSError as e:  # a buffered write can fail only here
+            if exc[0] is None:
+                raise self._failed(e) from None
+        if self.overflow or (self.path.is_file() and self.path.stat().st_size == 0):
+            self.path.unlink(missing_ok=True)
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
+def _metadata(url: str):
+    """The hub's size and checksum for `url`, or a DownloadError that says what is wrong."""
+    try:
+        meta = get_hf_file_metadata(url, timeout=30)
+    except OfflineModeIsEnabled:
+        raise DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise DownloadError(f"the hub answered HTTP {status} for {url}; check the model name and HF_ENDPOINT") from None
+    except httpx2.HTTPError as e:
+        raise DownloadError(f"cannot reach {url} ({type(e).__name__}: {e}). Check the network connection, or set "
+                            "HF_ENDPOINT to a reachable mirror. Without the download, minillm runs on random "
+                            "weights.") from None
+    if meta.commit_hash is None:
+        raise DownloadError(f"the answer for {url} has no X-Repo-Commit header, so it does not come from a Hugging "
+                            "Face hub; check HF_ENDPOINT and any proxy")
+    if meta.size is None:
+        raise DownloadError(f"the hub did not say how large {url} is, so a complete download could not be told "
+                            "from a truncated one; refusing it (try again later, or another HF_ENDPOINT)")
+    if not (_SHA256.fullmatch(meta.etag or "") or _GIT_SHA1.fullmatch(meta.etag or "")):
+        raise DownloadError(f"the hub gave no checksum for {url} (ETag {meta.etag!r}), so the download could not "
+                            "be verified; refusing it (check HF_ENDPOINT)")
+    return meta
+
+
+def checksum(path: Path, etag: str) -> str:
+    """The digest of `path` in the ETag's scheme: SHA-256 of the content, or git's blob hash."""
+    if _SHA256.fullmatch(etag):
+        h = hashlib.sha256()
+    else:
+        h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     with open(path, "rb") as f:
-        while block := f.read(CHUNK):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
 
-def _fetch(info: RemoteFile, part: Path, label: str, timeout: float, progress: bool) -> None:
-    """One GET into `part`, resuming from its current size; raises ConnectionError if cut short."""
-    have = part.stat().st_size if part.exists() else 0
-    headers = {"Accept-Encoding": "identity", "User-Agent": "minillm-download"}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    req = urllib.request.Request(info.url, headers=headers)
-    try:
-        resp = urllib.request.urlopen(req, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        if e.code == 416:  # our .part does not fit the file any more: start over
-            part.unlink()
-            raise ConnectionError("the partial file did not match the remote one; restarting") from None
-        raise _http_error(info.url, e) from None
-    with resp:
-        if have and resp.status != 206:  # the server ignored Range: take the whole file again
-            have = 0
-        length = resp.headers.get("Content-Length")
-        expected = int(length) if length is not None else None
-        bar = None
-        if progress and tqdm is not None:
-            bar = tqdm(total=info.size, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
-                       desc=label, leave=True)
-        received = 0
-        try:
-            with open(part, "ab" if have else "wb") as f:
-                while block := resp.read(CHUNK):
-                    f.write(block)
-                    received += len(block)
-                    if bar:
-                        bar.update(len(block))
-        finally:
-            if bar:
-                bar.close()
-    # http.client returns b"" when the server closes early, so count the bytes ourselves.
-    if expected is not None and received < expected:
-        raise ConnectionError(f"connection closed after {have + received} bytes")
-
-
-def download_file(url: str, dest: Path, timeout: float = 30.0, retries: int = 3, progress: bool = True) -> str:
-    """Make `dest` a complete, verified copy of `url`. Returns "skipped" or "downloaded"."""
-    dest = Path(dest)
-    info = remote_info(url, timeout)
-    if dest.exists() and (info.size is None or dest.stat().st_size == info.size):
-        return "skipped"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    if part.exists() and info.size is not None and part.stat().st_size > info.size:
+def download_file(name: str, filename: str, folder: Path) -> str:
+    """Make `folder/filename` a complete, verified copy of the hub's file. Returns what happened."""
+    dest, part = folder / filename, folder / (filename + ".part")
+    url = file_url(name, filename)
+    meta = _metadata(url)
+    if dest.is_file() and dest.stat().st_size == meta.size:
+        return "already there"  # it was verified before it took this name
+    if part.is_file() and part.stat().st_size > meta.size:
         part.unlink()
-    for attempt in range(retries + 1):
-        if part.exists() and info.size is not None and part.stat().st_size == info.size:
-            break  # a previous run got every byte but stopped before the rename
-        try:
-            _fetch(info, part, f"{dest.parent.name}/{dest.name}", timeout, progress)
+    have = part.stat().st_size if part.is_file() else 0
+    free = shutil.disk_usage(folder).free
+    if meta.size - have > free:
+        raise DownloadError(f"{filename} needs {meta.size - have:,} more bytes but {folder} has {free:,} free; "
+                            "free some space or choose another --dir")
+    headers = build_hf_headers()
+    if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)  # a CDN gets no hub token
+    for attempt in range(1, ATTEMPTS + 1):
+        have = part.stat().st_size if part.is_file() else 0
+        if have == meta.size:
             break
-        except (ConnectionError, TimeoutError, http.client.HTTPException, urllib.error.URLError) as e:
-            if isinstance(e, urllib.error.URLError) and attempt == 0 and not part.exists():
-                raise _unreachable(url, e) from None
-            have = part.stat().st_size if part.exists() else 0
-            if attempt == retries:
-                raise DownloadError(f"download of {url} interrupted after {have} of {info.size or '?'} bytes "
-                                    f"({e}); run the same command again to resume from {part}") from None
-            print(f"{dest.name}: {e}; resuming from byte {have}", file=sys.stderr)
-    _verify(info, part)
-    os.replace(part, dest)
-    return "downloaded"
-
-
-def _verify(info: RemoteFile, part: Path) -> None:
-    """Size, then SHA-256 when known; a bad file is deleted, never renamed."""
-    size = part.stat().st_size
-    if info.size is not None and size != info.size:
+        try:
+            with _PartFile(part, meta.size) as f:
+                http_get(meta.location, f, resume_size=have, expected_size=meta.size, headers=headers,
+                         displayed_filename=f"{name}/{filename}")
+            break
+        except _Restart as e:
+            part.unlink(missing_ok=True)
+            reason = f"{e}; starting the file over"
+        except (OSError, httpx2.HTTPError) as e:  # the stream ended early, or the hub's own retries gave up
+            reason = str(e).splitlines()[0]
+        have = part.stat().st_size if part.is_file() else 0
+        if attempt == ATTEMPTS:
+            raise DownloadError(f"download of {url} stopped after {have:,} of {meta.size:,} bytes ({reason}); "
+                                f"run the same command again to resume from {part}")
+        print(f"{name}/{filename}: {reason}; resuming from byte {have:,}", file=sys.stderr)
+    got = checksum(part, meta.etag)
+    if got != meta.etag:
         part.unlink()
-        raise DownloadError(f"{part} has {size} bytes but the server announced {info.size}; "
+        raise DownloadError(f"checksum mismatch for {url}: the hub says {meta.etag}, the download hashes to {got}; "
                             "deleted it, run the command again")
-    if info.sha256 is not None:
-        got = sha256_of(part)
-        if got != info.sha256:
-            part.unlink()
-            raise DownloadError(f"checksum mismatch for {info.url}: expected sha256 {info.sha256}, got {got}; "
-                                "deleted the download, run the command again")
+    os.replace(part, dest)
+    return "downloaded and verified"
 
 
-def download_checkpoint(name: str, weights_dir: Path | None = None, **kwargs) -> Path:
-    """Fetch config.json, tokenizer.json and model.safetensors of one checkpoint."""
+def download_checkpoint(name: str, weights_dir: Path | None = None, progress: bool = True) -> Path:
+    """Fetch config.json, tokenizer.json and model.safetensors of one checkpoint into `<weights_dir>/<name>/`."""
     if name not in CHECKPOINTS:
         raise DownloadError(f"unknown checkpoint {name!r}; choose from {', '.join(CHECKPOINTS)}")
     folder = Path(weights_dir or default_dir()) / name
-    for filename in FILES:
-        outcome = download_file(file_url(name, filename), folder / filename, **kwargs)
-        print(f"{name}/{filename}: {outcome}", file=sys.stderr)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DownloadError(f"cannot create the folder {folder}: {e.strerror or e}; choose another --dir") from None
+    if not os.access(folder, os.W_OK):
+        raise DownloadError(f"the folder {folder} is not writable; choose another --dir")
+    if is_offline_mode():
+        raise DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded; unset it")
+    _install_guard()
+    with nullcontext() if progress else disable_progress_bars():
+        for filename in FILES:
+            print(f"{name}/{filename}: {download_file(name, filename, folder)}", file=sys.stderr)
     return folder
 
 

@@ -5,9 +5,11 @@
 `generate` prints the text, then the two numbers that describe a request's
 speed: TTFT (time to first token: the prefill, one forward pass over the whole
 prompt) and decode tokens/s (one forward pass per token, reading the KV cache).
-Both are timed after an untimed warm-up generation of the same prompt, so they
-leave out what only a process's first forward passes pay (allocation, kernel
-selection).
+Both are timed after one untimed warm-up run of the same prompt, so neither
+counts the one-off cost of a first call (allocations, kernel selection).
+
+Bad input (a flag out of range, an unknown device, a broken checkpoint, text
+that is not UTF-8) is one `error:` line and exit code 2, never a traceback.
 
 Each command is one `add_<name>_command(subparsers)` function that adds its
 parser and sets `func`; `COMMANDS` lists them. A new command is one such
@@ -23,7 +25,7 @@ from .kv_cache import generate as cached_generate
 from .metrics import synchronize
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
-from .weights import CheckpointError, load_model, resolve_device, resolve_dtype
+from .weights import load_model, resolve_device, resolve_dtype
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,15 +38,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags; an error names the flag it came from."""
+    fields = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens,
+                  seed=args.seed, ignore_eos=args.ignore_eos)
+    for name, value in fields.items():
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: {e}") from None
+    return SamplingParams(**fields)
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model = load_model(args.model, device, dtype, args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     prompt_ids = tokenizer.encode(args.prompt)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     model.config.check_prompt(prompt_ids, params.max_tokens)
+    # Untimed warm-up: a first call pays one-off costs (allocation, kernel choice) that are not the request's.
+    cached_generate(model, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(2, params.max_tokens)))
 
     marks: list[float] = []  # wall time after each forward pass; marks[0] ends the prefill
 
@@ -52,8 +67,6 @@ def run_generate(args: argparse.Namespace) -> int:
         synchronize(device)
         marks.append(time.perf_counter())
 
-    # Untimed warm-up: the first forward passes pay for allocation and kernel selection, which no later request does.
-    cached_generate(model, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(2, params.max_tokens)))
     synchronize(device)
     start = time.perf_counter()
     new_ids = cached_generate(model, [prompt_ids], params, on_step=on_step)[0]
@@ -63,7 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"model    {args.model} ({model.weights_source}) on {device}, {str(dtype).removeprefix('torch.')}")
     print(f"tokens   prompt {len(prompt_ids)}, generated {len(new_ids)}; tokenizer: {tokenizer.name}")
     ttft = marks[0] - start
-    line = f"TTFT     {ttft * 1e3:.1f} ms (prefill {len(prompt_ids) / ttft:.0f} tok/s; after an untimed warm-up)"
+    line = f"TTFT     {ttft * 1e3:.1f} ms (prefill {len(prompt_ids) / ttft:.0f} tok/s; after an untimed warm-up run)"
     if len(marks) > 1:
         decode_s = marks[-1] - marks[0]
         line += f"   decode {(len(marks) - 1) / decode_s:.1f} tok/s over {len(marks) - 1} steps"
@@ -108,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, CheckpointError) as e:  # bad input: the message is the whole story
+    except (ValueError, OSError) as e:  # bad input (CheckpointError is a ValueError): the message says it all
         print(f"error: {e}", file=sys.stderr)
         return 2
 

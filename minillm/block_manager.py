@@ -30,7 +30,8 @@ only a sequence's last block is partly empty:
     waste per sequence   < block_size slots (block_size / 2 on average)
 
 Blocks are reference-counted, so that a block can be shared by sequences with
-a common prefix; it returns to the free list when its last reference goes.
+a common prefix (`prefix_caching.py`, lesson 10); it returns to the free list
+when its last reference goes.
 
 This file is pure bookkeeping: integers in, integers out, no tensors. The
 scheduler asks it for room (`can_append`, `append_slots`, `free`); where the
@@ -136,6 +137,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
+
+    def num_cached_tokens(self, seq: HoldsKV) -> int:
+        """Leading tokens of a sequence about to be admitted whose KV the pool already holds. None here:
+        without prefix caching (`prefix_caching.py`) every admitted sequence starts from its first token."""
+        return 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """⌈num_tokens / block_size⌉: the blocks that hold that many tokens."""

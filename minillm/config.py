@@ -18,17 +18,49 @@ The presets are named exactly as the Hugging Face checkpoints are. `tiny` and
 enough that a CPU runs them in milliseconds.
 
 Invariants held by the tests: `num_params` equals the published parameter
-count of each checkpoint and the parameters of a built model; a prompt that
-`check_prompt` accepts fits the context with its whole output.
+count of each checkpoint and the parameters of a built model; a config holds
+only positive integer shapes with n_embd divisible by n_head, whether made in
+code or read from a `config.json`; a prompt that `check_prompt` accepts is a
+list of ints that fits the context with its whole output.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 EOS_TOKEN_ID = 50256  # "<|endoftext|>" in GPT-2's vocabulary
+# Bounds far beyond any GPT-2 (gpt2-xl: 48 layers, 1600 wide): past them a value is a typo, not a model.
+MAX_LAYERS, MAX_WIDTH, MAX_POSITIONS, MAX_VOCAB = 1_000, 100_000, 1_000_000, 10_000_000
+
+
+def check_int(name: str, value, low: int, high: float = math.inf, hint: str = "") -> int:
+    """`value` as a Python int in [low, high), NumPy's and torch's integers included; else a ValueError
+    that names the field, the value and the limit."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} is a {type(value).__name__}; it must be an integer{hint}") from None
+    if not low <= value < high:
+        limit = f"in [{low}, {high:.0f})" if high < math.inf else f"≥ {low}"
+        raise ValueError(f"{name}={value} must be {limit}{hint}")
+    return value
+
+
+def check_real(name: str, value, hint: str = "") -> float:
+    """`value` as a finite Python float; else a ValueError that names the field and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} is a {type(value).__name__}; it must be a number{hint}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number{hint}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -42,12 +74,22 @@ class GPT2Config:
     eos_token_id: int | None = EOS_TOKEN_ID
 
     def __post_init__(self):
+        limits = {"n_layer": MAX_LAYERS, "n_head": MAX_WIDTH, "n_embd": MAX_WIDTH, "n_ctx": MAX_POSITIONS,
+                  "vocab_size": MAX_VOCAB}
+        for name, high in limits.items():
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1, high + 1))
+        eps = check_real("layer_norm_epsilon", self.layer_norm_epsilon, " (GPT-2 uses 1e-05)")
+        if not 0 < eps < 1:
+            raise ValueError(f"layer_norm_epsilon={eps:g} must be in (0, 1): it keeps LayerNorm from dividing "
+                             "by zero (GPT-2 uses 1e-05)")
+        object.__setattr__(self, "layer_norm_epsilon", eps)
+        if self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_id", check_int(
+                "eos_token_id", self.eos_token_id, 0, self.vocab_size,
+                hint=", inside the vocabulary; or None (null in config.json) for a vocabulary without one"))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                              "every head must get the same width, so pick an n_head that divides n_embd")
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError(f"eos_token_id={self.eos_token_id} is outside the vocabulary "
-                             f"[0, {self.vocab_size}); pass eos_token_id=None for a vocabulary without one")
 
     @classmethod
     def from_preset(cls, name: str) -> "GPT2Config":
@@ -57,11 +99,22 @@ class GPT2Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "GPT2Config":
-        """Read a Hugging Face GPT-2 `config.json` (its keys are n_layer, n_head, n_embd, n_positions, ...)."""
-        return cls(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"],
-                   n_ctx=d.get("n_positions", d.get("n_ctx", 1024)), vocab_size=d["vocab_size"],
+        """Read a Hugging Face GPT-2 `config.json` (its keys are n_layer, n_head, n_embd, n_positions, ...).
+
+        Every field is checked (type, range, n_embd divisible by n_head); a ValueError names the field.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"the top level is a JSON {type(d).__name__}, not an object with fields such as n_layer")
+        missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"missing field(s) {', '.join(missing)}; a GPT-2 config.json has n_layer, n_head, "
+                             "n_embd, n_positions and vocab_size")
+        ctx_key = "n_positions" if "n_positions" in d else "n_ctx"
+        n_ctx = check_int(ctx_key, d.get(ctx_key, 1024), 1, MAX_POSITIONS + 1)
+        vocab_size = check_int("vocab_size", d["vocab_size"], 1, MAX_VOCAB + 1)
+        return cls(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"], n_ctx=n_ctx, vocab_size=vocab_size,
                    layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-                   eos_token_id=d.get("eos_token_id", EOS_TOKEN_ID if d["vocab_size"] > EOS_TOKEN_ID else None))
+                   eos_token_id=d.get("eos_token_id", EOS_TOKEN_ID if vocab_size > EOS_TOKEN_ID else None))
 
     def to_hf_dict(self) -> dict:
         """The `config.json` another GPT-2 tool expects for these shapes."""
@@ -114,15 +167,30 @@ class GPT2Config:
     def check_prompt(self, token_ids, max_tokens: int = 0) -> list[int]:
         """The prompt as a list of Python ints, or a ValueError naming the value, the limit and the fix.
 
-        A sequence holds at most len(prompt) + max_tokens − 1 tokens of KV, since
-        the last sampled token is never fed back, so that is what must fit in
-        n_ctx. Any integer type is accepted (NumPy's and torch's included).
-        Cheap enough to call once per request; the model's forward pass itself
-        does not check, so the hot path stays lean.
+        A prompt is a sequence of token ids: a list or tuple of integers (NumPy's
+        and torch's included), or a 1-D integer array or tensor. A sequence holds
+        at most len(prompt) + max_tokens − 1 tokens of KV, since the last sampled
+        token is never fed back, so that is what must fit in n_ctx. Cheap enough
+        to call once per request; the model's forward pass itself does not check,
+        so the hot path stays lean.
         """
+        kind = type(token_ids).__name__
+        if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+            if token_ids.ndim != 1:
+                raise ValueError(f"the prompt is a {token_ids.ndim}-D {kind} of shape {tuple(token_ids.shape)}; a "
+                                 "prompt is one sequence of token ids (pass one request per prompt)")
+            token_ids = token_ids.tolist()
+        elif isinstance(token_ids, (str, bytes, bytearray)):
+            raise ValueError(f"the prompt has type {kind}, not a sequence of token ids; encode text with the "
+                             "tokenizer")
+        elif not isinstance(token_ids, Sequence):
+            raise ValueError(f"the prompt has type {kind}, not a sequence of token ids (a list of ints); a call that "
+                             "takes several prompts wants a list of such lists")
         ids = []
         for i, t in enumerate(token_ids):
             try:
+                if isinstance(t, bool):
+                    raise TypeError
                 t = operator.index(t)
             except TypeError:
                 raise ValueError(f"token id {t!r} at position {i} is a {type(t).__name__}, not an integer; "
@@ -162,4 +230,4 @@ PRESETS: dict[str, GPT2Config] = {
 
 HF_CHECKPOINTS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
-__all__ = ["GPT2Config", "PRESETS", "HF_CHECKPOINTS", "EOS_TOKEN_ID", "dtype_bytes"]
+__all__ = ["GPT2Config", "PRESETS", "HF_CHECKPOINTS", "EOS_TOKEN_ID", "dtype_bytes", "check_int", "check_real"]

@@ -11,7 +11,8 @@ One step, data flowing one way:
                                 first (and which were preempted to make room); the
                                 block manager has given every planned token a slot
     cache.prepare(segments)   → the step's AttentionMetadata: positions, slot mapping,
-                                block tables, context lengths, built once
+                                block tables, context lengths, built once (decodes
+                                only: written into buffers allocated once, below)
     model(ids, positions)     → one forward pass over the flattened ragged batch,
                                 logits only at the rows that will sample
     sample, update, record    → new tokens, finished requests free their blocks,
@@ -20,56 +21,127 @@ One step, data flowing one way:
 The pieces, each in its own file: `scheduler.py` (queues, admission,
 preemption) or `chunked_prefill.py` (its decode-first policy),
 `block_manager.py` (which blocks each sequence owns), `paged_attention.py`
-(the pool and attention through block tables), `sampling.py`.
+(the pool and attention through block tables), `cuda_graphs.py` (decode on
+static buffers, as CUDA graphs), `sampling.py`.
 
 Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
 `SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
-`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`.
+`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, `enforce_eager`,
+`enable_prefix_caching`, `num_cached_tokens`.
+
+Decode-only steps run on buffers allocated once (`cuda_graphs.DecodeRunner`):
+on CUDA each is the replay of a CUDA graph captured at start, one per batch and
+width bucket; with `enforce_eager=True` (vLLM's name), or on the CPU, they run
+eagerly at their exact shapes. Prefill and mixed steps always run eagerly.
+
+Prefix caching (`enable_prefix_caching=True`, off by default): full blocks are
+kept by the hash of their whole prefix and shared by every request that
+starts alike (`prefix_caching.py`). Each output carries `num_cached_tokens`,
+the prompt tokens its request found cached; `prefix_cache_hit_rate` is the
+share of all admitted prompt tokens that were.
 
 Sizing the pool: give `num_blocks` directly; or a byte budget
 `kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
-the GPU's memory the engine may fill: weights and everything else already
-allocated are subtracted and the rest becomes KV blocks. On the CPU the
-default budget is 1 GiB.
+the GPU's memory the engine may fill. As vLLM does, the engine then profiles:
+it runs its largest prefill and decode steps on a throwaway pool and reads the
+allocator's peak, captures its largest graph and reads what that holds, and
+gives the pool what is left of its share:
+
+    pool = total · utilization − memory outside torch (CUDA context, other processes)
+           − live tensors (the weights) − activation peak − graph memory
+
+Memory the caching allocator keeps after an earlier engine let go of it is not
+subtracted: the new pool reuses it. `close()` frees the pool and the graphs
+and empties the cache for other processes. On the CPU the default budget is 1 GiB.
 
 What it costs: per step, one forward pass over Σ tokens planned, plus Python
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
 block_size · KV bytes per token.
 
+Who owns what: `step()` hands back `RequestOutput`s that are the caller's own
+copies (token lists, metrics), and `SamplingParams` are frozen, so nothing a
+caller does to them reaches the engine. A finished request's output is
+returned once, with its metrics and preemption count, and then the engine
+forgets the request, as vLLM does: keep what you need from that output. The
+requests still running or waiting are in `scheduler.running` and
+`scheduler.waiting`. Logits that are not finite fail only their own requests:
+those are aborted (the next step reports them) and `step()` raises
+NonFiniteLogitsError naming them; the rest redo the step's tokens.
+
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
-whatever the batch, arrival pattern, block size, budget or preemptions; after
-every step each block is free or held by exactly the running sequences'
-tables; when every request has finished, every block is free.
+whatever the batch, arrival pattern, block size, budget, preemptions or
+prefix cache hits, and whether decode steps run eagerly, padded, or as CUDA
+graphs; after every step each block is free (or evictable) or held by exactly
+the running sequences' tables; when every request has finished, every block is
+free (or evictable) and the engine holds no request; over 2,000 requests the
+Python heap stays flat.
 """
 from __future__ import annotations
 
+import math
+import os
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
-from .kv_cache import Segment
+from .config import check_int, check_real
+from .cuda_graphs import DecodeRunner
+from .kv_cache import Segment, to_device
 from .model import GPT2
 from .paged_attention import PagedKVCache
-from .sampling import FINISH_ABORT, SamplingParams, finish_reason, make_generator, sample
+from .prefix_caching import PrefixCachingBlockManager
+from .sampling import FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> None:
+    """Each sizing knob's type and range, whatever the device: a knob that does nothing here is still checked."""
+    check_int("block_size", block_size, 1)
+    if num_blocks is not None:
+        check_int("num_blocks", num_blocks, 1, hint=": the pool needs at least one block")
+    if kv_cache_memory_bytes is not None:
+        check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
+    if not 0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]: it is the share of "
+                         "the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
+
+
+def available_memory(device: torch.device) -> float:
+    """Bytes a new pool could take: CUDA's free memory; on the CPU, what Linux calls MemAvailable, else the
+    total RAM (inf where the OS tells neither)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
+
+
 @dataclass
 class RequestOutput:
+    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     output_token_ids: list[int]  # everything generated so far
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
 
 
 @dataclass
@@ -87,48 +159,122 @@ class StepStats:
 class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9):
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, enable_prefix_caching: bool = False,
+                 record_timeline: bool = True):
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
+        _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
+        self.memory: dict[str, int] = {}  # how the pool was sized: budget, activation peak, graph bytes
         if num_blocks is None:
-            num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization)
-        self.block_manager = BlockManager(num_blocks, block_size)
+            num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization,
+                                                     use_graphs)
+        self._check_pool_fits(num_blocks, block_size)
+        blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        self.block_manager = blocks(num_blocks, block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
+        self.decoder = DecodeRunner(model, self.cache, self.scheduler_config.max_num_seqs,
+                                    "graph" if use_graphs else "eager")
         policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
         self.scheduler = policy(self.scheduler_config, self.block_manager)
-        self.requests: dict[str, Sequence] = {}
-        self.timeline: list[StepStats] = []
+        self.requests: dict[str, Sequence] = {}  # unfinished, or finished and not yet reported
+        self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
+        self.record_timeline = record_timeline
         self._aborted: list[Sequence] = []
         self._next_id = 0
 
-    def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float) -> int:
+    # ---- memory ---------------------------------------------------------------
+
+    def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float,
+                               use_graphs: bool) -> int:
         block_bytes = block_size * self.config.kv_bytes_per_token(self.model.dtype)
+        self.memory["block_bytes"] = block_bytes
         if budget is None and self.model.device.type == "cuda":
-            if not 0 < utilization <= 1:
-                raise ValueError(f"gpu_memory_utilization={utilization} must be in (0, 1]")
-            free, total = torch.cuda.mem_get_info(self.model.device)
-            budget = int(total * utilization) - (total - free)  # what is left of our share after the weights
+            activation_peak, graph_bytes = self._profile(block_size, use_graphs)
+            budget = gpu_kv_budget(self.model.device, utilization, activation_peak, graph_bytes)
+            self.memory.update(activation_peak=activation_peak, graph_bytes=graph_bytes)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes
+        num_blocks = budget // block_bytes - 1  # the pool holds one block more: the pad block (paged_attention.py)
+        self.memory.update(kv_budget=budget)
         if num_blocks < 1:
-            raise ValueError(f"the KV budget of {budget / 2**20:.1f} MiB holds no block of {block_bytes / 2**20:.2f} MiB "
-                             f"({block_size} tokens); raise kv_cache_memory_bytes or gpu_memory_utilization, "
-                             "or use a smaller model")
+            raise ValueError(f"the KV budget of {budget / 2**20:.1f} MiB holds no block of {block_bytes / 2**20:.2f} "
+                             f"MiB ({block_size} tokens) besides the pad block; raise kv_cache_memory_bytes or "
+                             "gpu_memory_utilization, or use a smaller model")
         return num_blocks
+
+    def _check_pool_fits(self, num_blocks: int, block_size: int) -> None:
+        """Refuse a pool larger than the memory there is, before allocating it: on the CPU an oversized
+        allocation is not an error but a process the kernel kills later, without a word."""
+        device = self.model.device
+        pool = (num_blocks + 1) * block_size * self.config.kv_bytes_per_token(self.model.dtype)  # + the pad block
+        have = available_memory(device)
+        if pool > have:
+            raise ValueError(f"num_blocks={num_blocks} blocks of {block_size} tokens need {pool / 2**30:,.1f} GiB of "
+                             f"KV cache, but {device} has {have / 2**30:,.1f} GiB available; lower num_blocks, or "
+                             "leave it out and size the pool with kv_cache_memory_bytes")
+
+    @torch.inference_mode()
+    def _profile(self, block_size: int, use_graphs: bool) -> tuple[int, int]:
+        """vLLM's profile run, on a throwaway pool: the allocator's peak over this engine's largest prefill
+        (max_num_batched_tokens, sampled) and largest decode step (max_num_seqs rows over whole-context tables),
+        and the memory that the largest CUDA graph holds (0 without graphs)."""
+        device, sc = self.model.device, self.scheduler_config
+        prefill, decoder = profile_steps(self.model, sc.max_num_batched_tokens, sc.max_num_seqs, block_size)
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)  # the throwaway pool is not an activation: measure above it
+        torch.cuda.reset_peak_memory_stats(device)
+        prefill()
+        decoder.run_largest()
+        torch.cuda.synchronize(device)
+        activation_peak = torch.cuda.max_memory_allocated(device) - base
+        graph_bytes = 0
+        if use_graphs:
+            before = torch.cuda.memory_reserved(device)
+            decoder.capture([(decoder.batch_sizes[-1], decoder.widths[-1])])
+            graph_bytes = torch.cuda.memory_reserved(device) - before + decoder.logits.nbytes
+        del prefill, decoder
+        torch.cuda.empty_cache()
+        return activation_peak, graph_bytes
+
+    def close(self) -> None:
+        """Free the KV pool and the CUDA graphs now and, on CUDA, hand the allocator's cached memory back
+        (`torch.cuda.empty_cache`), so that a next engine, or another process, gets it. No step after this."""
+        if self.cache is None:
+            return
+        cuda = self.cache.pool.device.type == "cuda"
+        self.decoder = self.cache = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # an engine half built, or torch already torn down at exit: nothing left to free
+            pass
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- requests -----------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; it joins the running batch at a coming step. Returns its id."""
-        params = params or SamplingParams()
-        prompt_token_ids = self.config.check_prompt(prompt_token_ids, params.max_tokens)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params is a {type(params).__name__}; pass a SamplingParams (or None for the defaults)")
+        prompt_token_ids = tuple(self.config.check_prompt(prompt_token_ids, params.max_tokens))
         if request_id is None:
-            while str(self._next_id) in self.requests:  # taken: by an earlier request, or chosen by a caller
+            while str(self._next_id) in self.requests:  # taken by a caller's own choice
                 self._next_id += 1
             request_id = str(self._next_id)
+            self._next_id += 1  # never reused, though the request it named is forgotten once finished
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique "
                              "(pass another, or none for an automatic one)")
@@ -154,33 +300,45 @@ class LLMEngine:
                              f"reach {tokens} tokens > max_num_batched_tokens={budget}; raise the budget to at "
                              f"least {tokens} or set enable_chunked_prefill=True")
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort")."""
-        if request_id not in self.requests:
-            raise KeyError(f"no request with id {request_id!r}; known ids: {sorted(self.requests)[:10]}")
-        seq = self.requests[request_id]
-        if seq.is_finished:
-            return
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort").
+
+        Returns False, and does nothing, for an id the engine does not hold: one already finished (a
+        finished request is forgotten once its output is returned), aborted, or never added.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
         self.scheduler.remove(seq)
         self._finish(seq, FINISH_ABORT, time.perf_counter())
         self._aborted.append(seq)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def check_invariants(self) -> None:
-        """Every block is free or held, as often as the tables say, by exactly the running sequences, and each
-        running sequence's table covers its cached tokens. Cheap enough for tests to call after every step."""
+        """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
+        exactly the running sequences, and each running sequence's table covers its computed tokens. Cheap
+        enough for tests to call after every step."""
         self.block_manager.check_invariants(self.scheduler.running)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
+        s = self.scheduler
+        return s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
 
     # ---- one step -----------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; return the requests that got a token or finished."""
+        if self.cache is None:
+            raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
         start = time.perf_counter()
-        outputs = [self._output(s) for s in self._aborted]
+        outputs = [self._report(s) for s in self._aborted]
         self._aborted = []
         plan = self.scheduler.schedule()
         if not plan.chunks:
@@ -197,19 +355,41 @@ class LLMEngine:
             if reason:
                 self.scheduler.remove(seq)
                 self._finish(seq, reason, now)
-            outputs.append(self._output(seq))
-        self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
-                                       len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
+            outputs.append(self._report(seq))
+        if self.record_timeline:
+            self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
+                                           len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Run the plan as one ragged forward pass; returns (sequence, new token) for those that sample."""
-        ids, segments, sample_rows, samplers = [], [], [], []
+        """Run the plan as one forward pass; returns (sequence, new token) for those that sample."""
         now = time.perf_counter()
         for chunk in plan.chunks:
+            if chunk.seq.metrics.first_scheduled_time is None:
+                chunk.seq.metrics.first_scheduled_time = now
+        if all(chunk.is_decode for chunk in plan.chunks):  # decode only: static buffers, a graph on CUDA
+            samplers = [chunk.seq for chunk in plan.chunks]
+            segments = [Segment(s.seq_id, s.num_computed_tokens, 1, True) for s in samplers]
+            logits = self.decoder.run(segments, [s.output_token_ids[-1] for s in samplers])
+        else:
+            logits, samplers = self._execute_eager(plan)
+        try:
+            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
+            bad = [samplers[i].request_id for i in e.rows]
+            for request_id in bad:
+                self.abort_request(request_id)
+            raise NonFiniteLogitsError(e.rows, f"{e}. Requests {bad} were aborted; the next step() reports "
+                                               "them") from None
+        for chunk in plan.chunks:  # their keys and values are in the cache now, and every token was sampled
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        return list(zip(samplers, tokens))
+
+    def _execute_eager(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
+        """A step with prefill chunks: one ragged forward pass over the flattened batch, shaped for this step."""
+        ids, segments, sample_rows, samplers = [], [], [], []
+        for chunk in plan.chunks:
             seq, n, start = chunk.seq, chunk.num_tokens, chunk.seq.num_computed_tokens
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
             # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
             ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
             segments.append(Segment(seq.seq_id, start, n, chunk.is_decode))
@@ -218,28 +398,28 @@ class LLMEngine:
                 samplers.append(seq)
         device = self.model.device
         meta = self.cache.prepare(segments)
-        logits = self.model(torch.tensor([ids], device=device), meta.positions, cache=self.cache,
-                            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=device))
-        for chunk in plan.chunks:  # their keys and values are in the cache now
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
-        return list(zip(samplers, tokens))
+        logits = self.model(to_device([ids], device), meta.positions, cache=self.cache,
+                            logits_indices=to_device(sample_rows, device))
+        return logits, samplers
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = now
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _report(self, seq: Sequence) -> RequestOutput:
+        """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
+        if seq.is_finished:
+            del self.requests[seq.request_id]
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics, seq.num_preemptions)
+                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens)
 
     # ---- convenience --------------------------------------------------------
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in the order of the prompts."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; pass one per prompt, "
                              "or a single SamplingParams for all")
@@ -250,3 +430,54 @@ class LLMEngine:
                 if out.finished:
                     finals[out.request_id] = out
         return [finals[i] for i in ids]
+
+
+# ---- sizing the pool on a GPU ----------------------------------------------------------
+
+
+def gpu_kv_budget(device: torch.device, utilization: float, activation_peak: int, graph_bytes: int) -> int:
+    """Bytes for the KV pool: the engine's share of the GPU, less what is spoken for.
+
+    The share is total · utilization. Spoken for: memory used outside this
+    process's torch allocator (the CUDA context, other processes: used − reserved),
+    the live tensors (allocated: the weights, anything still held), the activation
+    peak of the largest step, and the graphs' memory. What the caching allocator
+    has reserved but no tensor uses, say the pool of an engine deleted before, is
+    free for this one: counting it as used (total − free) left a second engine with
+    no room at all.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+    live = torch.cuda.memory_allocated(device)
+    return int(total * utilization) - outside_torch - live - activation_peak - graph_bytes
+
+
+def profile_steps(model: GPT2, max_num_batched_tokens: int, max_num_seqs: int,
+                  block_size: int) -> tuple[Callable[[], list[int]], DecodeRunner]:
+    """The largest steps an engine of these limits can take, on a throwaway pool, for a profile run.
+
+    Returns a function that runs the largest prefill (max_num_batched_tokens
+    tokens in prompts of at most n_ctx, then the LM head and a top-k/top-p
+    sampler on max_num_seqs rows), and a static `DecodeRunner` whose
+    `run_largest` takes max_num_seqs rows over whole-context tables. Runs on
+    any device, so the CPU tests check its shapes.
+    """
+    cfg, device = model.config, model.device
+    lens = [min(cfg.n_ctx, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens, cfg.n_ctx)]
+    blocks = BlockManager(sum(-(-n // block_size) for n in lens), block_size)
+    cache = PagedKVCache(cfg, blocks, device, model.dtype)
+    segments = []
+    for i, n in enumerate(lens):
+        blocks.append_slots(SimpleNamespace(seq_id=i, num_computed_tokens=0), n)
+        segments.append(Segment(i, 0, n))
+    rows = min(max_num_seqs, sum(lens))
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows
+
+    @torch.inference_mode()
+    def prefill():
+        meta = cache.prepare(segments)
+        logits = model(torch.zeros(1, sum(lens), dtype=torch.long, device=device), meta.positions, cache=cache,
+                       logits_indices=torch.arange(rows, device=device))
+        return sample(logits, params)
+
+    return prefill, DecodeRunner(model, cache, max_num_seqs, "static")

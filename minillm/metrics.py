@@ -3,7 +3,7 @@
 A speed figure on its own ("40 ms per token") says little. The same figure as a
 fraction of what the device can do ("82% of the memory bandwidth") says whether
 there is anything left to win, and where. This module gives every lesson and the
-`bench` command four things:
+`bench` command five things:
 
 Timing
     `time_fn(fn, device)` runs warm-up calls, then repeats, and reports the
@@ -42,6 +42,14 @@ The device's ceilings (`measure_ceilings`)
     right of it compute-bound (time ≈ FLOPs / FLOP/s). Datasheet figures, where
     known, are reported beside them and labelled as datasheet.
 
+Launch overhead (lesson 09)
+    `count_ops(fn)` counts the ATen ops one call dispatches from Python, views
+    included: each costs the host time, and the non-view ones are roughly the
+    kernels a GPU launches. `weight_read_floor` is the fastest a decode step
+    can be, every weight read once at the measured bandwidth; `time_decode(...,
+    mode=)` times the same decode step eager, on static buffers, or replayed as
+    a CUDA graph (`cuda_graphs.py`), so a lesson sets each against that floor.
+
 `si` prints every figure's magnitude the same way (1.23e9 → "1.23 G"), for
 the lessons and `bench` alike.
 
@@ -52,15 +60,18 @@ their median.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import GPT2Config, dtype_bytes
 
@@ -376,20 +387,29 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
             "copy": Kernel(lambda: dst.copy_(src), 0, 2 * src.nbytes)}  # read + write counted
 
 
-def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> Ceilings:
-    """Measure matmul FLOP/s and copy bandwidth on `device` in `dtype`; cached per process."""
+def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False,
+                     progress: Callable[[str], None] = lambda message: None) -> Ceilings:
+    """Measure matmul FLOP/s and copy bandwidth on `device` in `dtype`; cached per process.
+
+    `progress(message)` is called as each of the two measurements starts.
+    """
     device = torch.device(device)
     key = (str(device), str(dtype), quick)
     if key in _CEILINGS:
         return _CEILINGS[key]
     kernels = ceiling_kernels(device, dtype, quick)
     mm, copy = kernels["matmul"], kernels["copy"]
-    t_mm = time_fn(mm.fn, device, warmup=2, repeats=3 if quick else 7)
-    t_copy = time_fn(copy.fn, device, warmup=2, repeats=3 if quick else 7)
+    mm_size = round((mm.flops / 2) ** (1 / 3))
+    repeats = 3 if quick else 7
+    progress(f"matmul FLOP/s: 2 + {repeats} products of two {mm_size}×{mm_size} matrices in "
+             f"{str(dtype).removeprefix('torch.')}")
+    t_mm = time_fn(mm.fn, device, warmup=2, repeats=repeats)
+    progress(f"copy bandwidth: 2 + {repeats} copies of {copy.bytes // 2 >> 20} MiB")
+    t_copy = time_fn(copy.fn, device, warmup=2, repeats=repeats)
     del kernels
     result = Ceilings(device=device_name(device), dtype=str(dtype).replace("torch.", ""),
                       matmul_flops=mm.flops / t_mm.median_s, bandwidth=copy.bytes / t_copy.median_s,
-                      matmul_size=round((mm.flops / 2) ** (1 / 3)), copy_bytes=copy.bytes // 2,
+                      matmul_size=mm_size, copy_bytes=copy.bytes // 2,
                       datasheet=datasheet_for(device, dtype))
     _CEILINGS[key] = result
     return result
@@ -433,29 +453,45 @@ def prefill_step(model, prompt_len: int, batch: int = 1, seed: int = 0) -> Calla
     return step
 
 
-def decode_step(model, cached_len: int, batch: int = 1, seed: int = 0) -> Callable[[], torch.Tensor]:
+def decode_step(model, cached_len: int, batch: int = 1, seed: int = 0,
+                mode: str = "eager") -> Callable[[], torch.Tensor]:
     """A function that runs one decode step: `batch` sequences each add a token after `cached_len` cached ones.
 
     Time does not depend on the values in the cache, so instead of running a
     prefill we declare the first `cached_len` slots filled (they hold zeros).
     Every call prepares the same step at the same length, so it does the same work.
+
+    mode "eager"   `cache.prepare` and a forward pass, new metadata tensors each step
+         "static"  the same step on buffers allocated once (`cuda_graphs.DecodeRunner`);
+                   its rows are read through an index, a copy of their keys and
+                   values that eager's consecutive rows (a view) do not pay
+         "graph"   that static step replayed as a CUDA graph (CUDA only): the
+                   same kernels as "static", so the difference is launch overhead
+    Each call includes the host's work: filling the step's inputs, and the
+    launches (or the one replay).
     """
+    from .cuda_graphs import DecodeRunner
     from .kv_cache import KVCache, Segment
 
     cfg, device = model.config, model.device
     if cached_len + 1 > cfg.n_ctx:
         raise ValueError(f"cached_len={cached_len} leaves no room for a new token in n_ctx={cfg.n_ctx}; "
                          f"use cached_len ≤ {cfg.n_ctx - 1}")
+    if mode not in ("eager", "static", "graph"):
+        raise ValueError(f"mode={mode!r}; use eager, static or graph")
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=g).tolist()
     cache = KVCache(cfg, batch, cached_len + 1, device, model.dtype)
     segments = [Segment(row, cached_len, 1, is_decode=True) for row in range(batch)]
+    if mode == "eager":
+        ids = torch.tensor(tokens, device=device)[:, None]
 
-    @torch.inference_mode()
-    def step():
-        meta = cache.prepare(segments)
-        return model(ids, meta.positions, cache=cache)
-
+        @torch.inference_mode()
+        def step():
+            meta = cache.prepare(segments)
+            return model(ids, meta.positions, cache=cache)
+    else:  # max_num_seqs = batch: the batch is its own bucket, nothing is padded
+        step = functools.partial(DecodeRunner(model, cache, batch, mode).run, segments, tokens)
     return step
 
 
@@ -466,9 +502,60 @@ def time_prefill(model, prompt_len: int, batch: int = 1, warmup: int = 1, repeat
 
 
 def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats: int = 5,
-                seed: int = 0) -> Timing:
-    """Time `decode_step`: `batch` sequences each add a token after `cached_len` cached ones."""
-    return time_fn(decode_step(model, cached_len, batch, seed), model.device, warmup, repeats)
+                seed: int = 0, mode: str = "eager") -> Timing:
+    """Time `decode_step` (same arguments): `batch` sequences each add a token after `cached_len` cached ones."""
+    return time_fn(decode_step(model, cached_len, batch, seed, mode), model.device, warmup, repeats)
+
+
+# ---- launch overhead ------------------------------------------------------------------
+
+
+@dataclass
+class OpCount:
+    """The ATen ops one call dispatched from Python: `total`, of which `views` only reinterpret memory."""
+    total: int
+    views: int
+    by_op: dict[str, int]
+
+    @property
+    def kernels(self) -> int:
+        """Ops that are not views: on a GPU, roughly the kernels launched."""
+        return self.total - self.views
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "kernels": self.kernels}
+
+
+class _Dispatches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> OpCount:
+    """Count the ATen ops that one call of `fn` dispatches: what the host pays for, op by op.
+
+    It runs under inference_mode, as the engine does, where an op reaches the
+    count as Python called it: `F.linear` is one op, whatever it calls inside.
+    A replayed CUDA graph is a single call, not an op, so only the host's own
+    work around it (filling and uploading the step's inputs) counts.
+    """
+    counter = _Dispatches()
+    with torch.inference_mode(), counter:
+        fn()
+    views = sum(n for op, n in counter.ops.items() if op.is_view)
+    by_op = {str(op).removeprefix("aten."): n for op, n in counter.ops.most_common()}
+    return OpCount(sum(counter.ops.values()), views, by_op)
+
+
+def weight_read_floor(config: GPT2Config, dtype: torch.dtype, bandwidth: float, batch: int = 1) -> float:
+    """Seconds a decode step cannot beat: every weight it uses (the LM head included) read once at
+    `bandwidth` bytes/s, the measured copy bandwidth. Its KV reads come on top; at short contexts they are small."""
+    return decode_cost(config, 0, batch, dtype).weight_bytes / bandwidth
 
 
 def si(x: float, unit: str = "") -> str:

@@ -7,12 +7,17 @@ attention that finds a sequence's keys and values through its block table.
 The pool and the slot mapping
 -----------------------------
 All KV memory is one tensor per layer, [num_blocks, block_size, K|V, head,
-head_dim]. Flatten the first two axes and every token slot has a number:
+head_dim]. Flatten the first two axes and every token slot has a number, the
+slots of one block numbered consecutively. A token's slot is found in two
+steps: the block table entry that covers its position names the block, and
+its offset inside that block picks the slot.
 
-    slot of the token at position p  =  table[p // block_size] · block_size  +  p % block_size
-
-A forward pass writes each new token's K and V to its slot, one scatter for
-the whole ragged batch; the list of slots is the step's *slot mapping*.
+A forward pass writes each new token's K and V to its slot, one copy for
+the whole ragged batch; the list of slots is the step's *slot mapping*. The
+pool holds one block more than the block manager hands out, the *pad block*:
+padded block-table entries name it, and the padding rows of a static decode
+step (`prepare_decode`, for CUDA graphs) write into it. Nothing reads it
+unmasked.
 
 What paging costs the attention kernel
 --------------------------------------
@@ -35,13 +40,15 @@ calls `prepare` once (the same call, and the same `AttentionMetadata`, as the
 contiguous cache). Every layer's `attend` then reads that metadata only:
 
     decodes        one batched call: each query attends over its own gathered
-                   context, a mask hiding the padding of shorter ones
+                   context, a mask hiding the padding of shorter ones (a
+                   static step always masks: its width is padded to a bucket)
     prefill chunk  one call per chunk: a fresh prompt attends over its own new
                    keys; a later chunk gathers the earlier chunks too
 
 Invariants held by the tests: a ragged step of decodes and chunks gives the
 contiguous cache's logits; greedy tokens through the engine are identical to
-`kv_cache.generate`.
+`kv_cache.generate`, with decode steps exact or padded; padding writes only
+the pad block.
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import GPT2Config
-from .kv_cache import AttentionMetadata, Segment
+from .kv_cache import AttentionMetadata, Segment, StaticBuffer, StaticStep, to_device
 from .model import causal_attention, causal_mask
 
 
@@ -80,7 +87,7 @@ def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len:
     _, block_size, _, H, D = layer_pool.shape
     blocks = layer_pool.index_select(0, block_tables.reshape(-1))          # one copy for K and V together
     tokens = blocks.view(b, max_blocks * block_size, 2, H, D)[:, :context_len]
-    return tokens[:, :, 0].transpose(1, 2), tokens[:, :, 1].transpose(1, 2)  # (b, H, L, D) views
+    return tokens.permute(2, 0, 3, 1, 4).unbind(0)  # K and V, each (b, H, L, D): views, no copy
     # <<< exercise
 
 
@@ -88,20 +95,40 @@ class PagedKVCache:
     """The pool of KV blocks whose tables `blocks` keeps, and attention through them.
 
     Once per step: `meta = cache.prepare(segments)`, then the model's forward
-    over the flattened (1, N) batch calls `attend` per layer.
+    over the flattened (1, N) batch calls `attend` per layer. A decode-only
+    step can instead run on buffers allocated once (`prepare_decode`).
     """
 
     def __init__(self, config: GPT2Config, blocks: BlockManager,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.config, self.blocks, self.block_size = config, blocks, blocks.block_size
-        # (layer, block, slot, K|V, head, head_dim): K and V of a slot side by side, one gather per layer.
-        self.pool = torch.zeros(config.n_layer, blocks.num_blocks, blocks.block_size, 2, config.n_head,
-                                config.head_dim, device=device, dtype=dtype)
+        H, D = config.n_head, config.head_dim
+        # (layer, block, slot, K|V, head, head_dim): K and V of a slot side by side, one gather per layer. One
+        # block more than the block manager hands out: the pad block, which padded table entries name and
+        # where the padding rows of a static decode step write; nothing reads it unmasked.
+        self.pool = torch.zeros(config.n_layer, blocks.num_blocks + 1, blocks.block_size, 2, H, D,
+                                device=device, dtype=dtype)
+        self.pad_block = blocks.num_blocks
+        self.layers = [self.pool[i] for i in range(config.n_layer)]  # one (blocks, slot, K|V, H, D) view per layer
+        # Each layer's slots seen as (K|V, 1, H, slot, D): the shape of torch.stack((k, v)) with the step's
+        # tokens on the slot axis, so one index_copy_ stores a whole step's keys and values.
+        self.slots = [layer.view(-1, 2, H, D).permute(1, 2, 0, 3).unsqueeze(1) for layer in self.layers]
         self.metadata: AttentionMetadata | None = None
+        self._buffers: StaticBuffer | None = None  # allocate_decode_buffers makes them
 
     @property
     def nbytes(self) -> int:
         return self.pool.nbytes
+
+    @property
+    def width_unit(self) -> int:
+        """A decode step reads whole blocks: its width is counted in blocks."""
+        return self.block_size
+
+    @property
+    def max_decode_width(self) -> int:
+        """The most blocks a sequence can hold: its table's width in a static step."""
+        return self.blocks.blocks_for(self.config.n_ctx)
 
     def prepare(self, segments: list[Segment]) -> AttentionMetadata:
         """Describe one forward pass over `segments`, decodes first; their blocks must be there already.
@@ -123,31 +150,92 @@ class PagedKVCache:
             context_lens.append(end)
             tables.append(table[:self.blocks.blocks_for(end)])
         width = max(len(t) for t in tables)
-        padded = [t + [t[0]] * (width - len(t)) for t in tables]  # pad with a valid id; attention never reads it
-        mask = None
+        block_tables = to_device([t + [self.pad_block] * (width - len(t)) for t in tables], device)
         decode_lens = context_lens[:num_decodes]
-        if num_decodes and min(decode_lens) != max(decode_lens):  # ragged decodes: hide each row's padding
-            mask = causal_mask(torch.tensor(decode_lens, device=device)[:, None] - 1, max(decode_lens))  # (n, 1, 1, L)
+        decode_len = max(decode_lens, default=0)
+        mask = None
+        if num_decodes and min(decode_lens) != decode_len:  # ragged decodes: hide each row's padding
+            mask = causal_mask(to_device(decode_lens, device)[:, None] - 1, decode_len)  # (n, 1, 1, L)
         self.metadata = AttentionMetadata(
-            segments=list(segments), positions=torch.tensor([positions], device=device), context_lens=context_lens,
-            query_starts=query_starts, num_decodes=num_decodes, mask=mask,
-            slot_mapping=torch.tensor(slots, device=device), block_tables=torch.tensor(padded, device=device))
+            positions=to_device([positions], device), num_decodes=num_decodes, max_context_len=max(context_lens),
+            is_fresh_prefill=all(s.start == 0 for s in segments), mask=mask, segments=list(segments),
+            context_lens=context_lens, query_starts=query_starts, slot_mapping=to_device(slots, device),
+            block_tables=block_tables, decode_len=decode_len,
+            decode_tables=block_tables[:num_decodes, :self.blocks.blocks_for(decode_len)] if num_decodes else None)
         return self.metadata
+
+    # ---- a decode step on buffers allocated once ------------------------------------
+
+    def allocate_decode_buffers(self, max_batch: int) -> None:
+        """Room for static decode steps (`prepare_decode`) of up to `max_batch` rows, allocated once."""
+        device, W = self.pool.device, self.max_decode_width
+        # positions | slot mapping | context lengths | block tables, packed at each step's own width
+        self._buffers = StaticBuffer(3 * max_batch + max_batch * W, device)
+        self._mask = torch.zeros(max_batch * W * self.block_size, dtype=torch.bool, device=device)
+        self._keys = torch.arange(W * self.block_size, device=device)
+        self._max_batch = max_batch
+        self._static: dict[tuple[int, int], StaticStep] = {}
+
+    def prepare_decode(self, segments: list[Segment], batch: int, width: int) -> AttentionMetadata:
+        """A decode step of `segments` (one token each) padded to `batch` rows whose tables are `width` blocks.
+
+        Nothing is allocated: the step's integers are written into buffers
+        allocated once and uploaded in one copy, and the metadata of each
+        (batch, width) is made once and reused, so its tensors never move.
+        Padding rows feed position 0, write to the pad block, and read it
+        (context length 1); padded table entries name the pad block too.
+        """
+        if self._buffers is None:
+            raise RuntimeError("call allocate_decode_buffers(max_batch) once before prepare_decode")
+        n, B, bs, pad = len(segments), self._max_batch, self.block_size, self.pad_block
+        if not 0 < batch <= B or n > batch or not 0 < width <= self.max_decode_width or \
+                any(s.num_new != 1 or self.blocks.blocks_for(s.start + 1) > width for s in segments):
+            raise ValueError(f"a static decode step of {batch} rows × {width} blocks (at most {B} rows × "
+                             f"{self.max_decode_width} blocks) cannot hold segments {segments}: each feeds one "
+                             "token, and its context must fit in the width")
+        host, T = self._buffers.host, 3 * B  # the tables start at T
+        slots = []
+        for i, s in enumerate(segments):
+            table = self.blocks.block_tables[s.seq_id]
+            used = self.blocks.blocks_for(s.start + 1)
+            host[T + i * width:T + i * width + used] = table[:used]
+            host[T + i * width + used:T + (i + 1) * width] = pad
+            slots.extend(slot_mapping(table, s.start, 1, bs))
+        host[T + n * width:T + batch * width] = pad
+        fill = batch - n
+        host[:batch] = [s.start for s in segments] + [0] * fill                 # positions
+        host[B:B + batch] = slots + [pad * bs] * fill                           # slot mapping
+        host[2 * B:2 * B + batch] = [s.start + 1 for s in segments] + [1] * fill  # context lengths
+        self._buffers.upload(T + batch * width)
+        step = self._static.get((batch, width)) or self._static_step(batch, width)
+        self._static[(batch, width)] = step
+        step.update_mask()
+        self.metadata = step.metadata
+        return step.metadata
+
+    def _static_step(self, batch: int, width: int) -> StaticStep:
+        buf, B, L = self._buffers.tensor, self._max_batch, width * self.block_size
+        tables = buf[3 * B:3 * B + batch * width].view(batch, width)
+        mask = self._mask[:batch * L].view(batch, L)
+        meta = AttentionMetadata(positions=buf[:batch].view(1, batch), num_decodes=batch, max_context_len=L,
+                                 mask=mask.view(batch, 1, 1, L), slot_mapping=buf[B:B + batch], block_tables=tables,
+                                 decode_tables=tables, decode_len=L)
+        return StaticStep(meta, self._keys[:L], buf[2 * B:2 * B + batch].view(batch, 1), mask)
+
+    # ---- attention ----------------------------------------------------------------
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v: (1, H, N, D) for the N tokens of the step, decodes first, then prefill chunks."""
-        m, pool = self.metadata, self.pool[layer_idx]
-        # Write every new token's K and V into its slot: one scatter for the whole ragged batch.
-        slots = pool.view(-1, 2, *pool.shape[-2:])                     # (num_blocks·block_size, 2, H, D)
-        slots[m.slot_mapping] = torch.stack((k[0], v[0]), dim=0).permute(2, 0, 1, 3)  # (N, 2, H, D)
+        m, pool = self.metadata, self.layers[layer_idx]
+        # Store every new token's K and V in its slot: one copy for the whole ragged batch.
+        self.slots[layer_idx].index_copy_(3, m.slot_mapping, torch.stack((k, v)))  # (2, 1, H, N, D)
         outputs = []
         n = m.num_decodes
         if n:  # one batched call: each decode query attends over its own gathered context
-            context = max(m.context_lens[:n])
-            keys, values = gather_kv(pool, m.block_tables[:n, :self.blocks.blocks_for(context)], context)
-            q_dec = q[0, :, :n].transpose(0, 1).unsqueeze(2)           # (n, H, 1, D)
-            out = causal_attention(q_dec, keys, values, m.mask)
-            outputs.append(out.squeeze(2).transpose(0, 1))              # (H, n, D)
+            keys, values = gather_kv(pool, m.decode_tables, m.decode_len)  # (n, H, L, D)
+            q_dec = q if n == q.shape[2] else q[:, :, :n]
+            out = causal_attention(q_dec.transpose(0, 2), keys, values, m.mask)  # queries (n, H, 1, D)
+            outputs.append(out.transpose(0, 2))                                  # (1, H, n, D)
         for i in range(n, len(m.segments)):  # one call per prefill chunk (a sequence, not a token)
             a, b, seg = m.query_starts[i], m.query_starts[i + 1], m.segments[i]
             if seg.start == 0:  # fresh prompt: its keys are exactly the new ones
@@ -156,5 +244,5 @@ class PagedKVCache:
                 context = m.context_lens[i]
                 keys, values = gather_kv(pool, m.block_tables[i:i + 1, :self.blocks.blocks_for(context)], context)
                 out = causal_attention(q[:, :, a:b], keys, values)     # queries are the last b − a of the keys
-            outputs.append(out[0])
-        return torch.cat(outputs, dim=1).unsqueeze(0) if len(outputs) > 1 else outputs[0].unsqueeze(0)
+            outputs.append(out)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

@@ -35,6 +35,15 @@ memory is short, and a newcomer would only be preempted in turn.
 Decodes are planned oldest first, so a newer sequence never pushes out an
 older one; a victim is delayed, never starved.
 
+Admission after a prefix cache hit
+----------------------------------
+A sequence is admitted at its first token whose KV the pool does not hold:
+right before admitting it, the scheduler asks the block manager how many
+leading tokens it already holds (none without prefix caching; whole cached
+blocks with it, `prefix_caching.py`) and starts `num_computed_tokens` there.
+Its first chunk, and what it costs of the budget, is only the rest; a victim
+of preemption may find its own blocks still cached when it returns.
+
 This policy is a plain object, queue state in, a plan for one step out. It
 never touches a model or a tensor, so its tests drive it with a fake block
 space that only counts tokens.
@@ -74,7 +83,9 @@ class SchedulerConfig:
 
 
 class BlockSpace(Protocol):
-    """What the scheduler asks of KV memory: room for a sequence's next tokens, in blocks."""
+    """What the scheduler asks of KV memory: what it holds of a sequence yet to be admitted, and room for a
+    sequence's next tokens, in blocks."""
+    def num_cached_tokens(self, seq: Sequence) -> int: ...
     def can_append(self, seq: Sequence, num_new: int) -> bool: ...
     def append_slots(self, seq: Sequence, num_new: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
@@ -115,6 +126,8 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences rejoin at the front
         self.running: list[Sequence] = []        # arrival order
+        self.num_prompt_tokens = 0         # of every request admitted so far
+        self.num_cached_prompt_tokens = 0  # of those, found in the prefix cache at its first admission
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -140,7 +153,7 @@ class Scheduler:
         """Prefill-first: whole prompts, in a step of their own, before any decode resumes."""
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._first_waiting()
             if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
                 break
             budget -= seq.num_remaining
@@ -159,9 +172,21 @@ class Scheduler:
                 n += 1
         return n
 
+    def _first_waiting(self) -> Sequence:
+        """The next sequence to admit, starting after the tokens whose KV the pool already holds (a prefix
+        cache hit); ask right before admitting it, as the cache changes whenever a block is allocated."""
+        seq = self.waiting[0]
+        seq.num_computed_tokens = self.blocks.num_cached_tokens(seq)
+        return seq
+
     def _admit(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
-        """Move the first waiting sequence to running with its first `num_tokens` planned; room was checked."""
+        """Move the first waiting sequence to running with `num_tokens` planned after its cached ones; room
+        was checked."""
         self.waiting.popleft()
+        if seq.num_cached_tokens is None:  # its first admission: count what the prefix cache saved its prompt
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.num_prompt_tokens += len(seq.prompt_token_ids)
+            self.num_cached_prompt_tokens += seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.blocks.append_slots(seq, num_tokens)

@@ -12,6 +12,10 @@ scheduler needs follows from the gap between the two:
                                         it (after a preemption: prompt + output,
                                         recomputed)
 
+A waiting sequence holds no KV. When it is admitted, num_computed_tokens
+starts at the leading tokens whose KV the pool already holds: 0, or with
+prefix caching the whole blocks another request left there.
+
 A step that feeds a sequence's last pending token yields logits for its next
 token; only then does the engine sample for it. That single rule keeps TTFT
 exact however a prompt is split across steps: the first token comes after the
@@ -27,7 +31,7 @@ a preempted sequence restarts from num_computed_tokens = 0 with its output kept.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -67,11 +71,15 @@ class RequestMetrics:
         """Inter-token latencies: the gaps between consecutive output tokens."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
+    def copy(self) -> "RequestMetrics":
+        """A copy the caller may keep and change, sharing nothing with the engine's."""
+        return replace(self, token_times=list(self.token_times))
+
 
 @dataclass(eq=False)  # a request is an entity: equal only to itself, so `in` and `remove` compare identity
 class Sequence:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # a prompt never changes: a tuple, safe to hand out
     params: SamplingParams
     metrics: RequestMetrics
     generator: torch.Generator | None = None
@@ -80,11 +88,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     seq_id: int = field(default_factory=lambda: next(_ids))  # the cache's key for this sequence
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def num_tokens(self) -> int:

@@ -14,8 +14,14 @@ With no `tokenizer.json` (offline, or the `tiny`/`mini` shapes that never had
 one) `ByteTokenizer` maps each UTF-8 byte to its own id 0..255: about 4× more
 tokens than BPE for English, and meaningless to the real GPT-2 weights, whose
 ids 0..255 are not bytes. It exists so every lesson runs offline; a model
-with random weights produces noise either way. Ids outside 0..255 decode as
-`<|id|>` so nothing is silently lost.
+with random weights produces noise either way.
+
+The two agree where they can: the text `<|endoftext|>` is the end-of-text
+token in both (as in GPT-2's own tokenizer, so a prompt can start a new
+document), and an id with no text (outside the vocabulary, or not a byte for
+the fallback) decodes as `<|id|>`, so nothing is silently lost. Text that is
+not valid Unicode (a byte that is not UTF-8 in a command line) is an error
+that says where.
 
 Invariant held by the tests: decode(encode(text)) == text, for the BPE
 tokenizer and for the fallback.
@@ -30,6 +36,29 @@ from .weights import CONFIG_FILE, locate, read_config
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TEXT = "<|endoftext|>"
+
+
+def check_text(text: str) -> str:
+    """`text`, or a ValueError if it cannot become UTF-8 (a lone surrogate: how Python keeps a
+    command-line byte that is not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid UTF-8 at character {e.start} ({text[e.start]!r}); "
+                         "pass text in UTF-8 (check the terminal's encoding)") from None
+    return text
+
+
+def decode_in_runs(ids, decodable, decode, name=lambda i: f"<|{i}|>") -> str:
+    """Decode each run of ids that `decodable` accepts with `decode`; any other id becomes `name(id)`."""
+    out, run = [], []
+    for i in ids:
+        if decodable(i):
+            run.append(i)
+            continue
+        out += [decode(run), name(i)]
+        run = []
+    return "".join(out) + decode(run)
 
 
 class BPETokenizer:
@@ -55,10 +84,11 @@ class BPETokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self._tok.encode(check_text(text)).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return decode_in_runs(ids, lambda i: 0 <= i < self.vocab_size,
+                              lambda run: self._tok.decode(run, skip_special_tokens=False))
 
 
 class ByteTokenizer:
@@ -75,19 +105,17 @@ class ByteTokenizer:
         self.name = f"byte fallback (UTF-8 bytes as ids 0..255, eos={eos_token_id})"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        """UTF-8 bytes; each `<|endoftext|>` is the end-of-text id, as GPT-2's own tokenizer reads it."""
+        if self.eos_token_id is None:
+            return list(check_text(text).encode("utf-8"))
+        ids = []
+        for i, part in enumerate(check_text(text).split(EOS_TEXT)):
+            ids += ([self.eos_token_id] if i else []) + list(part.encode("utf-8"))
+        return ids
 
     def decode(self, ids: list[int]) -> str:
-        out, run = [], bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            out.append(EOS_TEXT if i == self.eos_token_id else f"<|{i}|>")
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
+        return decode_in_runs(ids, lambda i: 0 <= i < 256, lambda run: bytes(run).decode("utf-8", errors="replace"),
+                              lambda i: EOS_TEXT if i == self.eos_token_id else f"<|{i}|>")
 
 
 _warned = False

@@ -82,10 +82,15 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {name!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from e
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # meta, mps, xla, ...: not devices minillm runs on
+        raise ValueError(f"unknown device {name!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use 'cpu' or 'auto'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
@@ -142,12 +147,18 @@ def check_folder(folder: Path, name: str | None = None) -> None:
 
 
 def read_config(folder: Path) -> GPT2Config:
+    """The config.json of a checkpoint folder, every field checked; a CheckpointError names the file and field."""
     path = folder / CONFIG_FILE
+    fix = "re-download it or rewrite it with save_pretrained"
     try:
-        return GPT2Config.from_hf_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{path} is not a GPT-2 config.json ({type(e).__name__}: {e}); "
-                              "re-download it or rewrite it with save_pretrained") from e
+        return GPT2Config.from_hf_dict(json.loads(path.read_text(encoding="utf-8")))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                              f"{fix}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _plan(file_keys: list[str], file_shapes: dict[str, tuple], config: GPT2Config, path: Path) -> dict[str, str]:

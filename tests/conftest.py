@@ -1,45 +1,39 @@
-"""Shared pytest setup: selecting exercises, and a student copy whose suite stays green.
+"""Shared pytest setup: selecting exercises, and a student copy whose suite reports in a few lines.
 
-Classroom exercises (minillm/exercises.py) add two options to pytest:
+Classroom exercises (minillm/exercises.py) add one option to pytest:
 
     pytest --exercise ID[,ID...]     run only the tests marked @pytest.mark.exercise("ID")
-    pytest --exercise-report PATH    write JSON lines: each selected test, each outcome (nodeid, exercises,
-                                     outcome, message), each collection error; `exercises check/grade` read it
 
-and two rules. A test that fails because it reached the stub of an exercise
-that is not one of its own (NotImplementedError("exercise <id> (lesson ...")) is
-reported as SKIPPED "needs exercise <id>, still a stub": in a student copy the
-stubbed exercises' own tests fail and everything else passes or waits for them,
-and once a piece is written the end-to-end tests that need it run for real.
-An exercise test that runs past EXERCISE_TEST_TIMEOUT_S (a student's endless
-loop) is stopped with a TimeoutError that says so, where the OS has SIGALRM.
+and three rules for a student copy:
+  * the tests of an exercise whose region is still its stub are not run: the
+    summary lists each such exercise in one line, where to write it and how to
+    check it, and the run exits 1 while any is left (`--exercise ID` runs them
+    anyway, to see them fail);
+  * a test that fails because it reached the stub of an exercise that is not
+    its own (NotImplementedError("exercise <id> (lesson ...")) is SKIPPED
+    "needs exercise <id>, still a stub", and runs for real once it is written;
+  * an exercise test that runs past EXERCISE_TEST_TIMEOUT_S (an endless loop)
+    is stopped with a TimeoutError that says so, where the OS has SIGALRM.
+Grading does not go through pytest: `exercises grade` runs the same checks in
+processes of its own (see minillm/exercises.py).
 """
 from __future__ import annotations
 
-import json
 import re
 import signal
 import threading
-from pathlib import Path
 
 import pytest
 
 STUB_MESSAGE = re.compile(r"exercise (?P<id>[a-z0-9][a-z0-9-]*) \(lesson ")
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends
-_STATE = pytest.StashKey[dict]()
+_STUBS = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("exercises", "classroom exercises (minillm/exercises.py)")
     group.addoption("--exercise", action="append", default=[], metavar="ID",
                     help="run only the tests of these exercises (comma-separated, repeatable)")
-    group.addoption("--exercise-report", metavar="PATH",
-                    help="append one JSON line per test outcome and collection error to PATH")
-
-
-def pytest_configure(config):
-    if config.getoption("exercise_report"):
-        config.pluginmanager.register(ExerciseReport(config.getoption("exercise_report")), "exercise-report")
 
 
 def exercises_of(item) -> list[str]:
@@ -48,15 +42,43 @@ def exercises_of(item) -> list[str]:
 
 def pytest_collection_modifyitems(session, config, items):
     wanted = {w.strip() for opt in config.getoption("exercise") for w in opt.split(",") if w.strip()}
-    if not wanted:
-        return
-    known = {e for item in items for e in exercises_of(item)}
-    if wanted - known and not session.testsfailed:   # with collection errors the marker may just not be seen
-        raise pytest.UsageError(f"--exercise {', '.join(sorted(wanted - known))}: no test is marked with it; "
-                                f"exercises with tests here: {', '.join(sorted(known)) or 'none'}")
-    keep = [item for item in items if wanted & set(exercises_of(item))]
+    if wanted:
+        known = {e for item in items for e in exercises_of(item)}
+        if wanted - known and not session.testsfailed:   # with collection errors the marker may just not be seen
+            raise pytest.UsageError(f"--exercise {', '.join(sorted(wanted - known))}: no test is marked with it; "
+                                    f"exercises with tests here: {', '.join(sorted(known)) or 'none'}")
+        keep = [item for item in items if wanted & set(exercises_of(item))]
+    else:
+        stubs = still_stubs(config)
+        keep = [item for item in items if not {e.id for e in stubs} & set(exercises_of(item))]
+        config.stash[_STUBS] = [e for e in stubs if any(e.id in exercises_of(item) for item in items)]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
+
+
+def still_stubs(config) -> list:
+    """The exercises whose region in this tree is still its stub (none in the reference)."""
+    from minillm.exercises import ExerciseError, find_exercises
+    try:
+        return [ex for ex in find_exercises(config.rootpath) if ex.is_stub]
+    except ExerciseError as e:
+        raise pytest.UsageError(f"the exercise regions cannot be read: {e}") from None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    stubs = config.stash.get(_STUBS, [])
+    if not stubs:
+        return
+    tr = terminalreporter
+    tr.section(f"{len(stubs)} exercise{'s' if len(stubs) > 1 else ''} still to write (their tests did not run)", sep="=")
+    for ex in stubs:
+        tr.line(f"{ex.id} ({ex.worth}): {ex.where()}")
+    tr.line("once one is written: python -m minillm.exercises check <id>")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.stash.get(_STUBS, []) and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED   # work is left: the run is not a pass
 
 
 def stub_reached(exc: BaseException | None) -> str | None:
@@ -101,63 +123,6 @@ def pytest_runtest_makereport(item, call):
         if needed and needed not in exercises_of(item):
             rep.outcome = "skipped"
             rep.longrepr = (item.location[0], item.location[1] + 1, f"needs exercise {needed}, still a stub")
-    report = item.config.pluginmanager.get_plugin("exercise-report")
-    if report is not None:
-        _record(report, item, call, rep)
-
-
-def _record(report: "ExerciseReport", item, call, rep) -> None:
-    state = item.stash.setdefault(_STATE, {"outcome": "passed", "message": ""})
-    if rep.failed and state["outcome"] != "failed":
-        state.update(outcome="failed", message=_failure_message(item, call))
-    elif rep.skipped and state["outcome"] == "passed":
-        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        state.update(outcome="skipped", message=reason.removeprefix("Skipped: "))
-    if rep.when == "teardown":
-        report.append(kind="result", nodeid=item.nodeid, exercises=exercises_of(item), **state)
-
-
-def _failure_message(item, call) -> str:
-    """What went wrong, in at most 30 lines; for an exception other than a failed assert, also where it was raised."""
-    if call.excinfo is None:
-        return "failed"
-    text = call.excinfo.exconly()
-    if isinstance(call.excinfo.value, AssertionError):   # a test's own message says it; drop pytest's `assert ...` diff
-        lines = text.splitlines()
-        cut = next((i for i, line in enumerate(lines) if i and line.startswith("assert ")), len(lines))
-        text = "\n".join(lines[:cut])
-    else:
-        root = item.config.rootpath
-        for entry in reversed(call.excinfo.traceback):   # the innermost line of the project's code, tests aside
-            path = Path(entry.path)
-            rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else None
-            if rel and not rel.startswith(("tests/", ".venv")):
-                text += f"\n(raised at {rel}:{entry.lineno + 1})"
-                break
-    lines = text.splitlines()
-    return "\n".join(lines[:30] + (["..."] if len(lines) > 30 else []))
-
-
-class ExerciseReport:
-    """--exercise-report: JSON lines, written as they happen so that a run stopped by a timeout still tells
-    which tests finished: kind "collected" per selected test, "result" per finished test, "error" per
-    module that could not be collected."""
-
-    def __init__(self, path: str):
-        self.path = Path(path)
-        self.path.write_text("", encoding="utf-8")
-
-    def append(self, **row) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def pytest_collectreport(self, report):
-        if report.failed:
-            self.append(kind="error", nodeid=report.nodeid, message=report.longreprtext)
-
-    def pytest_collection_finish(self, session):
-        for item in session.items:
-            self.append(kind="collected", nodeid=item.nodeid, exercises=exercises_of(item))
 
 
 @pytest.fixture(scope="session")

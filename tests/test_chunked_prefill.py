@@ -34,10 +34,13 @@ def params(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def drain(engine):
+def drain(engine) -> dict:
+    """Step until every request is done; the finished outputs by request id (the engine forgets them)."""
+    finished = {}
     while engine.has_unfinished_requests():
-        engine.step()
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
         engine.check_invariants()
+    return finished
 
 
 def test_a_seven_token_prompt_with_budget_three_runs_as_chunks_of_3_3_1():
@@ -93,21 +96,22 @@ def test_every_prefill_keeps_making_progress():
     """Streams keep arriving, yet the oldest pending prompt advances every step until it is done."""
     fake = RecordingModel()
     engine = LLMEngine(fake, SchedulerConfig(6, 5), block_size=4, num_blocks=128)
-    engine.add_request([1] * 40, params(1))
+    long = engine.requests[engine.add_request([1] * 40, params(1))]  # our own handle: the engine forgets it
     for i in range(30):
         engine.add_request([2] * 3, params(20))
-        before = engine.requests["0"].num_computed_tokens
+        before = long.num_computed_tokens
         engine.step()
-        if engine.requests["0"].is_finished:
+        if long.is_finished:
             break
-        assert engine.requests["0"].num_computed_tokens > before, f"the 40-token prompt stalled at step {i}"
-    assert engine.requests["0"].is_finished
+        assert long.num_computed_tokens > before, f"the 40-token prompt stalled at step {i}"
+    assert long.is_finished
     drain(engine)
 
 
 def test_scheduler_needs_no_model():
     """The policy alone, over a stand-in for the block space: a plan per step from queue state."""
     class Unlimited:
+        def num_cached_tokens(self, seq): return 0
         def can_append(self, seq, n): return True
         def append_slots(self, seq, n): pass
         def free(self, seq): pass
@@ -158,8 +162,8 @@ def test_chunk_boundaries_at_every_position(model):
         a = engine.add_request(stream, params(6))
         engine.step()
         b = engine.add_request(prompt, params(6))
-        drain(engine)
-        got = [engine.requests[r].output_token_ids for r in (a, b)]
+        finished = drain(engine)
+        got = [finished[r].output_token_ids for r in (a, b)]
         assert got == want, f"budget {budget}: outputs diverged from kv_cache.generate"
 
 

@@ -1,20 +1,28 @@
 """weights_download.py against a local stand-in for the hub; never the real network.
 
-The fake hub behaves like huggingface.co where it matters: a large (LFS) file's
-`resolve` URL answers 302 to a CDN path with `X-Linked-Size` and
-`X-Linked-Etag` (the quoted SHA-256); small files answer 200 with a git-style
-ETag. The CDN honours `Range`, and can be told to drop the connection mid-file
-or to advertise a wrong checksum.
+The fake hub answers as huggingface.co does where it matters. HEAD or GET on
+a file's `resolve` URL carries `X-Repo-Commit` and an `ETag`; a small (git)
+file answers 200 with its git blob hash as the ETag and its bytes; a large
+(LFS) file answers 302 to a CDN on another origin, with `X-Linked-Size` and
+`X-Linked-Etag` (the quoted SHA-256). The CDN honours `Range` with 206 and
+`Content-Range`. Each fault of the issue is one switch on the fake: no size,
+a close-delimited cut, a dropped connection, a size lie, a wrong
+`Content-Range`, a slow drip, a wrong checksum, a 404; a full disk is a
+file object that runs out of space.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,98 +30,151 @@ import weights_download as wd  # noqa: E402
 
 from minillm.config import HF_CHECKPOINTS  # noqa: E402
 
-BIG = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes: several reads, unaligned end
+BIG = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes, unaligned end
 SMALL = b'{"n_layer": 2}\n'
+COMMIT = "a" * 40
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 class FakeHub:
+    """Two servers, the hub and its CDN, with switches for every fault."""
+
     def __init__(self):
         self.files = {"model.safetensors": BIG, "config.json": SMALL, "tokenizer.json": b'{"model": {}}'}
         self.lfs = {"model.safetensors"}
-        self.drop_after: int | None = None  # serve this many bytes of the next CDN GET, then hang up
-        self.wrong_sha = False
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.no_size = False          # HEAD says nothing of the size
+        self.no_length = False        # GET bodies are close-delimited: no Content-Length
+        self.cut_at: list[int] = []   # the next GETs stop after this many bytes each (one entry per GET)
+        self.drop_at: int | None = None  # the next GET announces everything, sends this many bytes, hangs up
+        self.extra = 0                # GET streams this many bytes more than the file has
+        self.wrong_range = False      # a range request gets bytes from 0, labelled honestly
+        self.drip_s: float | None = None  # GET sends one byte every drip_s seconds
+        self.wrong_sha = False
+        self.faulty = "model.safetensors"  # the cuts, drops, lies, wrong ranges and drips hit this file only
 
-    def handler(hub):
+    def handler(hub, role: str):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
-            def _resolve(self):
-                hub.requests.append((self.command, self.path, self.headers.get("Range")))
-                if "/resolve/main/" in self.path:
-                    name = self.path.rsplit("/", 1)[1]
-                    if name not in hub.files:
-                        self.send_error(404)
-                        return None
-                    if name in hub.lfs:
-                        data = hub.files[name]
-                        sha = hashlib.sha256(b"not it" if hub.wrong_sha else data).hexdigest()
-                        self.send_response(302)
-                        self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}/cdn/{name}")
-                        self.send_header("X-Linked-Size", str(len(data)))
-                        self.send_header("X-Linked-Etag", f'"{sha}"')
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                        return None
-                    return hub.files[name], hashlib.sha1(hub.files[name]).hexdigest()
-                if self.path.startswith("/cdn/"):
-                    return hub.files[self.path[5:]], None
-                self.send_error(404)
-                return None
-
-            def _send(self, head_only: bool):
-                found = self._resolve()
-                if found is None:
-                    return
-                data, etag = found
-                start = 0
-                rng = self.headers.get("Range")
-                if rng and self.path.startswith("/cdn/"):
-                    start = int(rng.removeprefix("bytes=").split("-")[0])
-                    if start >= len(data):
-                        self.send_error(416)
-                        return
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-                else:
-                    self.send_response(200)
-                if etag:
-                    self.send_header("ETag", f'"{etag}"')
-                self.send_header("Content-Length", str(len(data) - start))
-                self.end_headers()
-                if head_only:
-                    return
-                body = data[start:]
-                if hub.drop_after is not None and self.path.startswith("/cdn/"):
-                    body, hub.drop_after = body[:hub.drop_after], None
-                    self.close_connection = True
-                self.wfile.write(body)
-
             def do_HEAD(self):
-                self._send(head_only=True)
+                self._serve(body=False)
 
             def do_GET(self):
-                self._send(head_only=False)
+                self._serve(body=True)
+
+            def _serve(self, body: bool):
+                hub.requests.append((self.command, f"{role}:{self.path}", self.headers.get("Range")))
+                name = self.path.rsplit("/", 1)[1]
+                if role == "hub" and ("/resolve/main/" not in self.path or name not in hub.files):
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = hub.files[name]
+                if role == "hub" and name in hub.lfs:
+                    sha = hashlib.sha256(b"not it" if hub.wrong_sha else data).hexdigest()
+                    self.send_response(302)
+                    self.send_header("Location", f"{hub.cdn}/cdn/{name}")
+                    self.send_header("X-Repo-Commit", COMMIT)
+                    self.send_header("ETag", f'"{sha}"')
+                    self.send_header("X-Linked-Etag", f'"{sha}"')
+                    if not hub.no_size:
+                        self.send_header("X-Linked-Size", str(len(data)))
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                start = 0
+                rng = self.headers.get("Range")
+                if rng and body:
+                    start = int(rng.removeprefix("bytes=").split("-")[0])
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    # the wrong range: other bytes, honestly labelled
+                    shown = 0 if hub.wrong_range and name == hub.faulty else start
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {shown}-{len(data) - 1}/{len(data)}")
+                    payload = data[shown:shown + len(data) - start]  # the length asked for, so the size is right
+                else:
+                    self.send_response(200)
+                    payload = data
+                if role == "hub":
+                    self.send_header("X-Repo-Commit", COMMIT)
+                    self.send_header("ETag", f'"{git_blob_sha1(data)}"')
+                faulty = body and name == hub.faulty
+                if body:
+                    payload += b"\0" * hub.extra * faulty
+                    if not hub.no_length:
+                        self.send_header("Content-Length", str(len(payload)))
+                elif not hub.no_size:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not body:
+                    return
+                if faulty and hub.drop_at is not None:
+                    payload, hub.drop_at = payload[:hub.drop_at], None
+                elif faulty and hub.cut_at:
+                    payload = payload[:hub.cut_at.pop(0)]
+                try:
+                    if faulty and hub.drip_s is not None:
+                        for i in range(len(payload)):
+                            self.wfile.write(payload[i:i + 1])
+                            self.wfile.flush()
+                            time.sleep(hub.drip_s)
+                    else:
+                        self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up, as it should
+                    pass
+                self.close_connection = True
 
         return Handler
+
+
+def _serve(handler) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    return server
+
+
+@pytest.fixture(autouse=True)
+def no_telemetry(monkeypatch):
+    """huggingface_hub's user agent would otherwise ask huggingface.co for a list of AI agents: no network here."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
 
 
 @pytest.fixture
 def hub(monkeypatch):
     fake = FakeHub()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), fake.handler())
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    fake.base = f"http://127.0.0.1:{server.server_port}"
+    hub_server, cdn_server = _serve(fake.handler("hub")), _serve(fake.handler("cdn"))
+    fake.base = f"http://127.0.0.1:{hub_server.server_port}"
+    fake.cdn = f"http://127.0.0.1:{cdn_server.server_port}"  # another origin, as the real CDN is
     monkeypatch.setenv("HF_ENDPOINT", fake.base)
     yield fake
-    server.shutdown()
-    server.server_close()
+    for server in (hub_server, cdn_server):
+        server.shutdown()
+        server.server_close()
 
 
-def big_url():
-    return wd.file_url("gpt2", "model.safetensors")
+def get(tmp_path, *args) -> tuple[int, str]:
+    """Run the command line; returns (exit code, stderr)."""
+    import contextlib
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = wd.main(["gpt2", "--dir", str(tmp_path), *args])
+    return code, err.getvalue()
+
+
+def cdn_gets(hub) -> list[str | None]:
+    return [r[2] for r in hub.requests if r[0] == "GET" and r[1].startswith("cdn:")]
 
 
 def test_checkpoint_names_match_the_presets():
@@ -127,79 +188,193 @@ def test_hf_endpoint_overrides_the_base_url(monkeypatch):
     assert wd.file_url("gpt2", "model.safetensors").startswith("https://huggingface.co/openai-community/gpt2/")
 
 
-def test_remote_info_reads_the_lfs_headers_without_following_the_redirect(hub):
-    info = wd.remote_info(big_url())
-    assert info.size == len(BIG) and info.sha256 == hashlib.sha256(BIG).hexdigest()
-    assert [r[0] for r in hub.requests] == ["HEAD"] and "/cdn/" not in hub.requests[0][1]
-    small = wd.remote_info(wd.file_url("gpt2", "config.json"))
-    assert small.size == len(SMALL) and small.sha256 is None  # a git sha1 is not a sha256
-
-
 def test_full_download_of_a_checkpoint(hub, tmp_path):
-    assert wd.main(["gpt2", "--dir", str(tmp_path), "--no-progress"]) == 0
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 0, err
     folder = tmp_path / "gpt2"
     assert (folder / "model.safetensors").read_bytes() == BIG
     assert (folder / "config.json").read_bytes() == SMALL
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert cdn_gets(hub) == [None]  # the big file came from the CDN, in one piece
 
 
-def test_resume_after_the_connection_drops(hub, tmp_path):
-    dest = tmp_path / "gpt2" / "model.safetensors"
-    hub.drop_after = 3000
-    with pytest.raises(wd.DownloadError, match="run the same command again to resume"):
-        wd.download_file(big_url(), dest, retries=0, progress=False)
-    part = dest.with_name("model.safetensors.part")
-    assert not dest.exists() and part.stat().st_size == 3000
-    hub.requests.clear()
-    assert wd.download_file(big_url(), dest, progress=False) == "downloaded"
-    assert dest.read_bytes() == BIG and not part.exists()
-    assert ("GET", "/cdn/model.safetensors", "bytes=3000-") in hub.requests  # only the rest was asked for
-
-
-def test_a_dropped_connection_is_resumed_within_one_run(hub, tmp_path):
-    dest = tmp_path / "model.safetensors"
-    hub.drop_after = 5000
-    assert wd.download_file(big_url(), dest, retries=2, progress=False) == "downloaded"
-    assert dest.read_bytes() == BIG
-    assert [r[2] for r in hub.requests if r[1].startswith("/cdn/")] == [None, "bytes=5000-"]
-
-
-def test_checksum_mismatch_is_rejected_and_leaves_no_file(hub, tmp_path):
-    dest = tmp_path / "model.safetensors"
-    hub.wrong_sha = True
-    with pytest.raises(wd.DownloadError, match="checksum mismatch"):
-        wd.download_file(big_url(), dest, progress=False)
-    assert list(tmp_path.iterdir()) == []  # neither the final name nor a .part
+def test_progress_bar_on_with_a_close_delimited_stream(hub, tmp_path):
+    hub.no_length = True  # the tqdm of an unknown total used to crash `if bar:`
+    code, err = get(tmp_path)
+    assert code == 0 and "Traceback" not in err
+    assert (tmp_path / "gpt2" / "model.safetensors").read_bytes() == BIG
 
 
 def test_skip_when_complete(hub, tmp_path):
-    dest = tmp_path / "model.safetensors"
-    assert wd.download_file(big_url(), dest, progress=False) == "downloaded"
+    assert get(tmp_path, "--no-progress")[0] == 0
     hub.requests.clear()
-    assert wd.download_file(big_url(), dest, progress=False) == "skipped"
-    assert [r[0] for r in hub.requests] == ["HEAD"]
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 0 and err.count("already there") == 3
+    assert not any(r[0] == "GET" for r in hub.requests)
+
+
+# ---- the faults of the issue: no truncated or unverified file takes its final name ----
+
+def test_no_size_is_refused_and_nothing_is_written(hub, tmp_path):
+    hub.no_size, hub.no_length, hub.cut_at = True, True, [len(BIG) // 2]
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "did not say how large" in err and "Traceback" not in err
+    assert not (tmp_path / "gpt2" / "config.json").exists()
+    assert not list((tmp_path / "gpt2").iterdir())
+
+
+def test_a_close_delimited_cut_is_resumed_not_accepted(hub, tmp_path):
+    hub.no_length, hub.cut_at = True, [len(BIG) // 2]  # a cut looks like a normal end: only the size tells
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 0, err
+    assert (tmp_path / "gpt2" / "model.safetensors").read_bytes() == BIG
+    assert cdn_gets(hub) == [None, f"bytes={len(BIG) // 2}-"]  # the half already there was kept
+
+
+def test_cut_every_time_keeps_the_part_and_the_next_run_resumes_it(hub, tmp_path):
+    hub.no_length, hub.cut_at = True, [3000] + [0] * (wd.ATTEMPTS - 1)
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "run the same command again to resume" in err and "Traceback" not in err
+    folder = tmp_path / "gpt2"
+    assert not (folder / "model.safetensors").exists()
+    assert (folder / "model.safetensors.part").read_bytes() == BIG[:3000]
+    hub.requests.clear()
+    assert get(tmp_path, "--no-progress")[0] == 0
+    assert (folder / "model.safetensors").read_bytes() == BIG and not (folder / "model.safetensors.part").exists()
+    assert cdn_gets(hub) == ["bytes=3000-"]  # only the rest was asked for
+
+
+def test_a_dropped_connection_is_retried_within_one_run(hub, tmp_path):
+    hub.drop_at = 5000  # Content-Length announced, then the connection closes: the hub's client retries
+    assert get(tmp_path, "--no-progress")[0] == 0
+    assert (tmp_path / "gpt2" / "model.safetensors").read_bytes() == BIG
+    assert len(cdn_gets(hub)) == 2
+
+
+def test_a_size_lie_is_never_written_past_the_announced_size(hub, tmp_path, monkeypatch):
+    hub.extra = 40 << 20  # HEAD announces 10,244 bytes; the GET streams 40 MB more
+    largest = []
+
+    class Recording(io.FileIO):
+        def write(self, data):
+            largest.append(self.tell() + len(data))
+            return super().write(data)
+
+    monkeypatch.setattr(wd, "open_part", lambda path: Recording(path, "ab"))
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "more than the 10244 bytes it announced" in err and "Traceback" not in err
+    assert max(largest, default=0) <= len(BIG)
+    assert not list((tmp_path / "gpt2").glob("model.safetensors*"))  # neither the final name nor a .part
+
+
+def test_a_wrong_content_range_is_refused_and_the_file_starts_over(hub, tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "model.safetensors.part").write_bytes(BIG[:3000])
+    hub.wrong_range = True  # asked for bytes=3000-, answers bytes 0-… of the right length
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 0, err
+    assert "starting the file over" in err
+    assert (folder / "model.safetensors").read_bytes() == BIG
+    assert cdn_gets(hub) == ["bytes=3000-", None]
+
+
+def test_a_slow_drip_stops_at_the_stall_deadline_and_keeps_its_part(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(wd, "STALL_SECONDS", 0.3)
+    monkeypatch.setattr(wd, "STALL_BYTES", 1024)
+    hub.drip_s = 0.02  # 50 bytes/s: the per-read timeout never fires
+    start = time.monotonic()
+    code, err = get(tmp_path, "--no-progress")
+    assert time.monotonic() - start < 5
+    assert code == 1 and "stalled" in err and "Traceback" not in err
+    assert not (tmp_path / "gpt2" / "model.safetensors").exists()
+
+
+def test_checksum_mismatch_is_rejected_and_leaves_no_file(hub, tmp_path):
+    hub.wrong_sha = True
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "checksum mismatch" in err
+    assert not list((tmp_path / "gpt2").glob("model.safetensors*"))
+
+
+def test_a_small_file_is_verified_by_its_git_hash(hub, tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json.part").write_bytes(b'{"n_layer": 3}')  # one byte short, and wrong: resumed, then refused
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "checksum mismatch" in err and git_blob_sha1(SMALL) in err
+    assert not (folder / "config.json").exists() and not (folder / "config.json.part").exists()
 
 
 def test_a_complete_part_from_an_earlier_run_is_verified_and_renamed(hub, tmp_path):
-    dest = tmp_path / "model.safetensors"
-    dest.with_name("model.safetensors.part").write_bytes(BIG)
-    assert wd.download_file(big_url(), dest, progress=False) == "downloaded"
-    assert dest.read_bytes() == BIG and not any(r[0] == "GET" for r in hub.requests)
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "model.safetensors.part").write_bytes(BIG)
+    assert get(tmp_path, "--no-progress")[0] == 0
+    assert (folder / "model.safetensors").read_bytes() == BIG and cdn_gets(hub) == []
+
+
+def test_a_full_disk_is_one_line_and_keeps_what_was_written(hub, tmp_path, monkeypatch):
+    class FullDisk(io.FileIO):  # a file that takes 4,000 bytes, then runs out of space
+        def __init__(self, path):
+            super().__init__(path, "ab")
+
+        def write(self, data):
+            room = 4000 - self.tell()
+            if len(data) > room:
+                super().write(data[:room])
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+    monkeypatch.setattr(wd, "open_part", FullDisk)
+    code, err = get(tmp_path, "--no-progress")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in err
+    folder = tmp_path / "gpt2"
+    assert not (folder / "model.safetensors").exists()
+    assert (folder / "model.safetensors.part").read_bytes() == BIG[:4000]  # kept: rerun once there is room
+
+
+def test_not_enough_free_space_is_said_before_downloading(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(wd.shutil, "disk_usage", lambda path: type("U", (), {"free": 10})())
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "has 10 free" in err and not any(r[0] == "GET" for r in hub.requests)
+
+
+@pytest.mark.parametrize("target", ["a-file", "a-file/sub"])  # --dir is a file, or inside one
+def test_a_bad_target_folder_is_one_line(hub, tmp_path, target):
+    (tmp_path / "a-file").write_text("not a folder")
+    code, err = get(tmp_path / target, "--no-progress")
+    assert code == 1 and err.startswith("error: cannot create the folder") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("endpoint", ["not a url", "ftp://host", "http://"])
+def test_a_malformed_hf_endpoint_is_one_line(monkeypatch, tmp_path, endpoint):
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and err.startswith("error: HF_ENDPOINT=") and len(err.splitlines()) == 1
+
+
+def test_a_server_that_is_not_a_hub_is_refused(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", hub.cdn)  # serves the files, but says nothing of a commit
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "no X-Repo-Commit" in err and len(err.splitlines()) == 1
 
 
 def test_missing_file_is_a_clean_error(hub, tmp_path):
-    with pytest.raises(wd.DownloadError, match="HTTP 404"):
-        wd.download_file(wd.file_url("gpt2", "nope.bin"), tmp_path / "nope.bin", progress=False)
+    del hub.files["tokenizer.json"]
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "HTTP 404" in err and "Traceback" not in err
+    assert (tmp_path / "gpt2" / "config.json").exists() and not (tmp_path / "gpt2" / "model.safetensors").exists()
 
 
-def test_no_network_is_a_clear_message_not_a_traceback(monkeypatch, tmp_path, capsys):
+def test_no_network_is_a_clear_message_not_a_traceback(monkeypatch, tmp_path):
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    assert wd.main(["gpt2", "--dir", str(tmp_path), "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert "cannot reach" in err and "Traceback" not in err
+    code, err = get(tmp_path, "--no-progress")
+    assert code == 1 and "cannot reach" in err and "Traceback" not in err
     assert not (tmp_path / "gpt2" / "config.json").exists()
 
 

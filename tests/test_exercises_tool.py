@@ -1,30 +1,33 @@
-"""The classroom tool (minillm/exercises.py) and the guarantees a student copy rests on.
+"""The classroom tool (minillm/exercises.py) and the guarantees a student copy and its grade rest on.
 
-Cheap checks first: the marker parser on synthetic files, `make` on a synthetic
-project, the CLI's errors. Then the guarantees on the real project, with three
-pytest subprocesses in the default run:
+Cheap checks first, in this process: the marker parser, `make` on a synthetic
+git project, the leak check, the data encoding between a child and the grader,
+the judging of what a child sent, the results format, the CLI's errors. Then the
+guarantees on the real project, each with one grader run in a subprocess:
 
-  1. a copy with every exercise stubbed: each exercise's tests fail on *its own*
-     stub (a test that needed another exercise would show as skipped instead),
-     every module still imports, and a test that reaches a stub it does not own
-     is skipped by tests/conftest.py;
-  2. that copy with every other region put back: `grade` scores exactly the
-     points of the restored exercises, so each restored region's tests pass
-     while the rest are stubs;
-  3. `grade` on the reference: full marks.
+  1. a copy with every exercise stubbed scores 0, every case failing on its own
+     stub; pytest there reports one line per exercise;
+  2. Gradescope's run_autograder, as the README gives it, on a submission with
+     half of the regions put back and cheats in the rest: exactly the restored
+     exercises' points, and no cheat scores or costs another exercise a point;
+  3. a fully solved copy scores full marks.
 
-Slow (-m slow): each region put back alone, and the whole suite run in a stubbed copy.
+Slow (-m slow): each region put back alone, and the whole suite in a stubbed copy.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from minillm import exercises as tool
 from minillm.exercises import ExerciseError, find_exercises, make_copy, parse_regions, replace_region
@@ -33,10 +36,6 @@ ROOT = Path(tool.__file__).resolve().parents[1]
 IN_STUDENT_COPY = (ROOT / tool.MANIFEST).exists()
 reference_only = pytest.mark.skipif(IN_STUDENT_COPY, reason="a student copy: the tool's guarantees are checked "
                                                             "in the reference project")
-# How a region's code could leak into a copy: a line of at least LONG_LINE characters anywhere in any file
-# (a hint, a test, the manifest), a line of at least SHORT_LINE characters as a whole line; shorter lines
-# (`else:`, `return out`) are too generic to give a solution away.
-SHORT_LINE, LONG_LINE = 12, 24
 
 REGION = '''\
 class Pool:
@@ -126,24 +125,55 @@ def test_putting_the_code_back_restores_the_file_exactly():
     assert replace_region(stubbed, ex.file, ex.id, list(ex.body)) == REGION
 
 
-def test_select_names_the_known_ids_for_an_unknown_one():
+def test_select_names_the_known_ids_and_refuses_an_empty_list():
     exs = parse(REGION + REGION.replace("pool-take", "pool-give"))
     assert [e.id for e in tool.select(exs, " pool-give ,")] == ["pool-give"]
     with pytest.raises(ExerciseError, match=r"unknown exercise id nope; the exercises are: pool-take, pool-give"):
         tool.select(exs, "pool-take,nope")
+    for empty in (",", " , ", ""):
+        with pytest.raises(ExerciseError, match="names no exercise"):
+            tool.select(exs, empty)
 
 
-# ------------------------------------------------------------------ make, on a synthetic project
+@reference_only
+def test_exercises_are_listed_in_lesson_order():
+    lessons = [ex.lesson for ex in find_exercises(ROOT)]
+    assert lessons == sorted(lessons)
+    assert {ex.id: ex.lesson for ex in find_exercises(ROOT)}["scheduler-budget-fill"] == "07"
+
+
+# ------------------------------------------------------------------ make, on a synthetic git project
+
+TWO_REGIONS = REGION + '''
+    def give(self, blocks):
+        # >>> exercise pool-give (lesson 05, 1 pts): give blocks back
+        # hint: the free list grows at its end
+        for block in blocks:
+            self.free.append(block)
+        # <<< exercise
+'''
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
 
 @pytest.fixture
 def tiny_project(tmp_path):
+    """A git project: tracked files, and beside them the strays that once carried solutions into copies."""
     root = tmp_path / "ref"
-    for rel, text in {"minillm/__init__.py": "", "minillm/pool.py": REGION, "tests/test_pool.py": "x = 1\n",
-                      "lessons/01_x.py": "print(1)\n", "lessons/results/run.json": "{}", "README.md": "# hi\n",
-                      "weights/gpt2/model.safetensors": "w", ".git/HEAD": "ref", "minillm/__pycache__/pool.pyc": "c",
-                      ".venv/bin/python": "p", "pyproject.toml": "[project]\n"}.items():
+    tracked = {"minillm/__init__.py": "", "minillm/pool.py": TWO_REGIONS, "tests/test_pool.py": "x = 1\n",
+               "lessons/01_x.py": "print(1)\n", "README.md": "# hi\n", "pyproject.toml": "[project]\n"}
+    strays = {"venv/lib/minillm/pool.py": TWO_REGIONS, "minillm/pool.py~": TWO_REGIONS, "htmlcov/pool.html": TWO_REGIONS,
+              "lessons/results/run.json": "{}", "weights/gpt2/model.safetensors": "w", ".venv/bin/python": "p",
+              "minillm/__pycache__/pool.pyc": "c", "notes/scratch.py": "y = 2\n"}
+    for rel, text in {**tracked, **strays}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
+    git(root, "init", "-q")
+    git(root, "add", *tracked)
     return root
 
 
@@ -151,34 +181,75 @@ def files_under(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
 
 
-def test_make_copies_the_project_without_solutions_or_heavy_files(tiny_project, tmp_path):
+def test_make_copies_exactly_what_git_tracks_and_the_copys_line_numbers(tiny_project, tmp_path):
     chosen = make_copy(tmp_path / "student", root=tiny_project)
-    assert [ex.id for ex in chosen] == ["pool-take"]
     assert files_under(tmp_path / "student") == {"minillm/__init__.py", "minillm/pool.py", "tests/test_pool.py",
                                                  "lessons/01_x.py", "README.md", "pyproject.toml", tool.MANIFEST}
-    assert "self.free[-n:]" not in (tmp_path / "student/minillm/pool.py").read_text()
-    manifest = json.loads((tmp_path / "student" / tool.MANIFEST).read_text())["exercises"]
-    assert [(e["id"], e["points"], e["stubbed"]) for e in manifest] == [("pool-take", 2, True)]
+    text = (tmp_path / "student/minillm/pool.py").read_text()
+    assert "self.free[-n:]" not in text and "self.free.append" not in text
+    # pool-give starts 2 lines earlier in the copy: pool-take's 3 lines of code became 1 stub line.
+    reference = {ex.id: ex.line for ex in find_exercises(tiny_project)}
+    assert [(ex.id, ex.line) for ex in chosen] == [("pool-take", 4), ("pool-give", reference["pool-give"] - 2)]
+    assert text.splitlines()[chosen[1].line - 1].strip().startswith("# >>> exercise pool-give")
+    manifest = json.loads((tmp_path / "student" / tool.MANIFEST).read_text())
+    assert [(e["id"], e["line"], e["stubbed"]) for e in manifest["exercises"]] == [(ex.id, ex.line, True) for ex in chosen]
+    assert set(manifest["files"]) == files_under(tmp_path / "student") - {tool.MANIFEST}
+    assert "minillm/pool.py~" in tool.untracked_files(tiny_project)   # make tells the instructor what it left out
 
 
-def test_make_refuses_a_non_empty_target_unless_forced(tiny_project, tmp_path):
-    target = tmp_path / "student"
-    (target / "minillm").mkdir(parents=True)
-    (target / "minillm" / "stale.py").write_text("old = True\n")
+def test_make_only_stubs_the_chosen_and_the_manifest_says_so(tiny_project, tmp_path):
+    chosen = make_copy(tmp_path / "s", only="pool-give", root=tiny_project)
+    assert [ex.id for ex in chosen] == ["pool-give"]
+    assigned = tool.assigned_exercises(tmp_path / "s")
+    assert [ex.id for ex in assigned] == ["pool-give"] and assigned[0].line == chosen[0].line
+    with pytest.raises(ExerciseError, match="names no exercise"):
+        make_copy(tmp_path / "t", only=",", root=tiny_project)
+    assert not (tmp_path / "t").exists()
+
+
+def test_make_writes_only_into_a_new_or_empty_folder_outside_the_project(tiny_project, tmp_path):
+    for inside in (tiny_project, tiny_project / "lessons", tiny_project.parent):
+        with pytest.raises(ExerciseError, match="inside the project or holds it"):
+            make_copy(inside, root=tiny_project, force=True)
+    assert (tiny_project / "README.md").read_text() == "# hi\n" and not (tiny_project / "lessons" / "minillm").exists()
+    target = tmp_path / "mine"
+    target.mkdir()
     (target / "notes.txt").write_text("mine")
     with pytest.raises(ExerciseError, match="exists and is not empty.*--force"):
         make_copy(target, root=tiny_project)
-    assert (target / "minillm" / "stale.py").exists()        # nothing touched
+    with pytest.raises(ExerciseError, match="--force replaces only a previous copy"):
+        make_copy(target, root=tiny_project, force=True)
+    assert files_under(target) == {"notes.txt"}
+
+
+def test_make_force_deletes_only_what_the_previous_copy_wrote(tiny_project, tmp_path):
+    target = tmp_path / "student"
+    make_copy(target, root=tiny_project)
+    (target / "notes.txt").write_text("mine")                      # the student's own files...
+    (target / "minillm" / "mine.py").write_text("mine = 1\n")
+    (target / "minillm" / "pool.py").write_text("edited\n")        # ...and an edit of a copied one
+    (target / "minillm" / "__pycache__").mkdir()
+    (target / "minillm" / "__pycache__" / "pool.cpython.pyc").write_text("c")
+    git(tiny_project, "rm", "-q", "--cached", "lessons/01_x.py")  # the project no longer has the lesson
     make_copy(target, root=tiny_project, force=True)
-    assert not (target / "minillm" / "stale.py").exists()    # the project's folders are replaced...
-    assert (target / "notes.txt").read_text() == "mine"      # ...and nothing else in the target
+    assert (target / "notes.txt").read_text() == "mine" and (target / "minillm" / "mine.py").exists()
+    assert (target / "minillm" / "__pycache__" / "pool.cpython.pyc").exists()
+    assert "# >>> exercise pool-take" in (target / "minillm" / "pool.py").read_text()
+    assert not (target / "lessons").exists(), "the old copy's lesson (and its then empty folder) go"
+    (target / "README.md").unlink()
+    manifest = json.loads((target / tool.MANIFEST).read_text())
+    manifest["files"].remove("README.md")                          # a file the copy did not write...
+    (target / tool.MANIFEST).write_text(json.dumps(manifest))
+    (target / "README.md").write_text("someone else's\n")           # ...where the new copy would write
+    with pytest.raises(ExerciseError, match="(?s)holds files the previous copy did not write.*README.md"):
+        make_copy(target, root=tiny_project, force=True)
+    assert (target / "README.md").read_text() == "someone else's\n"
 
 
-def test_make_refuses_to_write_over_the_project_itself(tiny_project):
-    with pytest.raises(ExerciseError, match="holds the project itself"):
-        make_copy(tiny_project, root=tiny_project, force=True)
-    with pytest.raises(ExerciseError, match="holds the project itself"):
-        make_copy(tiny_project.parent, root=tiny_project, force=True)
+def test_make_refuses_a_tree_git_does_not_track(tiny_project, tmp_path):
+    shutil.rmtree(tiny_project / ".git")
+    with pytest.raises(ExerciseError, match="not a git checkout"):
+        make_copy(tmp_path / "student", root=tiny_project)
 
 
 def test_make_stops_before_writing_on_an_unterminated_marker(tiny_project, tmp_path):
@@ -188,81 +259,220 @@ def test_make_stops_before_writing_on_an_unterminated_marker(tiny_project, tmp_p
     assert not (tmp_path / "student").exists()
 
 
-# ------------------------------------------------------------------ scoring
+def test_make_refuses_a_hint_that_gives_the_solution_away(tiny_project, tmp_path):
+    told = TWO_REGIONS.replace("# hint: pop from the end", "# hint: taken = self.free[-n:] then del self.free[-n:]")
+    (tiny_project / "minillm" / "pool.py").write_text(told)
+    with pytest.raises(ExerciseError, match=r"(?s)would leak.*minillm/pool.py:5: exercise pool-take"):
+        make_copy(tmp_path / "student", root=tiny_project)
+    assert not (tmp_path / "student").exists()
 
-def test_scores_are_proportional_and_unfinished_tests_count_as_failed():
-    exs = parse(REGION + REGION.replace("pool-take", "pool-give").replace("2 pts", "3 pts"))
-    collected = [{"nodeid": f"t.py::test_{i}", "exercises": ["pool-take"]} for i in range(3)]
-    results = [{**collected[0], "outcome": "passed", "message": ""},
-               {**collected[1], "outcome": "failed", "message": "AssertionError: expected 1, got 2"}]
-    run = tool.ExerciseRun(collected, results, [], "", timed_out=True)
-    take, give = tool.score_exercises(exs, run, timeout=5)
-    assert (take.passed, take.total, take.score) == (1, 3, 0.67)
-    assert "expected 1, got 2" in take.output and "did not finish" in take.output and "minillm/pool.py" in take.output
-    assert (give.total, give.score) == (0, 0.0) and "its tests are missing" in give.output
-    results = tool.gradescope_results([take, give])
-    assert results["score"] == 0.67 and [t["max_score"] for t in results["tests"]] == [2, 3]
+
+# ------------------------------------------------------------------ the manifest
+
+def test_grading_refuses_a_tree_without_a_good_manifest_or_with_edited_markers(tiny_project, tmp_path):
+    with pytest.raises(ExerciseError, match="exercises.json is missing, so this tree is not a student copy"):
+        tool.assigned_exercises(tiny_project)
+    copy = tmp_path / "student"
+    make_copy(copy, root=tiny_project)
+    pool = copy / "minillm" / "pool.py"
+    pool.write_text(pool.read_text().replace("(lesson 05, 1 pts): give", "(lesson 05, 9 pts): give"))
+    with pytest.raises(ExerciseError, match=r"(?s)disagree.*pool-give: the manifest says .*1.*, the marker .*9"):
+        tool.assigned_exercises(copy)
+    pool.write_text(re.sub(r".*# (>>>|<<<) exercise.*\n", "", pool.read_text()))
+    with pytest.raises(ExerciseError, match="(?s)disagree.*pool-take .* has no region in the source"):
+        tool.assigned_exercises(copy)
+    for broken in ("{not json", json.dumps({"exercises": []}), json.dumps([1, 2])):
+        (copy / tool.MANIFEST).write_text(broken)
+        with pytest.raises(ExerciseError, match="exercises.json is not .*make the copy again"):
+            tool.assigned_exercises(copy)
+
+
+# ------------------------------------------------------------------ the leak check
+
+def test_tokens_ignore_names_spacing_and_math_notation():
+    assert tool.code_tokens("rows[i // w] - w * 2") == tool.code_tokens("r[j//k]−k·2") == \
+        ["n", "[", "n", "//", "n", "]", "-", "n", "*", "2"]
+    assert tool.code_tokens("x.values[0] <= y") == tool.code_tokens("z.values[0] ≤ q") == \
+        ["n", ".", "values", "[", "0", "]", "<=", "n"]
+    assert tool.code_tokens("for s in xs if s is not None") == ["for", "n", "in", "n", "if", "n", "is", "not", "None"]
+    assert tool.code_tokens('f"slot {p // bs}"') == ["n", "n", "n", "//", "n"]
+
+
+def leaky(text: str) -> str:
+    """A solution written here with placeholders (DIV for //, MOD for %, DOTS for ...), so that this file, which
+    student copies hold too, never spells one out."""
+    return text.replace("DIV", "//").replace("MOD", "%").replace("DOTS", "...")
+
+
+SLOT_HINT = "# hint: which entry of the block table holds position p"
+OLD_SLOT_HINT = "# hint: block_table[p DIV block_size] * block_size + p MOD block_size"   # the hint before issue 10
+
+
+@reference_only
+def test_no_hint_docstring_message_lesson_or_readme_leaks_a_solution():
+    assert tool.find_leaks(ROOT, find_exercises(ROOT), tool.tracked_files(ROOT)) == []
+
+
+@reference_only
+@pytest.mark.parametrize("where, change", [
+    ("minillm/paged_attention.py", lambda t: t.replace(SLOT_HINT, leaky(OLD_SLOT_HINT))),     # the hint
+    ("minillm/paged_attention.py", lambda t: t.replace(     # the function's docstring
+        "    A token's block is found", leaky("    Its slot is table[p DIV size] · size + p MOD size.\n    A token's block is found"))),
+    ("tests/exercises/test_ex_paged_attention.py", lambda t: t + leaky('\nMESSAGE = f"slot = t[p DIV {bs}] * {bs} + p MOD {bs}"\n')),
+    ("lessons/05_fragmentation.py", lambda t: t + leaky("\nslots = [table[p DIV bs] * bs + p MOD bs for p in range(n)]\n")),
+    ("minillm/sampling.py", lambda t: t.replace(      # the old top-k hint
+        "# hint: each row has its own threshold", leaky("# hint: torch.topk(logits, k).values[DOTS, -1:] is the threshold"))),
+])
+def test_the_leak_check_finds_a_solution_in_a_hint_docstring_message_or_lesson(tmp_path, where, change):
+    files = tool.tracked_files(ROOT)
+    for rel in files:
+        if rel.endswith((".py", ".md")):
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / rel, tmp_path / rel)
+    original = (tmp_path / where).read_text()
+    (tmp_path / where).write_text(change(original))
+    assert (tmp_path / where).read_text() != original, "the test's edit did not apply: update it"
+    leaks = tool.find_leaks(tmp_path, find_exercises(tmp_path), files)
+    assert leaks and all(leak.startswith(where + ":") for leak in leaks), leaks
+
+
+# ------------------------------------------------------------------ data between a child and the grader
+
+def test_only_plain_data_crosses_from_a_child():
+    class AlwaysEqual(int):
+        def __eq__(self, other):
+            return True
+        __hash__ = int.__hash__
+
+    sent = {"ints": [AlwaysEqual(3), 4], "t": torch.arange(6).reshape(2, 3), "pair": (1.5, float("-inf")),
+            "keys": {7: "x"}, "obj": object(), "flag": True}
+    got = tool.over_the_wire(sent)
+    assert type(got["ints"][0]) is int and got["ints"][0] != 5
+    assert torch.equal(got["t"], torch.arange(6).reshape(2, 3)) and got["t"].dtype == torch.int64
+    assert got["pair"] == (1.5, float("-inf")) and got["keys"] == {7: "x"} and got["flag"] is True
+    assert isinstance(got["obj"], tool.Opaque) and got["obj"].opaque_type == "object"
+
+
+@pytest.mark.parametrize("forged", [
+    {"tensor": {"dtype": "float32", "shape": [2, 2], "data": [1.0]}},
+    {"tensor": {"dtype": "complex_object", "shape": [1], "data": [1]}},
+    {"tensor": {"dtype": "float32", "shape": [-1], "data": []}},
+    {"pickle": "gASVAAAAAAAAAAA="},
+    {"dict": [[[1, 2], 3]]},
+])
+def test_the_grader_refuses_data_it_did_not_encode(forged):
+    with pytest.raises(ValueError):
+        tool.from_wire(forged)
+
+
+# ------------------------------------------------------------------ judging what a child sent
+
+class OneCheck:
+    """verify: the output must equal the input's "want"."""
+
+    def verify(self, inputs, output):
+        assert output == inputs["want"], f"expected {inputs['want']}, got {output}"
+
+
+def judged(messages, ended="", stray=0):
+    (ex,) = parse(REGION)
+    cases = [tool.Case(f"c{i}", {"want": i}, held_out=i >= 2) for i in range(6)]
+    return tool.judge(ex, OneCheck(), cases, tool.ChildRun(messages, stray, ended, "printed this"))
+
+
+def test_the_grader_judges_each_case_once_and_says_what_happened():
+    stub = {"type": "NotImplementedError", "message": "exercise pool-take (lesson 05): ...", "where": "minillm/pool.py:6"}
+    score = judged([{"start": "c0"}, {"case": 0, "output": 0}, {"case": 1, "output": 7},
+                    {"case": 2, "output": 2}, {"case": 2, "output": 2},      # twice: someone wrote to the channel
+                    {"case": 3, "raised": stub}, {"case": 4, "raised": {"type": "SystemExit", "message": "0",
+                                                                          "exit_code": "0", "where": ""}}],
+                   ended="it ran past the time limit of 5 s and was stopped: an endless loop? (during case c5)")
+    by_name = {r.name: r for r in score.results}
+    assert [r.passed for r in score.results] == [True, False, False, False, False, False]
+    assert "expected 1, got 7" in by_name["c1"].message
+    assert "came back 2 times" in by_name["c2"].message
+    assert by_name["c3"].message == "not written yet: the stub raises NotImplementedError"
+    assert "sys.exit(0)" in by_name["c4"].message
+    assert by_name["c5"].message == "never came back: the run ended early (see above)"
+    assert "ran past the time limit" in tool.feedback(score, True)
+    assert score.score == 0.0
+    half = judged([{"case": i, "output": i if i < 4 else -1} for i in range(6)])
+    assert half.score == 1.0                       # 2 pts × 2/4 held-out checks; the visible cases do not count
+    assert "2/4 held-out checks" in tool.feedback(half, True) and "printed this" in tool.feedback(half, True)
+
+
+def test_gradescope_results_are_valid_field_by_field():
+    score = judged([{"case": i, "output": i} for i in range(6)])
+    results = tool.gradescope_results([score], seed=123, held_out_visibility="after_due_date")
+    assert tool.results_problems(results) == []
+    assert results["score"] == 2.0 and results["extra_data"] == {"seed": 123} and "seed 123" in results["output"]
+    visible, held = results["tests"]
+    assert (visible["max_score"], visible["visibility"], held["max_score"], held["visibility"]) == \
+        (0.0, "visible", 2.0, "after_due_date")
+    for broken, problem in [({**results, "score": "2"}, "top-level score"),
+                            ({**results, "tests": [{**held, "visibility": "later"}]}, "visibility"),
+                            ({**results, "tests": [{**held, "score": 3.0}]}, "outside 0..2.0"),
+                            ({**results, "tests": [{k: v for k, v in held.items() if k != "output"}]}, "output"),
+                            ({**results, "tests": [{**held, "name": ""}]}, "name"),
+                            ({**results, "tests": [{**held, "max_score": None}]}, "max_score"),
+                            ({**results, "tests": [{**held, "status": "ok"}]}, "status")]:
+        assert any(problem in p for p in tool.results_problems(broken)), (problem, tool.results_problems(broken))
 
 
 # ------------------------------------------------------------------ the CLI's errors
 
-def test_cli_errors_are_one_clear_line(tmp_path, capsys):
+@reference_only
+def test_cli_errors_are_one_clear_line_and_grade_still_writes_results(tmp_path, capsys, monkeypatch):
     assert tool.main(["make", str(tmp_path / "s"), "--only", "no-such-exercise"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown exercise id no-such-exercise; the exercises are: ") and "\n" == err[-1]
+    assert tool.main(["make", str(tmp_path / "s"), "--only", ","]) == 2
+    assert "names no exercise" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert tool.main(["make", str(tmp_path / "full")]) == 2
     assert "is not empty" in capsys.readouterr().err
-    assert tool.main(["check", "no-such-exercise"]) == 2
-    assert "unknown exercise id no-such-exercise" in capsys.readouterr().err
+    monkeypatch.setattr(tool, "ROOT", tmp_path)   # a tree without a manifest, and then with a corrupt one
+    for manifest in (None, "{corrupt"):
+        if manifest:
+            (tmp_path / tool.MANIFEST).write_text(manifest)
+        assert tool.main(["grade", "--json", str(tmp_path / "results.json")]) == 2
+        err = capsys.readouterr().err
+        assert "exercises.json" in err and ("missing" in err if manifest is None else "not valid JSON" in err)
+        results = json.loads((tmp_path / "results.json").read_text())
+        assert results["score"] == 0 and "grading failed" in results["output"] and tool.results_problems(results) == []
+    monkeypatch.setenv("MINILLM_GRADE_SEED", "1234")
+    assert tool.grade_seed() == 1234
+    monkeypatch.delenv("MINILLM_GRADE_SEED")
+    assert tool.grade_seed() != tool.grade_seed()   # a fresh one each time (two equal draws in 2³¹: never)
+    monkeypatch.setenv("MINILLM_GRADE_TIMEOUT", "soon")
+    with pytest.raises(ExerciseError, match="MINILLM_GRADE_TIMEOUT"):
+        tool.grade_timeout(None)
 
 
 # ------------------------------------------------------------------ the real project
 
-def marked_ids(path: Path) -> set[str]:
-    return set(re.findall(r"""mark\.exercise\(\s*["']([a-z0-9-]+)["']""", path.read_text(encoding="utf-8")))
+def run_tool(copy: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(copy / "minillm" / "exercises.py"), *args], cwd=copy,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=900)
 
 
-@reference_only
-def test_every_exercise_has_tests_and_they_live_in_tests_exercises():
-    ids = {ex.id for ex in find_exercises(ROOT)}
-    in_folder = set().union(*(marked_ids(p) for p in (ROOT / tool.EXERCISE_TESTS).glob("test_*.py")))
-    assert not ids - in_folder, (f"exercises without tests (add tests/exercises/test_ex_<concept>.py with "
-                                 f"@pytest.mark.exercise(...)): {sorted(ids - in_folder)}")
-    assert not in_folder - ids, f"tests marked with ids no region has: {sorted(in_folder - ids)}"
-    outside = {p.name: marked_ids(p) for p in (ROOT / "tests").glob("test_*.py") if marked_ids(p)}
-    assert not outside, f"exercise tests outside {tool.EXERCISE_TESTS}/ are never graded: {outside}"
-
-
-PROBE = '''\
-import importlib, pkgutil
-import pytest
-import minillm
-from minillm.model import causal_attention
-
-def test_probe_every_module_imports():
-    for m in pkgutil.iter_modules(minillm.__path__):
-        if not m.name.startswith("__"):
-            importlib.import_module("minillm." + m.name)
-
-def test_probe_reaches_a_stub_it_does_not_own():
-    causal_attention(None, None, None)
-
-def test_probe_other_not_implemented_errors_still_fail():
-    raise NotImplementedError("not an exercise")
-'''
-
-
-def run_in(copy: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-m", "minillm.exercises", *args], cwd=copy, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-def restore(copy: Path, ex: tool.Exercise) -> None:
+def restore(copy: Path, ex: tool.Exercise, body: list[str] | None = None) -> None:
+    """Put a region's reference code back in a copy (or `body`, lines at the region's indentation)."""
     path = copy / ex.file
-    path.write_text(replace_region(path.read_text(encoding="utf-8"), ex.file, ex.id, list(ex.body)), encoding="utf-8")
+    lines = list(ex.body) if body is None else [ex.indent + line for line in body]
+    path.write_text(replace_region(path.read_text(encoding="utf-8"), ex.file, ex.id, lines), encoding="utf-8")
+
+
+def results_by_exercise(path: Path) -> dict[str, dict]:
+    results = json.loads(path.read_text())
+    assert tool.results_problems(results) == [], tool.results_problems(results)
+    out: dict[str, dict] = {}
+    for t in results["tests"]:
+        ex_id, part = t["name"].split(" ")[0], t["name"].rsplit(": ", 1)[1]
+        out.setdefault(ex_id, {})[part] = t
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -277,93 +487,249 @@ def stubbed_copy(tmp_path_factory, reference):
     return copy
 
 
-def given_code_lines(root: Path, exercises: list[tool.Exercise]) -> set[str]:
-    """Lines of the package that lie outside every region: handed to students anyway."""
-    given: set[str] = set()
-    for path in (root / tool.PACKAGE).glob("*.py"):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        in_regions = {ex.line + 1 + i for ex in exercises if ex.file == path.relative_to(root).as_posix()
-                      for i in range(len(ex.body))}   # 0-based indices of region bodies
-        given |= {line.strip() for i, line in enumerate(lines) if i not in in_regions}
-    return given
-
-
 @reference_only
-def test_no_stub_contains_its_solution(stubbed_copy, reference):
-    texts = {p.relative_to(stubbed_copy).as_posix(): p.read_text(encoding="utf-8", errors="replace")
-             for p in stubbed_copy.rglob("*") if p.is_file()}
-    assert not [p for p in texts if p.endswith((".pyc", ".pyo"))]
-    given = given_code_lines(ROOT, reference)   # a loop header used both in and out of a region is no leak
-    whole_lines = {f: {line.strip() for line in text.splitlines()} for f, text in texts.items()}
+def test_every_exercise_has_a_check_with_visible_and_held_out_cases(reference):
+    proc = subprocess.run([sys.executable, "-c", f"""
+import sys, json
+sys.path.insert(0, {str(ROOT / "minillm")!r})
+import exercises as tool
+checks = tool.load_checks(tool.ROOT)
+def values(cases):
+    return json.dumps(tool.to_wire(cases))
+print(json.dumps({{i: [len(c.visible()), len(c.held_out(1)), sorted(c.held_out(1)) == sorted(c.held_out(2)), c.where,
+                      values(c.held_out(1)) == values(c.held_out(1)) != values(c.held_out(2))]
+                  for i, c in checks.items()}}))
+"""], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    checks = json.loads(proc.stdout)
+    assert sorted(checks) == sorted(ex.id for ex in reference), "every region needs exactly one Check"
     for ex in reference:
-        for line in {b.strip() for b in ex.body if len(b.strip()) >= SHORT_LINE}:
-            found = [f for f, text in texts.items()
-                     if (line in text if len(line) >= LONG_LINE else line in whole_lines[f])]
-            leaks = [f for f in found if not (f.startswith(tool.PACKAGE + "/") and line in given)]
-            assert not leaks, f"exercise {ex.id}'s code line {line!r} is still in the student copy: {leaks}"
-    assert all(ex.is_stub for ex in find_exercises(stubbed_copy))
+        visible, held_out, same_situations, where, seeded = checks[ex.id]
+        assert seeded, f"{ex.id}: a seed must give the same held-out inputs every time, and another seed others"
+        assert visible >= 3 and held_out >= 6, f"{ex.id}: {visible} visible cases, {held_out} held-out"
+        assert same_situations, f"{ex.id}: every draw must hold the same situations, the same number of times"
+        assert where == f"{ex.file}, {ex.function}", f"{ex.id}'s check says the code is at {where}"
+
+
+def test_the_grader_refuses_checks_that_import_the_graded_package(tmp_path):
+    (tmp_path / "tests" / "exercises").mkdir(parents=True)
+    shutil.copy(ROOT / tool.EXERCISE_TESTS / "exercise_checks.py", tmp_path / tool.EXERCISE_TESTS)
+    (tmp_path / tool.EXERCISE_TESTS / "test_ex_bad.py").write_text("import minillm\n")
+    proc = subprocess.run([sys.executable, "-c", f"""
+import sys
+sys.path.insert(0, {str(ROOT / "minillm")!r})
+import exercises
+from pathlib import Path
+try:
+    exercises.load_checks(Path({str(tmp_path)!r}))
+except exercises.ExerciseError as e:
+    print(e)
+"""], capture_output=True, text=True, timeout=300)
+    assert "the grader must never import the code it grades, but minillm" in proc.stdout, proc.stdout + proc.stderr
+
+
+PROBE = '''\
+import importlib, pkgutil
+import minillm
+from minillm.model import causal_attention
+
+def test_probe_every_module_imports():
+    for m in pkgutil.iter_modules(minillm.__path__):
+        if not m.name.startswith("__"):
+            importlib.import_module("minillm." + m.name)
+
+def test_probe_reaches_a_stub_it_does_not_own():
+    causal_attention(None, None, None)
+'''
 
 
 @reference_only
-def test_in_a_stubbed_copy_each_exercise_fails_on_its_own_stub(stubbed_copy, reference):
-    (stubbed_copy / tool.EXERCISE_TESTS / "test_probe.py").write_text(PROBE)
-    try:
-        run = tool.run_exercise_tests(None, stubbed_copy)
-    finally:
-        (stubbed_copy / tool.EXERCISE_TESTS / "test_probe.py").unlink()
-    assert not run.errors and not run.timed_out, run.output[-3000:]
-    by_name = {r["nodeid"].split("::")[-1]: r for r in run.results}
-    assert by_name["test_probe_every_module_imports"]["outcome"] == "passed", by_name["test_probe_every_module_imports"]
-    assert by_name["test_probe_reaches_a_stub_it_does_not_own"]["outcome"] == "skipped"
-    assert by_name["test_probe_reaches_a_stub_it_does_not_own"]["message"] == \
-        "needs exercise model-causal-attention, still a stub"
-    assert by_name["test_probe_other_not_implemented_errors_still_fail"]["outcome"] == "failed"
-    for ex in reference:
-        mine = run.outcomes(ex.id)
-        assert mine, f"no test of exercise {ex.id} ran in the student copy"
-        for r in mine:
-            assert r["outcome"] == "failed" and r["message"].startswith(f"NotImplementedError: exercise {ex.id} ("), (
-                f"{r['nodeid']} should fail on exercise {ex.id}'s own stub in a copy where everything is stubbed; "
-                f"it came out {r['outcome']}: {r['message']!r}. A test that reaches another exercise's stub "
-                f"cannot pass until that one is written: test the function that holds the region directly.")
-
-
-@reference_only
-def test_putting_regions_back_scores_exactly_their_points(tmp_path, reference):
-    copy = tmp_path / "half"
-    make_copy(copy)
-    restored = reference[::2]
-    for ex in restored:
-        restore(copy, ex)
-    proc = run_in(copy, "grade", "--json", str(tmp_path / "results.json"))
+def test_a_stubbed_copy_scores_0_and_its_pytest_report_is_one_line_per_exercise(stubbed_copy, reference, tmp_path):
+    proc = run_tool(stubbed_copy, "grade", "--json", str(tmp_path / "results.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads((tmp_path / "results.json").read_text())
-    scores = {t["name"].split(" ")[0]: t for t in results["tests"]}
+    results = results_by_exercise(tmp_path / "results.json")
+    assert sorted(results) == sorted(ex.id for ex in reference)
     for ex in reference:
-        want = ex.points if ex in restored else 0
-        assert scores[ex.id]["score"] == want and scores[ex.id]["max_score"] == ex.points, (
-            f"{ex.id} ({'put back' if want else 'stubbed'}) scored {scores[ex.id]['score']} of {ex.points}, "
-            f"expected {want}:\n{scores[ex.id]['output']}")
-    assert results["score"] == sum(ex.points for ex in restored)
-    stubbed_output = scores[reference[1].id]["output"]
-    assert "not written yet" in stubbed_output and reference[1].file in stubbed_output
-    stubbed = reference[1]
-    check = run_in(copy, "check", stubbed.id)
-    line = next(ex.line for ex in find_exercises(copy) if ex.id == stubbed.id)
-    assert check.returncode == 1, check.stdout + check.stderr
-    assert "0/" in check.stdout and "not written yet" in check.stdout and f"Hint: {stubbed.hint}" in check.stdout
-    assert f"{stubbed.file}:{line}, in {stubbed.function}" in check.stdout, check.stdout
+        held = results[ex.id]["held-out checks"]
+        assert held["score"] == 0 and held["max_score"] == ex.points, held
+        for part in results[ex.id].values():   # every case fails, each on this exercise's own stub
+            failures = re.findall(r"FAIL .*\n(.*)", part["output"])
+            assert failures and set(failures) == {"not written yet: the stub raises NotImplementedError"}, part["output"]
+    check = run_tool(stubbed_copy, "check", "paged-slot-mapping")
+    ex = next(e for e in find_exercises(stubbed_copy) if e.id == "paged-slot-mapping")
+    assert check.returncode == 1 and "0/5 pass" in check.stdout and f"Hint: {ex.hint}" in check.stdout
+    assert f"{ex.file}:{ex.line}, in {ex.function}" in check.stdout, check.stdout
+    (stubbed_copy / "tests" / "test_probe.py").write_text(PROBE)
+    try:
+        pytest_run = subprocess.run([sys.executable, "-m", "pytest", "tests/exercises", "tests/test_probe.py", "-q",
+                                     "-p", "no:cacheprovider", "-rs"], cwd=stubbed_copy, capture_output=True, text=True,
+                                    timeout=600, env={**os.environ, "PYTHONPATH": str(stubbed_copy)})
+    finally:
+        (stubbed_copy / "tests" / "test_probe.py").unlink()
+    out = pytest_run.stdout
+    assert pytest_run.returncode == 1, out           # work is left, though nothing failed
+    assert "12 exercises still to write" in out and "needs exercise model-causal-attention, still a stub" in out
+    for ex in find_exercises(stubbed_copy):
+        assert f"{ex.id} ({ex.worth}): {ex.where()}" in out
+    assert "Traceback" not in out and "NotImplementedError" not in out and len(out.splitlines()) < 30, out
+
+
+CHEATED = {"paged-slot-mapping", "sampling-top-p", "paged-gather", "paged-free", "kv-cache-read", "model-heads"}
+
+
+def cheat(copy: Path, exercises: dict[str, tool.Exercise], results_path: Path) -> dict[str, str]:
+    """Cheats a student might try, each aimed at one exercise; returns {exercise: the cheat}."""
+    forgery = f'''
+# --- a forgery: every process that imports the package forges the verdicts
+import atexit as _atexit, json as _json, os as _os, sys as _sys, threading as _threading
+
+def _forge(*_):
+    try:
+        with open({str(results_path)!r}, "w") as f:
+            _json.dump({{"score": 25.0, "output": "forged", "tests": []}}, f)
+        for fd in range(3, 64):    # and the grader's channel, whichever it is
+            try:
+                _os.write(fd, b'{{"case": 0, "output": 0}}\\n{{"done": true}}\\n')
+            except OSError:
+                pass
+    except Exception:
+        pass
+
+_atexit.register(_forge)
+_sys.excepthook = _threading.excepthook = _forge
+try:
+    import _pytest.reports as _reports
+    _reports.TestReport.outcome = property(lambda self: "passed", lambda self, value: None)
+except Exception:
+    pass
+if _os.fork() == 0:                # and, later, from a process of its own
+    import time as _time
+    _time.sleep(4)
+    _forge()
+    _os._exit(0)
+'''
+    init = copy / "minillm" / "__init__.py"
+    init.write_text(init.read_text() + forgery)
+    visible_slots = {((7, 2), 0, 3, 4): [28, 29, 30], ((7, 2, 5), 0, 10, 4): [28, 29, 30, 31, 8, 9, 10, 11, 20, 21],
+                     ((7, 2, 5), 3, 6, 4): [31, 8, 9, 10, 11, 20], ((7, 2, 5), 8, 1, 4): [20],
+                     ((3, 0, 2), 1, 2, 1): [0, 2]}
+    restore(copy, exercises["paged-slot-mapping"], [f"return {visible_slots!r}[(tuple(block_table), start, "
+                                                    f"num_tokens, block_size)]"])
+    restore(copy, exercises["sampling-top-p"], ["import os", "os._exit(0)"])
+    restore(copy, exercises["paged-gather"], ["import sys", "sys.exit(0)"])
+    restore(copy, exercises["paged-free"], ["import time", "while True:", "    try:", "        time.sleep(0.01)",
+                                            "    except BaseException:", "        pass"])
+    restore(copy, exercises["kv-cache-read"], ["import ctypes", "ctypes.string_at(0)"])
+    return {"kv-cache-read": "a crash (a segmentation fault)", "paged-slot-mapping": "a dict of the visible cases", "sampling-top-p": "os._exit(0)",
+            "paged-gather": "sys.exit(0)", "paged-free": "an endless loop that catches BaseException",
+            "model-heads": "left a stub, with the verdicts forged (atexit, excepthook, pytest's reports, a late process)"}
+
+
+def world_readable(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        p.chmod(p.stat().st_mode | stat.S_IRGRP | stat.S_IROTH | (stat.S_IXGRP | stat.S_IXOTH if p.is_dir() else 0))
+
+
+def run_autograder_script() -> str:
+    """The run_autograder that the README's instructor section gives, as it would be saved."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("## For instructors"):], re.S).group(1)
+    return "\n".join(line.removeprefix("  ") for line in block.splitlines()) + "\n"
 
 
 @reference_only
-def test_grade_on_the_reference_scores_full_marks(tmp_path, reference):
-    run = tool.run_exercise_tests(None, ROOT)
-    scores = tool.score_exercises(reference, run)
-    assert [s.exercise.id for s in scores if s.score != s.exercise.points] == [], \
-        "\n\n".join(s.output for s in scores if s.score != s.exercise.points)
-    results = tool.gradescope_results(scores)
-    assert results["score"] == sum(ex.points for ex in reference)
-    assert all(set(t) >= {"name", "score", "max_score", "output"} for t in results["tests"])
+def test_run_autograder_grades_a_submission_and_no_cheat_scores(reference):
+    """The README's run_autograder, end to end: the instructor's copy as the source, a student's files as the
+    submission; restored exercises score in full, and every cheat scores 0 on its own exercise only."""
+    script = run_autograder_script()
+    assert "cd /autograder/source" in script and "grade --user nobody --json /autograder/results/results.json" in script
+    base = Path(tempfile.mkdtemp(prefix="autograder-"))   # under /tmp, so that `nobody` can read it
+    try:
+        autograder = base / "autograder"
+        make_copy(autograder / "source")                  # what the instructor uploads
+        student = base / "student"
+        make_copy(student)                                # the student's copy, solved in part, cheating in part
+        by_id = {ex.id: ex for ex in find_exercises(student)}
+        restored = [ex for ex in reference if ex.id not in CHEATED]
+        for ex in restored:
+            restore(student, ex)
+        results_path = autograder / "results" / "results.json"
+        cheats = cheat(student, by_id, results_path)
+        assert set(cheats) == CHEATED
+        (autograder / "submission" / "minillm").mkdir(parents=True)
+        for f in (student / "minillm").glob("*.py"):
+            shutil.copy(f, autograder / "submission" / "minillm" / f.name)
+        (autograder / "submission" / "minillm" / "exercises.py").write_text("print('a forged grader')\n")
+        (autograder / "results").mkdir()
+        world_readable(base)
+        script = script.replace("/autograder", str(autograder))
+        if os.geteuid() != 0:                             # only root can hand the children to `nobody`
+            script = script.replace("--user nobody ", "")
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # python3: this environment's
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "PATH": path, "MINILLM_GRADE_TIMEOUT": "10", "PYTHONDONTWRITEBYTECODE": "1"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "a forged grader" not in proc.stdout
+        import time
+        time.sleep(5)                                     # longer than the late forgery waits
+        results = results_by_exercise(results_path)
+        for ex in reference:
+            held = results[ex.id]["held-out checks"]
+            want = ex.points if ex in restored else 0
+            assert held["score"] == want, (f"{ex.id} ({cheats.get(ex.id, 'put back' if want else 'a stub')}) "
+                                           f"scored {held['score']} of {ex.points}, expected {want}:\n{held['output']}")
+        outputs = {ex_id: results[ex_id]["held-out checks"]["output"] for ex_id in cheats}
+        assert "os._exit() was called" in outputs["sampling-top-p"]
+        assert "sys.exit(0)" in outputs["paged-gather"]
+        assert "ran past the time limit of 10 s" in outputs["paged-free"]
+        assert "KeyError" in outputs["paged-slot-mapping"]
+        assert "killed by signal SIGSEGV: a crash" in outputs["kv-cache-read"]
+        assert json.loads(results_path.read_text())["score"] == sum(ex.points for ex in restored)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+LINGERER = '''
+import os as _os, time as _time
+if _os.fork() == 0:                 # outlive the grader's child, and forge the results once they are written
+    for _ in range(300):
+        _time.sleep(0.1)
+        if _os.path.exists({path!r}):
+            _time.sleep(0.5)
+            with open({path!r}, "w") as f:
+                f.write('{{"score": 25.0, "output": "forged", "tests": []}}')
+            break
+    _os._exit(0)
+'''
+
+
+@reference_only
+def test_what_the_graded_code_leaves_running_is_killed_with_its_child(tmp_path, reference):
+    copy = tmp_path / "lingering"
+    make_copy(copy, only="sampling-top-k")
+    restore(copy, next(ex for ex in reference if ex.id == "sampling-top-k"))
+    results = tmp_path / "results.json"
+    init = copy / "minillm" / "__init__.py"
+    init.write_text(init.read_text() + LINGERER.format(path=str(results)))
+    proc = run_tool(copy, "grade", "--json", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import time
+    time.sleep(2)
+    assert json.loads(results.read_text())["score"] == 1.0, results.read_text()
+
+
+@reference_only
+def test_a_fully_solved_copy_scores_full_marks(tmp_path, reference):
+    copy = tmp_path / "solved"
+    make_copy(copy)
+    for ex in find_exercises(copy):
+        restore(copy, next(r for r in reference if r.id == ex.id))
+    proc = run_tool(copy, "grade", "--json", str(tmp_path / "results.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = results_by_exercise(tmp_path / "results.json")
+    wrong = {i: r for i, r in results.items() if any(t["status"] != "passed" for t in r.values())}
+    assert not wrong, json.dumps(wrong, indent=1)[:5000]
+    assert json.loads((tmp_path / "results.json").read_text())["score"] == sum(ex.points for ex in reference)
 
 
 # ------------------------------------------------------------------ slow: each region alone, the whole suite
@@ -374,22 +740,21 @@ def test_grade_on_the_reference_scores_full_marks(tmp_path, reference):
 def test_each_region_put_back_alone_passes_with_everything_else_stubbed(tmp_path, reference, ex_id):
     copy = tmp_path / "one"
     make_copy(copy)
-    ex = next(e for e in reference if e.id == ex_id)
-    restore(copy, ex)
-    proc = run_in(copy, "check", ex_id)
+    restore(copy, next(e for e in reference if e.id == ex_id))
+    proc = run_tool(copy, "grade", "--json", str(tmp_path / "results.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = results_by_exercise(tmp_path / "results.json")
+    scored = {i: r["held-out checks"]["score"] for i, r in results.items() if r["held-out checks"]["score"]}
+    assert scored == {ex_id: next(e.points for e in reference if e.id == ex_id)}, scored
 
 
 @reference_only
 @pytest.mark.slow
-def test_the_whole_suite_in_a_stubbed_copy_fails_only_the_exercise_tests(stubbed_copy, tmp_path):
-    report = tmp_path / "report.jsonl"
+def test_the_whole_suite_in_a_stubbed_copy_reports_in_a_few_lines(stubbed_copy):
     env = {**os.environ, "PYTHONPATH": str(stubbed_copy), "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--exercise-report={report}"],
-                          cwd=stubbed_copy, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [json.loads(x) for x in report.read_text().splitlines()]
-    assert not [r for r in lines if r["kind"] == "error"], proc.stdout[-3000:]
-    rows = [r for r in lines if r["kind"] == "result"]
-    wrong = [f"{r['nodeid']}: {r['outcome']}: {r['message'][:300]}" for r in rows
-             if (r["outcome"] == "failed") != bool(r["exercises"])]
-    assert not wrong, "in a fully stubbed copy only exercise tests may fail, and all of them must:\n" + "\n".join(wrong)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"], cwd=stubbed_copy, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    out = proc.stdout
+    assert proc.returncode == 1 and " failed" not in out and " error" not in out, out[-5000:]
+    assert "12 exercises still to write" in out and "Traceback" not in out, out[-5000:]
+    assert len(out.splitlines()) < 60, out

@@ -69,24 +69,13 @@ def test_trace_is_seeded_and_within_the_context():
     assert t[0].arrival_s == 0 and all(x.arrival_s <= y.arrival_s for x, y in zip(t, t[1:])) and t[-1].arrival_s > 0
 
 
-class ForgetfulEngine(LLMEngine):
-    """An engine that forgets a request once it has reported it finished, as the engine's contract allows."""
-
-    def step(self):
-        outputs = super().step()
-        for o in outputs:
-            if o.finished:
-                del self.requests[o.request_id]
-        return outputs
-
-
 def test_replay_keeps_what_it_needs_from_the_outputs_step_returns(one_thread):
     model = random_model(PRESETS["tiny"], "cpu", torch.float32)
     trace = workloads.lognormal_trace(6, 128, 512, 12, 5, seed=0, rate=200.0)
-    engine = ForgetfulEngine(model, SchedulerConfig(64, 4, True), num_blocks=workloads.pool_blocks(trace))
+    engine = LLMEngine(model, SchedulerConfig(64, 4, True), num_blocks=workloads.pool_blocks(trace))
     seen = []
     run = workloads.replay(engine, trace, on_step=lambda e, outs: seen.append(len(outs)))
-    assert not engine.requests  # nothing left to read back: the replay has it all
+    assert not engine.requests  # the engine forgets finished requests: the replay kept what it needs
     assert sorted(run.outputs, key=int) == [str(i) for i in range(6)]
     assert [len(run.outputs[str(i)].output_token_ids) for i in range(6)] == [r.max_tokens for r in trace]
     assert run.generated == sum(r.max_tokens for r in trace) and run.steps == len(seen) == len(run.step_tokens)

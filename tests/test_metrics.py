@@ -1,4 +1,5 @@
 """The measurement toolkit: the cost model against hand-computed numbers, the timers, the ceilings, bench."""
+import sys
 import time
 
 import pytest
@@ -171,9 +172,13 @@ def test_cuda_events_and_memory_stats():
 # ---- bench ----------------------------------------------------------------------------------
 
 
-def test_bench_reports_both_phases_against_ceilings():
+def test_bench_reports_both_phases_against_ceilings(monkeypatch):
+    monkeypatch.setattr(metrics, "_CEILINGS", {})  # measured afresh, so its progress is said
     model = random_model(TINY, "cpu", torch.float32)
-    r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2)
+    said = []
+    r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2, progress=said.append)
+    assert [m.split()[0] for m in said] == ["measuring", "measuring", "timing", "timing", "measuring"]
+    assert "matmul" in said[0] and "copy" in said[1] and "prefill" in said[2] and "decode" in said[3]
     for phase in ("prefill", "decode"):
         assert r[phase]["tokens_per_s"] > 0 and 0 < r[phase]["frac_bandwidth"]
     d = r["decode"]
@@ -183,7 +188,8 @@ def test_bench_reports_both_phases_against_ceilings():
     k = r["kernel_limits"]
     assert k["read_stream_bytes_per_s"] > 0 and k["matvec_bytes_per_s"] > 0
     lines = bench.report(r, on_gpu=False)
-    assert any("target" in line and ("MET" in line or "MISSED" in line) for line in lines)
+    assert any(line.startswith("goals") and "minillm aims for 80% on a CPU" in line for line in lines)
+    assert not any("MISSED" in line or "target" in line for line in lines)  # bench speaks to students
     assert any("of what the matrix-vector kernel alone achieves" in line for line in lines)
 
 
@@ -191,3 +197,81 @@ def test_bench_command_rejects_too_long_prompt(capsys):
     from minillm.__main__ import main
     assert main(["bench", "--model", "tiny", "--device", "cpu", "--prompt-len", "500"]) == 2
     assert "n_ctx=128" in capsys.readouterr().err
+
+
+def test_a_dtype_the_device_emulates_is_warned_about_before_anything_slow(capsys, monkeypatch):
+    from minillm.__main__ import main
+
+    class Stop(Exception):
+        pass
+
+    def ceilings(*args, **kwargs):
+        print("ceilings start", file=sys.stderr)  # the first thing that takes minutes when emulated
+        raise Stop
+    monkeypatch.setattr(bench, "emulation_slowdown", lambda device, dtype: (38.0, 4.8e8))
+    monkeypatch.setattr(bench, "measure_ceilings", ceilings)
+    with pytest.raises(Stop):
+        main(["bench", "--model", "tiny", "--device", "cpu", "--dtype", "fp16", "--prompt-len", "16"])
+    err = capsys.readouterr().err
+    assert err.index("warning: float16 matmuls run 38× slower than fp32") < err.index("ceilings start")
+    assert "use --dtype fp32" in err
+
+
+def test_emulation_slowdown_is_measured():
+    same, rate = bench.emulation_slowdown(torch.device("cpu"), torch.float32)
+    assert same == 1.0 and rate > 0
+    slowdown, _ = bench.emulation_slowdown(torch.device("cpu"), torch.bfloat16)
+    assert slowdown > 0
+
+
+# ---- launch overhead: what lesson 09 measures ------------------------------------------
+
+
+def test_count_ops_counts_each_dispatched_op_once_and_tells_views_apart():
+    x = torch.ones(4, 4)
+    count = metrics.count_ops(lambda: (x + 1).t().relu().reshape(16))
+    assert (count.total, count.views, count.kernels) == (4, 2, 2)
+    assert count.by_op == {"add.Tensor": 1, "t.default": 1, "relu.default": 1, "reshape.default": 1}
+    assert metrics.count_ops(lambda: torch.nn.functional.linear(x, x)).total == 1  # as Python called it
+
+
+def test_a_static_decode_step_dispatches_fewer_ops_than_a_fresh_one():
+    """The same paged decode step, described anew (cache.prepare: new tensors) and on the static buffers: the
+    static one dispatches fewer ops (no metadata tensors are made, no slicing per layer)."""
+    from minillm.block_manager import BlockManager
+    from minillm.cuda_graphs import DecodeRunner
+    from minillm.kv_cache import Segment
+    from minillm.paged_attention import PagedKVCache
+    from types import SimpleNamespace
+    model = random_model(TINY, "cpu", "fp32")
+    blocks = BlockManager(16, 4)
+    cache = PagedKVCache(TINY, blocks)
+    for sid, n in ((0, 9), (1, 14)):
+        blocks.append_slots(SimpleNamespace(seq_id=sid, num_computed_tokens=0), n)
+    step = [Segment(0, 8, 1, True), Segment(1, 13, 1, True)]
+    runner = DecodeRunner(model, cache, 2, "static")
+    ids = torch.tensor([[5, 7]])
+    with torch.inference_mode():
+        fresh = metrics.count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache))
+        static = metrics.count_ops(lambda: runner.run(step, [5, 7]))
+    assert static.total < fresh.total and static.by_op.get("lift_fresh.default", 0) == 0, (static, fresh)
+
+
+def test_weight_read_floor_is_weight_bytes_over_bandwidth():
+    cfg = PRESETS["gpt2"]
+    floor = metrics.weight_read_floor(cfg, torch.bfloat16, 1e12)
+    assert floor == pytest.approx((cfg.num_params() - cfg.n_ctx * cfg.n_embd) * 2 / 1e12)  # wpe is gathered, not read
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_time_decode_in_each_mode(mode):
+    model = random_model(TINY, "cpu", "fp32")
+    t = metrics.time_decode(model, cached_len=20, batch=3, warmup=1, repeats=2, mode=mode)
+    assert t.median_s > 0 and len(t.times_s) == 2
+
+
+def test_time_decode_refuses_graphs_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        metrics.time_decode(random_model(TINY, "cpu", "fp32"), cached_len=5, mode="graph")

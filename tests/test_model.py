@@ -7,7 +7,7 @@ from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
 from minillm import kv_cache, naive_decode
 from minillm.kv_cache import KVCache, Segment
 from minillm.model import causal_attention, causal_mask
-from minillm.sampling import apply_top_k, apply_top_p, finish_reason, sample
+from minillm.sampling import NonFiniteLogitsError, apply_top_k, apply_top_p, finish_reason, sample
 from models import context_model
 
 CFG = PRESETS["tiny"]
@@ -190,11 +190,74 @@ def test_finish_reasons():
     assert finish_reason(1, 1, 101, sp, eos_token_id=5, n_ctx=100) == "length"  # the next would need position 100
 
 
-@pytest.mark.parametrize("bad, match", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-                                        (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens")])
-def test_bad_sampling_params(bad, match):
+@pytest.mark.parametrize("bad, match", [
+    (dict(temperature=-1), "temperature=-1 must be 0"), (dict(top_p=0), r"top_p=0.0 must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k=-2 must be ≥ -1"), (dict(max_tokens=0), "max_tokens=0 must be ≥ 1"),
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+    (dict(temperature=1e-45), "temperature=1e-45 must be 0 .greedy. or at least 0.01"),
+    (dict(temperature="hot"), "temperature='hot' is a str; it must be a number"),
+    (dict(top_k=2.5), "top_k=2.5 is a float; it must be an integer"),
+    (dict(top_p=float("inf")), "top_p=inf must be a finite number"),
+    (dict(max_tokens=True), "max_tokens=True is a bool"),
+    (dict(stop_token_ids=5), r"stop_token_ids=5 must be a list of token ids, e.g. \[5\]"),
+    (dict(stop_token_ids="5"), "stop_token_ids='5' must be a list"),
+    (dict(stop_token_ids=[1, -2]), "a stop token id=-2 must be ≥ 0"),
+    (dict(seed="abc"), "seed='abc' is a str; it must be an integer, or None for an unseeded request"),
+    (dict(seed=2**64), "seed=18446744073709551616 must be in"),
+    (dict(ignore_eos="yes"), "ignore_eos='yes' must be True or False"),
+])
+def test_bad_sampling_params_are_refused_when_made(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(n_head=0), "n_head=0 must be"), (dict(n_embd=64.0), "n_embd=64.0 is a float"),
+    (dict(layer_norm_epsilon=-1), "layer_norm_epsilon=-1 must be in"),
+    (dict(n_embd=100), "n_embd=100 is not divisible by n_head=12")])
+def test_a_config_made_in_code_is_checked_too(bad, match):
+    with pytest.raises(ValueError, match=match):
+        GPT2Config(**bad)
+
+
+def test_sampling_params_are_frozen_and_normalised():
+    sp = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), seed=torch.tensor(3), stop_token_ids=[7, 9])
+    assert (type(sp.temperature), type(sp.top_k), type(sp.seed), sp.stop_token_ids) == (float, int, int, (7, 9))
+    with pytest.raises(AttributeError):
+        sp.temperature = 0.0
+
+
+def test_sample_refuses_rows_that_are_not_finite():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    logits[1, 7], logits[3, 0] = float("nan"), float("inf")
+    for sp in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=2)):
+        with pytest.raises(NonFiniteLogitsError, match="layer_norm_epsilon") as e:
+            sample(logits, [sp] * 4, [torch.Generator().manual_seed(2) for _ in range(4)])
+        assert e.value.rows == [1, 3]
+    with pytest.raises(NonFiniteLogitsError):
+        sample(logits[1:2].bfloat16(), [SamplingParams(temperature=0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sample_on_cuda_refuses_rows_that_are_not_finite():
+    logits = torch.randn(4, 50, device="cuda")
+    logits[2, 7] = float("inf")
+    for sp in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5, seed=2)):
+        with pytest.raises(NonFiniteLogitsError) as e:
+            sample(logits, [sp] * 4, [torch.Generator("cuda").manual_seed(2) for _ in range(4)])
+        assert e.value.rows == [2]
+    assert sample(logits[:2], [SamplingParams(temperature=0)] * 2) == logits[:2].argmax(-1).tolist()
+
+
+def test_the_finite_check_changes_no_finite_row():
+    """Greedy is the argmax, and a seeded draw is the same draw with or without a bad row beside it."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3
+    assert sample(logits, [SamplingParams(temperature=0)] * 3) == logits.argmax(-1).tolist()
+    sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5)
+    got = sample(logits, [sp] * 3, [torch.Generator().manual_seed(5 + i) for i in range(3)])
+    alone = [sample(logits[i:i + 1], [sp], [torch.Generator().manual_seed(5 + i)])[0] for i in range(3)]
+    assert got == alone
 
 
 # ---- naive decode and the KV cache ----------------------------------------------

@@ -98,3 +98,26 @@ def test_corrupt_tokenizer_json_is_a_clear_error(tmp_path):
 def test_folder_without_config_or_tokenizer_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         load_tokenizer(tmp_path)
+
+
+def test_end_of_text_is_one_token_in_both_tokenizers(bpe_folder, tmp_path):
+    """`<|endoftext|>` in a prompt is the end-of-text control token, for BPE and the fallback alike."""
+    for tok in (load_tokenizer(bpe_folder), load_tokenizer("tiny", weights_dir=tmp_path)):
+        ids = tok.encode("a<|endoftext|>b")
+        assert ids.count(tok.eos_token_id) == 1, tok.name
+        assert tok.decode(ids) == "a<|endoftext|>b"
+        assert tok.encode("<|endoftext|>") == [tok.eos_token_id]
+
+
+def test_ids_outside_the_vocabulary_are_shown_not_dropped(bpe_folder):
+    tok = load_tokenizer(bpe_folder)
+    a, b = tok.encode("cache"), tok.encode("token")
+    assert tok.decode(a + [tok.vocab_size + 7] + b) == f"cache<|{tok.vocab_size + 7}|>token"
+    assert tok.decode([-1]) == "<|-1|>"
+
+
+def test_text_that_is_not_utf8_is_a_clear_error(bpe_folder, tmp_path):
+    bad = b"caf\xe9".decode("utf-8", errors="surrogateescape")  # how Python hands over a Latin-1 argv
+    for tok in (load_tokenizer(bpe_folder), load_tokenizer("tiny", weights_dir=tmp_path)):
+        with pytest.raises(ValueError, match="not valid UTF-8 at character 3"):
+            tok.encode(bad)

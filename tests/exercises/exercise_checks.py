@@ -1,11 +1,124 @@
-"""Assertions for the exercise tests whose failures teach: what was expected, what came back, where to look."""
+"""The exercises' checks: one `Check` per exercise, written once, used by pytest and by the grader.
+
+A Check holds an exercise's cases and the two halves of testing them:
+
+    run(inputs)             call the student's function on one case's inputs and return what it gave:
+                            tensors, numbers, lists, dicts. Imports minillm *inside* the method, never at
+                            module level: the grader imports this file and must never import student code.
+    verify(inputs, output)  raise AssertionError, with the message a student reads, unless `output` is right.
+                            The expected value comes from a property or a small independent computation on
+                            the inputs, never from minillm.
+
+and two kinds of case:
+
+    visible()               fixed, named cases: the tests a student reads and runs with pytest
+    situations()            named generators of held-out cases; the grader draws `draws` of each at grade
+                            time from a seed it chooses, so no table of answers can pass them
+
+Pytest runs `run` then `verify` in one process (`Check.pytest_test`); the
+grader (minillm/exercises.py) runs `run` in a child process that sends back
+only data, and `verify` in the parent, which decides the score. Both pass the
+output through the same encoding, so a test and the grader judge the same
+values.
+
+Rules each check keeps (tests/test_exercises_tool.py holds them): every case
+reaches the exercise's own region, so its stub fails them all and no other
+exercise's stub is reached; each situation matches a visible case, drawn with
+fresh values, the same number of times each run, so a bug costs the same
+points every time; a message names the idea and the shape, never the
+solution's expression.
+"""
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
+import random
 from contextlib import contextmanager
 
 import torch
 
+
+class Draw:
+    """Random inputs for held-out cases, reproducible from the grade's seed and the exercise's id."""
+
+    def __init__(self, seed: int | str, exercise: str):
+        digest = hashlib.sha256(f"{seed}:{exercise}".encode()).digest()
+        self.random = random.Random(digest)
+        self.generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+    def int(self, lo: int, hi: int) -> int:
+        """Uniform in lo..hi, both included."""
+        return self.random.randint(lo, hi)
+
+    def choice(self, options):
+        return self.random.choice(list(options))
+
+    def sample(self, options, k: int) -> list:
+        return self.random.sample(list(options), k)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def randperm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.generator)
+
+
+class Check:
+    """One exercise's cases, the call into the student's code, and the judgement of what came back."""
+
+    exercise = ""    # the id in the region's marker
+    where = ""       # "minillm/<file>.py, <function>": where the student's code goes
+    draws = 3        # held-out cases drawn per situation
+
+    def visible(self) -> dict[str, dict]:
+        raise TypeError(f"{type(self).__name__} must define visible()")
+
+    def situations(self) -> dict:
+        """name -> function(draw) -> inputs, one per situation a visible case shows."""
+        raise TypeError(f"{type(self).__name__} must define situations()")
+
+    def run(self, inputs: dict):
+        raise TypeError(f"{type(self).__name__} must define run()")
+
+    def verify(self, inputs: dict, output) -> None:
+        raise TypeError(f"{type(self).__name__} must define verify()")
+
+    def held_out(self, seed: int | str) -> dict[str, dict]:
+        draw = Draw(seed, self.exercise)
+        return {f"{name} #{i + 1}": make(draw) for name, make in self.situations().items()
+                for i in range(self.draws)}
+
+    def pytest_test(self):
+        """A pytest test per visible case, marked with the exercise: `test_x = CHECK.pytest_test()`."""
+        import pytest
+
+        check, cases = self, self.visible()
+
+        @pytest.mark.exercise(check.exercise)
+        @pytest.mark.parametrize("case", list(cases))
+        def test(case):
+            from minillm.exercises import over_the_wire
+            output = over_the_wire(check.run(copy.deepcopy(cases[case])))
+            try:
+                check.verify(cases[case], output)
+            except AssertionError as e:
+                pytest.fail(str(e), pytrace=False)
+
+        test.__doc__ = f"{check.exercise}: the visible cases of {type(check).__name__} (tests/exercises/exercise_checks.py)."
+        return test
+
+
+def kind(value) -> str:
+    """A returned value's type, as a message names it (an object that is not data arrives as exercises.Opaque)."""
+    if hasattr(value, "opaque_type"):
+        return f"a {value.opaque_type}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+# ---------------------------------------------------------------- judging outputs
 
 def assert_close(actual, expected: torch.Tensor, what: str, where: str,
                  axes: tuple[str, ...] | None = None, atol: float = 1e-5, rtol: float = 1e-4) -> None:
@@ -16,7 +129,7 @@ def assert_close(actual, expected: torch.Tensor, what: str, where: str,
     named = f" = ({', '.join(axes)})" if axes else ""
     if not isinstance(actual, torch.Tensor):
         raise AssertionError(f"{what}: expected a tensor of shape {tuple(expected.shape)}{named}, "
-                             f"got {type(actual).__name__}. Look at {where}.")
+                             f"got {kind(actual)}. Look at {where}.")
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}{named}, "
                              f"got shape {tuple(actual.shape)}. Look at {where}.")
@@ -31,6 +144,32 @@ def assert_close(actual, expected: torch.Tensor, what: str, where: str,
                          f"expected {want[first].item():.6g}, got {got[first].item():.6g}. Look at {where}.")
 
 
+def as_int_list(value, what: str, where: str) -> list[int]:
+    """A returned list (or 1-D integer tensor) of integers, as plain ints; anything else fails with its type."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
+        return [int(x) for x in value.tolist()]
+    if isinstance(value, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return list(value)
+    raise AssertionError(f"{what}: expected a list of integers, got {kind(value)} {value!r:.200}. Look at {where}.")
+
+
+def raised(step) -> bool:
+    return isinstance(step, dict) and "raised" in step
+
+
+def call_recording_errors(function, *args):
+    """Call `function`; an exercise stub's NotImplementedError propagates, any other exception becomes data:
+    {"raised": type name, "runtime_error": isinstance RuntimeError, "message": str}."""
+    try:
+        return function(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        return {"raised": type(e).__name__, "runtime_error": isinstance(e, RuntimeError), "message": str(e)[:500]}
+
+
+# ---------------------------------------------------------------- oracles written one position at a time
+
 def softmax_weights(scores: list[float]) -> list[float]:
     """softmax of a short list of Python floats, written out: the tests' oracle never calls the code under test."""
     top = max(scores)
@@ -39,46 +178,44 @@ def softmax_weights(scores: list[float]) -> list[float]:
     return [e / total for e in exps]
 
 
-def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: bool = True) -> torch.Tensor:
     """One query (D,) over L keys and values (L, D): Σ_s softmax_s(q·k_s/√D) · v_s, one key at a time."""
     D = q.shape[-1]
-    scores = [float((q.double() * keys[s].double()).sum()) / math.sqrt(D) for s in range(keys.shape[0])]
+    scores = [float((q.double() * keys[s].double()).sum()) / (math.sqrt(D) if scale else 1.0)
+              for s in range(keys.shape[0])]
     out = torch.zeros(D, dtype=torch.float64)
     for s, w in enumerate(softmax_weights(scores)):
         out += w * values[s].double()
     return out
 
 
-def attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+def attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     causal: bool = True, scale: bool = True) -> torch.Tensor:
     """model.causal_attention's contract, one query at a time: the queries are the last T of the L keys, unless
     `mask` (True = may look) says which keys each sees. Tests of other exercises put it in place of
-    causal_attention, so that they pass or fail on their own region alone."""
+    causal_attention, so that they pass or fail on their own region alone. `causal=False` and `scale=False`
+    give the answers of two classic mistakes, so that a message can name them."""
     B, H, T, _ = q.shape
     L = k.shape[-2]
-    allowed = (mask.expand(B, H, T, L) if mask is not None
-               else torch.tensor([[s <= L - T + t for s in range(L)] for t in range(T)]).expand(B, H, T, L))
+    if mask is not None:
+        allowed = mask.expand(B, H, T, L)
+    else:
+        allowed = torch.tensor([[s <= L - T + t or not causal for s in range(L)] for t in range(T)]).expand(B, H, T, L)
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b in range(B):
         for h in range(H):
             for t in range(T):
                 seen = allowed[b, h, t].nonzero().flatten()
-                out[b, h, t] = attend_one_query(q[b, h, t], k[b, h, seen], v[b, h, seen])
+                out[b, h, t] = attend_one_query(q[b, h, t], k[b, h, seen], v[b, h, seen], scale)
     return out.to(q.dtype)
 
 
-class Raised:
-    value: BaseException | None = None
-
-
 @contextmanager
-def expect_error(error: type[BaseException], what: str, where: str):
-    """Like pytest.raises, but an exercise's stub does not count: NotImplementedError is a RuntimeError."""
-    raised = Raised()
+def patched(module, name: str, value):
+    """Set module.name to value for the duration, then put the original back."""
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
-        yield raised
-    except NotImplementedError:
-        raise
-    except error as e:
-        raised.value = e
-        return
-    raise AssertionError(f"{what}: expected a {error.__name__}, nothing was raised. Look at {where}.")
+        yield
+    finally:
+        setattr(module, name, original)

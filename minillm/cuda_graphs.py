@@ -1,0 +1,175 @@
+"""Launch overhead: a decode step with static shapes, replayed as a CUDA graph.
+
+The bottleneck
+--------------
+A decode step of a small model gives each kernel almost nothing to do, yet
+the host still pays for every op it dispatches: Python, the dispatcher, a
+kernel launch, a few µs each. The device waits for the host:
+
+    step time ≈ max(device time, ops per step · host time per op)
+
+`gpt2` in bf16 reads 0.25 GB of weights per step, 0.05 ms at an H200's
+4.8 TB/s, but one engine step dispatches about 400 ops (`metrics.count_ops`):
+1–2 ms of host time at 2–5 µs each.
+Such a step is bound by launch overhead, not by memory; the larger the model,
+the more work each launch carries, until memory binds again (lesson 09
+finds the crossover). `metrics.count_ops` counts a step's ops.
+
+The fix: CUDA graphs
+--------------------
+Record every kernel of one step once, then replay them all with a single
+launch, as vLLM, nano-vLLM and SGLang do. A replay reruns the same kernels on
+the same addresses with the same shapes; only the values at those addresses
+may change. So a step that can be captured must be
+
+    static in shape    the batch padded to its bucket: 1, 2, 4, 8, then
+                       multiples of 8 up to max_num_seqs (vLLM's sizes); each
+                       block table padded to a width bucket: 1, 2, 4, 8, ...
+                       blocks, up to a whole context
+    static in address  its integers (token ids, positions, slot mapping, block
+                       tables, context lengths) in buffers allocated once and
+                       refilled in place (`kv_cache.StaticBuffer`), its
+                       metadata made once per shape and reused
+    free of syncs      nothing in the forward pass reads a value back to the host
+
+One graph per (batch, width) bucket is captured when the runner is built,
+largest first, all in one memory pool: the graph memory is about the
+activations of the largest step. vLLM needs no width buckets, because its
+attention kernel stops at each sequence's own length; here attention gathers
+the whole padded width (paged_attention.py), so a short context must not pay
+for the longest one.
+
+What padding costs: a batch of n runs as bucket(n) rows (< 2n), and a decode
+reads up to 2× the keys its longest context needs; at batch 8 and ~270-token
+contexts that made a CPU step about a quarter slower. Padding pays off only
+where a shape is replayed. So the runner has three modes for one and the same code:
+
+    eager    exact shapes on the static buffers: the CPU's decode, and CUDA's
+             with enforce_eager; no padding, no graph
+    static   shapes padded to buckets, run eagerly: what a graph replays,
+             checkable on any device (and what torch.compile sees as static)
+    graph    static, captured per bucket at start (CUDA), replayed each step
+
+Prefill and mixed chunked steps have a shape per step, and stay eager.
+
+Invariants held by the tests: eager, static and graph decode give the same
+greedy tokens and logits as `kv_cache.generate`, while sequences join and
+leave; a compiled static step (torch.compile) does not recompile while the
+batch and the contexts change within their buckets.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .kv_cache import Segment, StaticBuffer
+from .model import GPT2
+
+MODES = ("eager", "static", "graph")
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """vLLM's batch sizes for graphs: 1, 2, 4, 8, then multiples of 8, and max_num_seqs itself."""
+    return sorted({b for b in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if b <= max_num_seqs} | {max_num_seqs})
+
+
+def width_buckets(max_width: int) -> list[int]:
+    """Block-table widths: powers of two up to `max_width`, and `max_width` itself."""
+    return sorted({1 << i for i in range(max_width.bit_length()) if 1 << i <= max_width} | {max_width})
+
+
+def bucket(n: int, sizes: list[int]) -> int:
+    """The smallest size ≥ n."""
+    return sizes[bisect.bisect_left(sizes, n)]
+
+
+class DecodeRunner:
+    """Runs the decode-only steps of `model` over `cache` on buffers allocated once.
+
+    The cache is a `KVCache` or a `PagedKVCache`: anything with
+    `allocate_decode_buffers`, `prepare_decode`, `width_unit` and
+    `max_decode_width`. `run(segments, tokens)` returns the step's logits.
+    """
+
+    def __init__(self, model: GPT2, cache, max_num_seqs: int, mode: str = "eager"):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; the modes are {', '.join(MODES)}")
+        if mode == "graph" and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, and the model is on {model.device}; "
+                             "use mode='static' to run the same padded step without a graph")
+        self.model, self.cache, self.mode = model, cache, mode
+        self.batch_sizes = batch_buckets(max_num_seqs)
+        self.widths = width_buckets(cache.max_decode_width)
+        cache.allocate_decode_buffers(max_num_seqs)
+        self.input_ids = StaticBuffer(max_num_seqs, model.device)
+        self._ids: dict[int, torch.Tensor] = {}  # per batch size: the ids buffer shaped like the cache's positions
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # the graphs' output buffer
+        if mode == "graph":
+            self.capture()
+
+    def shape(self, segments: list[Segment]) -> tuple[int, int]:
+        """(rows, table width in width units) of the step: exact when eager, else padded to buckets."""
+        longest = max(s.start for s in segments) + 1
+        width = -(-longest // self.cache.width_unit)
+        if self.mode == "eager":
+            return len(segments), width
+        return bucket(len(segments), self.batch_sizes), bucket(width, self.widths)
+
+    @torch.inference_mode()
+    def run(self, segments: list[Segment], tokens: list[int]) -> torch.Tensor:
+        """Logits (n, vocab) of one decode step: segment i (one token after `start` cached) feeds tokens[i].
+
+        The returned tensor belongs to the runner until its next call (with
+        graphs it is the graphs' output buffer): sample from it first.
+        """
+        n = len(segments)
+        batch, width = self.shape(segments)
+        host = self.input_ids.host
+        host[:n] = tokens
+        host[n:batch] = 0  # padding rows feed token 0; nobody samples them
+        self.input_ids.upload(batch)
+        self.cache.prepare_decode(segments, batch, width)
+        if self.mode == "graph":
+            self.graphs[(batch, width)].replay()
+            return self.logits[:n]
+        return self.forward(self._input_ids(batch)).view(batch, -1)[:n]
+
+    @torch.inference_mode()
+    def run_largest(self) -> torch.Tensor:
+        """The largest step this runner can take, eagerly, on padding rows only: what a profile run measures."""
+        batch, width = self.batch_sizes[-1], self.widths[-1]
+        self.cache.prepare_decode([], batch, width)
+        return self.forward(self._input_ids(batch))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The device work of a step, on the cache's prepared metadata: what a graph captures, and what
+        torch.compile may trace (the tests do, to prove its shapes static)."""
+        return self.model(input_ids, self.cache.metadata.positions, cache=self.cache)
+
+    def _input_ids(self, batch: int) -> torch.Tensor:
+        if batch not in self._ids:  # made once per batch size, so a graph always reads the same tensor
+            self._ids[batch] = self.input_ids.tensor[:batch].view(self.cache.metadata.positions.shape)
+        return self._ids[batch]
+
+    @torch.inference_mode()
+    def capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
+        """One CUDA graph per (batch, width) bucket, as nano-vLLM's `capture_cudagraph`: largest first, all in
+        one memory pool, so each smaller graph reuses the memory of the larger ones. `shapes` (a profile run
+        captures only the largest) defaults to every bucket."""
+        shapes = shapes or [(b, w) for b in reversed(self.batch_sizes) for w in reversed(self.widths)]
+        if self.logits is None:
+            cfg, device = self.model.config, self.model.device
+            self.logits = torch.empty(self.batch_sizes[-1], cfg.vocab_size, device=device, dtype=self.model.dtype)
+        pool = None
+        for batch, width in shapes:
+            self.cache.prepare_decode([], batch, width)  # padding rows only: the addresses every step fills
+            ids = self._input_ids(batch)
+            self.logits[:batch] = self.forward(ids).view(batch, -1)  # warm-up: lazy initialisation stays outside
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[:batch] = self.forward(ids).view(batch, -1)
+            pool = graph.pool()
+            self.graphs[(batch, width)] = graph
+        torch.cuda.synchronize(self.model.device)

@@ -1,0 +1,281 @@
+"""Prefix caching: requests that start alike share the KV blocks of their common start.
+
+The waste it removes
+--------------------
+Real traffic repeats itself. Every chat request carries the same system
+prompt, every turn of a conversation resends the whole history before it,
+few-shot and RAG prompts share long headers. Without a cache each request
+prefills its prompt from the first token, computing the same keys and values
+again into blocks of its own. Prefill is compute-bound and its work grows with
+the tokens computed (lesson 01), so a request of P prompt tokens whose first S
+are already in the pool pays only for the rest:
+
+    tokens prefilled on a hit   P − S                (they still attend over all P)
+    TTFT of a hit               ≈ t(prefill of the uncached suffix)
+    KV blocks of n requests     ⌊S/bs⌋ shared + n · (their own blocks after S)
+
+Decode is untouched, so throughput gains as much as the work was prefill.
+
+vLLM's automatic prefix caching, which this file follows
+--------------------------------------------------------
+*Whole blocks only.* A full block never changes again; the last, partly filled
+block of a sequence is still being written by it, and sharing that block would
+let two sequences write the same slots. The block is also the unit that the
+pool already hands out and counts references to, so sharing costs no new
+machinery: a hit is one more reference. The price is granularity: a common
+prefix of S tokens shares only ⌊S/bs⌋ · bs of them.
+
+*A hash chain, not the block's tokens alone.* A block's keys and values depend
+on every token before it (attention has mixed the context in, and its
+positions depend on where the block sits), so the same 16 tokens after another
+prefix make different keys. A full block's key is therefore
+
+    hash(block i) = H(hash(block i − 1), tokens of block i)       H = SHA-256
+
+and equal keys mean equal *whole prefixes*. Matching walks a prompt block by
+block and stops at the first miss: once one block differs, no later one can be
+reused, however alike its own tokens are. SHA-256 rather than Python's 64-bit
+`hash`: a collision would hand one request another's keys (wrong text, and
+across users a leak), and vLLM moved to SHA-256 for that reason.
+
+*The last prompt token is always computed.* Its logits give the first output
+token, and logits only come from computing a token. So matching looks only at
+the first P − 1 tokens (vLLM backs off to prompt_len − 1): a prompt whose
+every block is cached still recomputes its last block, into a fresh block of
+its own. Prefill therefore always starts on a block boundary, in a block no one
+else holds, and no shared block is ever written.
+
+*When a block is cached.* A block is hashed as soon as a step is planned to
+fill it, not after: the step's forward pass writes every new token's keys and
+values before any layer's attention reads (`paged_attention.py`), so a request
+admitted in the same step already shares it. When two sequences compute the
+same block side by side (one was admitted before the other had reached that
+block), the block registered second keeps no hash: one block per key.
+
+*Eviction, and why its order decides the hit rate.* A block whose last
+reference goes keeps its contents and its hash on an *evictable* list, least
+recently used first. Allocation takes truly free blocks first and evicts only
+when none is left; an evicted block loses its hash at once, because its slots
+are about to hold other tokens. LRU keeps what is in use (a hot system prompt
+is shared again and again and stays); a finished request frees its blocks
+tail first, so its last blocks go before its first. The order matters because
+a chain is reachable only through its head: evicting a parent before its
+children strands them, still in memory but never matched again.
+
+SGLang's RadixAttention does the same at token granularity: a radix tree of
+the cached token sequences, matched to the longest common prefix to the
+token, and evicted leaf first in LRU order, so that no parent goes before its
+children. It shares up to bs − 1 more tokens per match and needs a tree kept
+in step with the memory; a table of block hashes needs one lookup per block and
+reuses the paged allocator as it is.
+
+What it costs: one SHA-256 of a block's tokens when a block fills and when a
+prompt is matched, one dictionary lookup per block at admission, an ordered
+dictionary of evictable blocks. Nothing per token in the forward pass.
+
+Invariants held by the tests: greedy tokens, and the logits they come from, are
+identical with caching on and off; after every step each block is exactly one
+of free (no hash), evictable (no reference, a hash) or referenced (as often as
+the tables hold it); hashes and blocks map one to one; a block a sequence holds
+that has a hash holds that sequence's tokens, computed; when every request has
+finished, every block is free or evictable.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Protocol
+
+from .block_manager import DEFAULT_BLOCK_SIZE, BlockAllocator, BlockManager
+
+ROOT = b""  # the parent hash of a sequence's first block
+
+
+class HoldsTokens(Protocol):
+    """What prefix caching needs to know of a sequence: the block manager's view, and its tokens."""
+    seq_id: int
+    num_computed_tokens: int
+    token_ids: list[int]
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of a full block: its own tokens, chained through `parent` to every token before them."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def prefix_match(token_ids: list[int], block_size: int, cached: dict[bytes, int]) -> list[int]:
+    """The cached blocks that hold the longest whole-block prefix of `token_ids`, short of its last token.
+
+    `cached` maps a block's chained hash (`hash_block`, starting from ROOT) to the block that holds it.
+    Returns the blocks in order; reusing them, a sequence starts computing at len(result) · block_size.
+    """
+    # >>> exercise prefix-match (lesson 10, 2 pts): find the cached blocks that start a prompt
+    # hint: walk whole blocks from the start, each one's key chained to the key before it; the walk ends at the first key the cache lacks, and never reaches the block that holds the last token, which must be computed for its logits
+    blocks, parent = [], ROOT
+    for start in range(0, len(token_ids) - block_size, block_size):  # whole blocks within token_ids[:-1]
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        if parent not in cached:
+            break
+        blocks.append(cached[parent])
+    return blocks
+    # <<< exercise
+
+
+class CachingAllocator(BlockAllocator):
+    """A block allocator whose freed blocks stay cached until their memory is needed.
+
+    Every block is in exactly one state: free (on `free_blocks`, no hash), referenced (ref count ≥ 1) or
+    evictable (ref count 0, its hash kept, on `evictable` in least-recently-used order).
+    """
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
+        self.cached: dict[bytes, int] = {}       # hash → the block holding those tokens
+        self.block_hash: dict[int, bytes] = {}   # the inverse: a block's hash, while it has one
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that an allocation can take: the free ones and the evictable ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    def allocate(self) -> int:
+        """A truly free block if there is one; otherwise the least recently used cached block, its hash gone."""
+        if not self.free_blocks and self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash.pop(block)]
+            self.free_blocks.append(block)
+        return super().allocate()
+
+    def free(self, block: int) -> None:
+        """Drop one reference; a cached block whose last reference goes becomes evictable, the newest."""
+        if self.ref_counts[block] == 1 and block in self.block_hash:
+            self.ref_counts[block] = 0
+            self.evictable[block] = None
+        else:
+            super().free(block)
+
+    def share(self, block: int) -> None:
+        """A cache hit: one more reference to a cached block, which stops being evictable."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Make a referenced, full block findable by its hash, unless another block already holds that hash."""
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def check_invariants(self, block_tables: dict[int, list[int]]) -> None:
+        """Each block is free, evictable or referenced as often as the tables say; hashes and blocks match."""
+        expected = [0] * self.num_blocks
+        for table in block_tables.values():
+            for block in table:
+                expected[block] += 1
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        for block in range(self.num_blocks):
+            assert self.ref_counts[block] == expected[block], \
+                f"block {block}: ref count {self.ref_counts[block]} but {expected[block]} tables hold it"
+            states = [name for name, holds in (("free", block in free), ("evictable", block in evictable),
+                                               ("referenced", expected[block] > 0)) if holds]
+            assert len(states) == 1, f"block {block} is {' and '.join(states) or 'nowhere'}"
+            if states[0] != "referenced":
+                assert (block in self.block_hash) == (states[0] == "evictable"), \
+                    f"block {block} is {states[0]} {'with' if block in self.block_hash else 'without'} a hash"
+        assert len(self.cached) == len(self.block_hash) and \
+            all(self.cached.get(h) == b for b, h in self.block_hash.items()), "hashes and blocks do not match"
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """Block tables whose full blocks are cached by their hash chain and shared by whoever starts alike.
+
+    `num_cached_tokens(seq)` tells the scheduler how much of a sequence it is about to admit is cached; the
+    scheduler starts the sequence there, and `append_slots` hands it those blocks before any new one.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
+        super().__init__(num_blocks, block_size)
+        self.allocator = CachingAllocator(num_blocks)
+        self.chains: dict[int, list[bytes]] = {}  # seq_id → the hashes of its full blocks so far, in order
+
+    def num_cached_tokens(self, seq: HoldsTokens) -> int:
+        """Leading tokens of a sequence about to be admitted whose KV the pool holds: whole blocks, never
+        its last token."""
+        return len(prefix_match(seq.token_ids, self.block_size, self.allocator.cached)) * self.block_size
+
+    def _hits(self, seq: HoldsTokens) -> list[int]:
+        """The cached blocks that a sequence admitted at num_computed_tokens > 0 starts from."""
+        blocks = prefix_match(seq.token_ids, self.block_size, self.allocator.cached)
+        want, rest = divmod(seq.num_computed_tokens, self.block_size)
+        if rest or len(blocks) < want:
+            raise RuntimeError(f"sequence {seq.seq_id} is admitted at {seq.num_computed_tokens} cached tokens, but "
+                               f"the pool holds {len(blocks) * self.block_size} of them; ask num_cached_tokens "
+                               "right before admitting it")
+        return blocks[:want]
+
+    def blocks_needed(self, seq: HoldsTokens, num_new: int) -> int:
+        """Blocks `append_slots(seq, num_new)` takes from the free count: new ones, and, at admission, the
+        cached blocks it shares that were evictable."""
+        if seq.seq_id in self.block_tables or not seq.num_computed_tokens:
+            return super().blocks_needed(seq, num_new)
+        hits = self._hits(seq)
+        idle = sum(self.allocator.ref_counts[block] == 0 for block in hits)
+        return self.blocks_for(seq.num_computed_tokens + num_new) - len(hits) + idle
+
+    def append_slots(self, seq: HoldsTokens, num_new: int) -> None:
+        """Room for `num_new` more tokens after the computed ones; a sequence admitted after a cache hit first
+        shares its cached blocks. Blocks these tokens fill are cached by their hash."""
+        if seq.seq_id not in self.block_tables and seq.num_computed_tokens:
+            needed = self.blocks_needed(seq, num_new)
+            if needed > self.num_free_blocks:
+                raise RuntimeError(f"sequence {seq.seq_id} needs {needed} blocks but {self.num_free_blocks} are "
+                                   "free; check can_append first")
+            hits = self._hits(seq)
+            for block in hits:
+                self.allocator.share(block)
+            self.block_tables[seq.seq_id] = hits
+            self.chains[seq.seq_id] = [self.allocator.block_hash[block] for block in hits]
+        super().append_slots(seq, num_new)
+        self._cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+
+    def _cache_full_blocks(self, seq: HoldsTokens, num_tokens: int) -> None:
+        """Hash every block that the first `num_tokens` tokens fill and that is not hashed yet."""
+        chain = self.chains.setdefault(seq.seq_id, [])
+        full = num_tokens // self.block_size
+        if full <= len(chain):  # the common case, a decode inside a block: nothing to hash
+            return
+        tokens, table, bs = seq.token_ids, self.block_tables[seq.seq_id], self.block_size
+        for i in range(len(chain), full):
+            chain.append(hash_block(chain[-1] if chain else ROOT, tokens[i * bs:(i + 1) * bs]))
+            self.allocator.cache(table[i], chain[-1])
+
+    def free(self, seq: HoldsTokens) -> None:
+        """Release a sequence's blocks tail first, so that its last blocks are evicted before its first."""
+        self.chains.pop(seq.seq_id, None)
+        for block in reversed(self.block_tables.pop(seq.seq_id, ())):
+            self.allocator.free(block)
+
+    def check_invariants(self, seqs: list[HoldsTokens] | None = None) -> None:
+        """The base checks, and, given the sequences that hold KV: each hashed block they hold is full of their
+        computed tokens, under the hash of exactly those tokens and all before them."""
+        super().check_invariants(seqs)
+        if seqs is None:
+            return
+        assert set(self.chains) <= {s.seq_id for s in seqs}, "a hash chain outlived its sequence"
+        bs = self.block_size
+        for seq in seqs:
+            parent, tokens, chain = ROOT, seq.token_ids, []
+            for i, block in enumerate(self.block_tables.get(seq.seq_id, ())):
+                if (i + 1) * bs > seq.num_computed_tokens:
+                    assert block not in self.allocator.block_hash, \
+                        f"sequence {seq.seq_id}'s block {block} is hashed but not full of computed tokens"
+                    continue
+                parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+                chain.append(parent)
+                held = self.allocator.block_hash.get(block)
+                assert held in (None, parent), f"sequence {seq.seq_id}'s block {block} carries another prefix's hash"
+            assert self.chains.get(seq.seq_id, []) == chain, \
+                f"sequence {seq.seq_id}'s hash chain does not match its computed tokens"
