@@ -2,134 +2,334 @@
 
 `rejection_sample(guesses, q, p, generator)` gets the draft's guesses, the
 distributions q they were drawn from, and the target's distributions p at the
-same positions plus one more. No model runs: p and q are written by hand over a
-vocabulary of 4 tokens, so each test can say exactly what must come back. The
-statistical tests use many seeded calls and a fixed significance level, so any
-correct way of drawing the random numbers passes them.
+same positions plus one more. No model runs: a case writes p and q by hand (or
+draws them, every probability a multiple of 1/32, so that float32 holds them
+exactly and "p ≥ q" is never a rounding question) and plays many rounds, each
+with its own seeded generator. The check judges what came back on what any
+correct rule must do, whichever way it draws its random numbers:
+
+  * exactly, round by round: the tokens are the accepted guesses in order, then
+    one more; a guess with p ≥ q at it is always accepted, one the target never
+    makes (p = 0) never; the token after a rejection is one where p exceeds q;
+    the bonus token after accepting every guess is one the target's next
+    distribution can make; the same seed gives the same round again, whatever
+    torch's global random stream did in between;
+  * in frequency, over the rounds: each guess is accepted as often as p/q says
+    (capped at 1), the tokens after a rejection follow the normalised excess of
+    p over q, the bonus tokens follow the last row of p, and, when the guesses
+    were drawn from q as a draft would, every token emitted follows p. Each is a
+    test at significance LEVEL, run only where the counts make its
+    approximation sound; a correct rule fails one in a million.
 """
-import pytest
+import math
+
 import torch
 
-from minillm.speculative import rejection_sample
+from exercise_checks import Check, kind
 
-WHERE = "minillm/speculative.py, rejection_sample"
-LEVEL = 1e-4   # the statistical tests' significance level: a correct rule fails one in ten thousand seedings
+LEVEL = 1e-6       # a correct rule fails a frequency test this rarely
+MIN_EXPECTED = 10  # a χ² cell expects at least this many tokens (smaller ones are pooled); a count test, this variance
+UNIT = 32          # drawn probabilities are multiples of 1/UNIT
 
 
 def dist(*rows) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float32)
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), -1)
 
 
-def call(guesses, q, p, seed=0):
-    out = rejection_sample(list(guesses), q, p, torch.Generator().manual_seed(seed))
-    assert isinstance(out, list) and all(type(t) is int for t in out), (
-        f"rejection_sample returned {out!r}: expected a list of Python ints (the accepted guesses, then one "
-        f"token of the target's own). Look at {WHERE}.")
-    assert 1 <= len(out) <= len(guesses) + 1, (
-        f"rejection_sample returned {len(out)} tokens for {len(guesses)} guesses: a round emits between 1 and "
-        f"{len(guesses) + 1} (the accepted guesses, then exactly one more). Look at {WHERE}.")
-    assert out[:-1] == list(guesses[:len(out) - 1]), (
-        f"rejection_sample returned {out} for guesses {list(guesses)}: every token but the last must be a "
-        f"guess, in order (the ones accepted before the first rejection). Look at {WHERE}.")
-    return out
+def rounds_of(guesses: list[int], n: int) -> dict:
+    """n rounds of the same guesses, seeds 0..n-1."""
+    return {"rounds": [list(guesses)] * n, "seeds": list(range(n))}
 
 
-def p_value_two_sided(successes: int, n: int, prob: float) -> float:
-    """How surprising `successes` in n draws of probability `prob` are (normal approximation, two-sided)."""
-    sd = (n * prob * (1 - prob)) ** 0.5
-    return float(torch.special.erfc(torch.tensor(abs(successes - n * prob) / sd / 2 ** 0.5)))
+def p_value_normal(observed: float, mean: float, var: float) -> float:
+    """Two-sided tail of a count against its mean and variance (normal approximation)."""
+    return math.erfc(abs(observed - mean) / math.sqrt(2 * var))
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_guesses_the_target_would_make_as_often_are_all_kept():
-    q = dist([0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25])
-    p = torch.cat([q, dist([0.0, 0.0, 1.0, 0.0])])   # p = q where the guesses are; then a sure bonus token, 2
-    for seed in range(20):
-        out = call([3, 1], q, p, seed)
-        assert out == [3, 1, 2], (
-            f"guesses [3, 1] with p = q at both positions must both be accepted (p/q = 1), then a bonus token "
-            f"drawn from p's third row, which is all on token 2; got {out}. Look at {WHERE}.")
+def p_value_chi2(counts: dict[int, int], probs: list[float]) -> tuple[float, int]:
+    """Pearson's χ² of token counts against `probs` (cells expecting under MIN_EXPECTED pooled); (p-value, tokens).
+    A p-value of 1 when there are too few tokens to test."""
+    n = sum(counts.values())
+    cells = sorted(((n * pr, counts.get(t, 0)) for t, pr in enumerate(probs) if pr > 0), reverse=True)
+    big = [c for c in cells if c[0] >= MIN_EXPECTED]
+    small = [c for c in cells if c[0] < MIN_EXPECTED]
+    if small:
+        pooled = (sum(e for e, _ in small), sum(o for _, o in small))
+        if pooled[0] >= MIN_EXPECTED:
+            big.append(pooled)
+        elif big:
+            e, o = big.pop()
+            big.append((e + pooled[0], o + pooled[1]))
+    if len(big) < 2:
+        return 1.0, n
+    stat = sum((o - e) ** 2 / e for e, o in big)
+    dof = len(big) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64))), n
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_a_guess_the_target_never_makes_is_rejected_and_replaced():
-    q = dist([0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25])
-    p = dist([0.0, 0.6, 0.4, 0.0], [0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25])
-    seen = set()
-    for seed in range(30):
-        out = call([0, 1], q, p, seed)
-        assert len(out) == 1, (f"guess 0 has p(0) = 0, so it must be rejected and the round must end there; "
-                               f"got {out}. Look at {WHERE}.")
-        seen.add(out[0])
-    assert seen <= {1, 2} and 2 in seen, (
-        f"after rejecting guess 0 the token must come from max(0, p − q) = [0, 0.1, 0.4, 0] (normalised), so it "
-        f"is token 2 four times in five and never 0 or 3; over 30 seeds got {sorted(seen)}. Look at {WHERE}.")
+def shown(row: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.3g}" for x in row) + "]"
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_after_a_rejection_the_token_comes_from_where_p_exceeds_q():
-    q = dist([0.5, 0.5, 0.0, 0.0])
-    p = dist([0.1, 0.5, 0.4, 0.0], [0.0, 0.0, 0.0, 1.0])
-    n, accepted = 400, 0
-    for seed in range(n):
-        out = call([0], q, p, seed)
-        if len(out) == 2:
-            accepted += 1
-            assert out[1] == 3, f"after accepting guess 0 the bonus comes from p's next row (all on 3): {out}"
-        else:
-            assert out == [2], (
-                f"guess 0 rejected: the replacement comes from max(0, p − q) = [0, 0, 0.4, 0], always token 2, "
-                f"got {out}. Look at {WHERE}.")
-    assert p_value_two_sided(accepted, n, 0.2) > LEVEL, (
-        f"guess 0 has p = 0.1 and q = 0.5, so it must be accepted with probability 0.1/0.5 = 0.2; it was accepted "
-        f"{accepted} times in {n}. Look at {WHERE}.")
+def residual(p_row: list[float], q_row: list[float]) -> list[float]:
+    excess = [max(0.0, a - b) for a, b in zip(p_row, q_row)]
+    return [e / sum(excess) for e in excess] if sum(excess) > 0 else excess
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_a_round_ends_at_its_first_rejection():
-    q = dist([0.25] * 4, [0.25] * 4, [0.25] * 4)
-    p = dist([0.25] * 4, [0.0, 0.0, 1.0, 0.0], [0.25] * 4, [0.25] * 4)   # guess 1 has p(1) = 0; guess 3 is sure
-    for seed in range(20):
-        out = call([0, 1, 3], q, p, seed)
-        assert out == [0, 2], (
-            f"guesses [0, 1, 3]: guess 0 has p = q (kept), guess 1 has p(1) = 0 (rejected, replaced by the only "
-            f"token where p > q, 2), and the round stops there whatever guess 3 is; got {out}. Look at {WHERE}.")
+# ---------------------------------------------------------------- drawn cases
+
+def dyadic(d, V: int, support: list[int]) -> list[float]:
+    """A distribution over V tokens with mass on `support` only, each a multiple of 1/UNIT and at least 2/UNIT."""
+    units = {t: 2 for t in support}
+    for _ in range(UNIT - 2 * len(support)):
+        units[d.choice(support)] += 1
+    return [units.get(t, 0) / UNIT for t in range(V)]
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_no_guesses_means_one_token_from_the_target():
-    empty = torch.zeros(0, 4)
-    for seed in range(10):
-        out = call([], empty, dist([0.0, 0.0, 0.0, 1.0]), seed)
-        assert out == [3], f"with no guesses the round is one token drawn from p's only row; got {out}. Look at {WHERE}."
+def some(d, V: int, lo: int = 2, hi: int | None = None) -> list[int]:
+    return sorted(d.sample(range(V), d.int(lo, min(hi or V, V))))
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_the_first_token_follows_the_targets_distribution():
-    """The point of the rule: whatever the draft guessed, the first token emitted is distributed as p."""
-    q_row, p_row = [0.6, 0.3, 0.05, 0.05], [0.1, 0.2, 0.3, 0.4]
-    q, p = dist(q_row), dist(p_row, [0.25] * 4)
-    g = torch.Generator().manual_seed(1234)
-    n, counts = 3000, [0] * 4
-    for seed in range(n):
-        guess = int(torch.multinomial(q[0], 1, generator=g))   # the draft's guess, drawn from q as a draft would
-        counts[call([guess], q, p, seed)[0]] += 1
-    stat = sum((c - n * pr) ** 2 / (n * pr) for c, pr in zip(counts, p_row))
-    p_value = float(torch.special.gammaincc(torch.tensor(1.5), torch.tensor(stat / 2)))   # χ², 3 degrees of freedom
-    assert p_value > LEVEL, (
-        f"with q = {q_row} and p = {p_row}, the first token emitted must be distributed as p; over {n} rounds it "
-        f"came out {[round(c / n, 3) for c in counts]} (χ² p = {p_value:.1e}). Look at {WHERE}.")
+def draw_from(d, row: list[float]) -> int:
+    return d.random.choices(range(len(row)), weights=row)[0]
 
 
-@pytest.mark.exercise("speculative-accept")
-def test_randomness_comes_from_the_generator():
-    """A seeded request is reproducible: every random draw goes through the generator it was given."""
-    q = dist([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1])
-    p = dist([0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4])
-    runs = [[tuple(call([0, 1], q, p, seed)) for seed in range(40)] for _ in range(2)]
-    torch.manual_seed(99)   # the global stream moves between the runs; the answers must not
-    runs.append([tuple(call([0, 1], q, p, seed)) for seed in range(40)])
-    assert runs[0] == runs[1] == runs[2], (
-        f"the same seeds gave different tokens: draw every random number (the uniforms and the final token) from "
-        f"`generator`, not from torch's global stream. Look at {WHERE}.")
-    assert len(set(runs[0])) > 3, f"40 seeds gave only {set(runs[0])}: is the generator used at all? Look at {WHERE}."
+def case(d, q: list[list[float]], p: list[list[float]], rounds: list[list[int]], drawn: bool, replays: int = 10) -> dict:
+    dtype = d.choice([torch.float32, torch.float64])
+    V = len(p[0])
+    return {"q": torch.tensor(q, dtype=dtype).reshape(len(q), V), "p": torch.tensor(p, dtype=dtype), "rounds": rounds,
+            "seeds": [d.int(0, 2**31 - 1) for _ in rounds], "drawn": drawn, "replays": min(replays, len(rounds))}
+
+
+def until(d, make, accept):
+    """make(d) until accept(result): a drawn case with a property the situation needs."""
+    for _ in range(1000):
+        value = make(d)
+        if accept(value):
+            return value
+    raise RuntimeError("no draw met the situation's condition in 1000 tries")
+
+
+class Accept(Check):
+    exercise = "speculative-accept"
+    where = "minillm/speculative.py, rejection_sample"
+
+    def visible(self):
+        q = dist([0.1, 0.2, 0.3, 0.4], [0.25] * 4)
+        cases = {
+            # p = q where the guesses are; then a sure bonus token, 2.
+            "guesses the target would make as often are all kept, then the bonus":
+                {"q": q, "p": torch.cat([q, dist([0.0, 0.0, 1.0, 0.0])]), **rounds_of([3, 1], 20)},
+            # p(0) = 0: rejected; the residual max(0, p − q) is [0, 0.1, 0.4, 0], token 2 four times in five.
+            "a guess the target never makes is rejected and replaced":
+                {"q": dist([0.5, 0.5, 0.0, 0.0], [0.25] * 4), "p": dist([0.0, 0.6, 0.4, 0.0], [0.25] * 4, [0.25] * 4),
+                 **rounds_of([0, 1], 60)},
+            # guess 0 kept with probability 0.1/0.5 = 0.2; else token 2, the only one where p > q.
+            "after a rejection the token comes from where p exceeds q":
+                {"q": dist([0.5, 0.5, 0.0, 0.0]), "p": dist([0.1, 0.5, 0.4, 0.0], [0.0, 0.0, 0.0, 1.0]),
+                 **rounds_of([0], 400)},
+            # guess 0 kept (p = q), guess 1 rejected (p = 0) and replaced by 2, and guess 3 (sure) never judged.
+            "a round ends at its first rejection":
+                {"q": dist([0.25] * 4, [0.25] * 4, [0.25] * 4),
+                 "p": dist([0.25] * 4, [0.0, 0.0, 1.0, 0.0], [0.25] * 4, [0.25] * 4), **rounds_of([0, 1, 3], 20)},
+            "no guesses: one token from the target":
+                {"q": torch.zeros(0, 4), "p": dist([0.0, 0.0, 0.0, 1.0]), **rounds_of([], 10)},
+            # prompt lookup proposes without sampling: q is all on the guess, kept with probability p(guess).
+            "a guess proposed without sampling (q all on it) is kept with probability p":
+                {"q": dist([0.0, 1.0, 0.0, 0.0]), "p": dist([0.2, 0.5, 0.3, 0.0], [0.25] * 4),
+                 **rounds_of([1], 300)},
+            "randomness comes from the generator":
+                {"q": dist([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]),
+                 "p": dist([0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]),
+                 **rounds_of([0, 1], 40), "replays": 40},
+        }
+        # The point of the rule: with guesses drawn from q, as a draft draws them, the first token follows p.
+        g = torch.Generator().manual_seed(1234)
+        q_row, p_row = [0.6, 0.3, 0.05, 0.05], [0.1, 0.2, 0.3, 0.4]
+        guesses = [[int(torch.multinomial(torch.tensor(q_row), 1, generator=g))] for _ in range(3000)]
+        cases["the first token follows the target's distribution"] = {
+            "q": dist(q_row), "p": dist(p_row, [0.25] * 4), "rounds": guesses, "seeds": list(range(3000)),
+            "drawn": True}
+        for c in cases.values():
+            c.setdefault("drawn", False)
+            c.setdefault("replays", 5)
+        return cases
+
+    def situations(self):
+        def all_kept(d):
+            V, k = d.int(4, 8), d.int(1, 4)
+            q = [dyadic(d, V, some(d, V)) for _ in range(k)]
+            p = q + [dyadic(d, V, some(d, V, 1, 3))]
+            return case(d, q, p, [[draw_from(d, row) for row in q] for _ in range(150)], drawn=True)
+
+        def never_made(d):
+            V, k = d.int(4, 8), d.int(1, 3)
+
+            def first_rows(d):
+                q0 = dyadic(d, V, some(d, V))
+                guess = draw_from(d, q0)
+                p0 = dyadic(d, V, d.sample([t for t in range(V) if t != guess], d.int(2, V - 1)))
+                return q0, p0, guess
+
+            # some token the target makes no more often than the draft: a rule that redraws from p would emit it
+            q0, p0, guess = until(d, first_rows, lambda r: any(0 < a <= b for a, b in zip(r[1], r[0])))
+            q = [q0] + [dyadic(d, V, some(d, V)) for _ in range(k - 1)]
+            p = [p0] + [dyadic(d, V, some(d, V)) for _ in range(k)]
+            return case(d, q, p, [[guess] + [draw_from(d, row) for row in q[1:]] for _ in range(200)], drawn=False)
+
+        def less_often(d):
+            V = d.int(3, 8)
+
+            def rows(d):
+                q0, p0 = dyadic(d, V, some(d, V)), dyadic(d, V, some(d, V))
+                return q0, p0, draw_from(d, q0)
+
+            q0, p0, guess = until(d, rows, lambda r: 0.15 <= r[1][r[2]] / r[0][r[2]] <= 0.85)
+            return case(d, [q0], [p0, dyadic(d, V, some(d, V))], [[guess]] * 600, drawn=False)
+
+        def first_rejection(d):
+            V, k = d.int(4, 8), d.int(2, 4)
+            j = d.int(0, k - 2)   # the guess that is refused; every guess after it would be kept
+            q = [dyadic(d, V, some(d, V)) for _ in range(k)]
+            guess_j = draw_from(d, q[j])
+            p = [list(row) for row in q] + [dyadic(d, V, some(d, V))]
+            p[j] = dyadic(d, V, d.sample([t for t in range(V) if t != guess_j], d.int(1, V - 1)))
+            rounds = [[guess_j if i == j else draw_from(d, row) for i, row in enumerate(q)] for _ in range(60)]
+            return case(d, q, p, rounds, drawn=False)
+
+        def no_guesses(d):
+            V = d.int(3, 8)
+            return case(d, [], [dyadic(d, V, some(d, V))], [[] for _ in range(300)], drawn=False)
+
+        def without_sampling(d):
+            V, k = d.int(3, 8), d.int(1, 3)
+            guesses = [d.int(0, V - 1) for _ in range(k)]
+            q = [[float(t == g) for t in range(V)] for g in guesses]
+            p = until(d, lambda d: [dyadic(d, V, some(d, V)) for _ in range(k + 1)],
+                      lambda p: all(0.15 <= p[i][g] <= 0.85 for i, g in enumerate(guesses)))
+            return case(d, q, p, [list(guesses)] * 400, drawn=False)
+
+        def replayed(d):
+            V, k = d.int(3, 6), d.int(1, 3)
+            q = [dyadic(d, V, some(d, V)) for _ in range(k)]
+            p = [dyadic(d, V, some(d, V)) for _ in range(k + 1)]
+            return case(d, q, p, [[draw_from(d, row) for row in q] for _ in range(40)], drawn=True, replays=40)
+
+        def drawn(d):
+            V, k = d.int(3, 6), d.int(1, 3)
+            q = [dyadic(d, V, some(d, V)) for _ in range(k)]
+            p = [dyadic(d, V, some(d, V)) for _ in range(k + 1)]
+            return case(d, q, p, [[draw_from(d, row) for row in q] for _ in range(1000)], drawn=True)
+
+        return {"p = q at every guess": all_kept, "a guess the target never makes": never_made,
+                "a guess the target makes less often": less_often, "a refusal before sure guesses": first_rejection,
+                "no guesses": no_guesses, "guesses proposed without sampling": without_sampling,
+                "the same seeds again": replayed, "guesses drawn from q": drawn}
+
+    def run(self, inputs):
+        from minillm.speculative import rejection_sample
+        q, p = inputs["q"], inputs["p"]
+
+        def play(rounds, seeds):
+            return [rejection_sample(list(g), q.clone(), p.clone(), torch.Generator().manual_seed(s))
+                    for g, s in zip(rounds, seeds)]
+
+        n = inputs["replays"]
+        torch.manual_seed(inputs["seeds"][0] + 1)
+        first = play(inputs["rounds"], inputs["seeds"])
+        torch.manual_seed(inputs["seeds"][0] + 2)   # torch's global stream moves; a seeded round must not
+        return {"rounds": first, "again": play(inputs["rounds"][:n], inputs["seeds"][:n])}
+
+    def verify(self, inputs, output):
+        q, p = inputs["q"].double().tolist(), inputs["p"].double().tolist()
+        rounds, seeds = inputs["rounds"], inputs["seeds"]
+        outs = output["rounds"]
+        for guesses, seed, out in zip(rounds, seeds, outs):
+            self.verify_round(q, p, guesses, seed, out)
+        for guesses, seed, out, again in zip(rounds, seeds, outs, output["again"]):
+            if again != out:
+                raise AssertionError(f"the round with guesses {guesses} and a generator seeded {seed} returned {out} "
+                                     f"and then, seeded the same, {again}: draw every random number (each guess's "
+                                     f"test and the last token) from `generator`, not from torch's global stream. "
+                                     f"Look at {self.where}.")
+        self.verify_frequencies(q, p, rounds, outs, inputs["drawn"])
+
+    def verify_round(self, q, p, guesses, seed, out):
+        k, V = len(guesses), len(p[0])
+        at = f"the round with guesses {guesses} (generator seeded {seed})"
+        if not isinstance(out, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+            raise AssertionError(f"{at} returned {kind(out)} {out!r:.100}: expected a list of Python ints (the "
+                                 f"accepted guesses, then one token of the target's own). Look at {self.where}.")
+        if not 1 <= len(out) <= k + 1:
+            raise AssertionError(f"{at} returned {len(out)} tokens, {out}: a round emits between 1 and {k + 1} (the "
+                                 f"accepted guesses, then exactly one more). Look at {self.where}.")
+        n = len(out) - 1
+        if out[:n] != guesses[:n]:
+            raise AssertionError(f"{at} returned {out}: every token but the last must be a guess, in order (the ones "
+                                 f"accepted before the first rejection). Look at {self.where}.")
+        if not 0 <= out[-1] < V:
+            raise AssertionError(f"{at} returned {out}: token {out[-1]} is outside the vocabulary of {V}. "
+                                 f"Look at {self.where}.")
+        for i in range(n):
+            if p[i][guesses[i]] == 0:
+                raise AssertionError(f"{at} returned {out}: it accepted guess {guesses[i]} at position {i}, where the "
+                                     f"target's p is 0 (p = {shown(p[i])}); a token the target never makes is never "
+                                     f"accepted. Look at {self.where}.")
+        if n < k:
+            g, x = guesses[n], out[n]
+            if p[n][g] >= q[n][g]:
+                raise AssertionError(f"{at} returned {out}: it rejected guess {g} at position {n}, where p = "
+                                     f"{p[n][g]:.3g} ≥ q = {q[n][g]:.3g}; there p/q ≥ 1, so the guess is always "
+                                     f"accepted. Look at {self.where}.")
+            if not p[n][x] > q[n][x]:
+                raise AssertionError(f"{at} returned {out}: after rejecting guess {g} at position {n} it emitted "
+                                     f"token {x}, where p = {p[n][x]:.3g} does not exceed q = {q[n][x]:.3g}; the "
+                                     f"token after a rejection comes from where p exceeds q (p = {shown(p[n])}, "
+                                     f"q = {shown(q[n])}). Look at {self.where}.")
+        elif p[k][out[k]] == 0:
+            raise AssertionError(f"{at} returned {out}: after accepting every guess it emitted token {out[k]}, which "
+                                 f"the target's next distribution p = {shown(p[k])} never makes; the bonus token comes "
+                                 f"from the row after the last guess. Look at {self.where}.")
+
+    def verify_frequencies(self, q, p, rounds, outs, drawn):
+        k = len(rounds[0])
+        about = f"over {len(rounds)} rounds"
+        for j in range(k + 1):
+            reached = [(g, out) for g, out in zip(rounds, outs) if len(out) > j]   # the first j guesses were kept
+            if j < k:
+                ratios = [min(1.0, p[j][g[j]] / q[j][g[j]]) for g, _ in reached]
+                kept = sum(len(out) > j + 1 for _, out in reached)
+                mean, var = sum(ratios), sum(r * (1 - r) for r in ratios)
+                if var >= MIN_EXPECTED and p_value_normal(kept, mean, var) < LEVEL:
+                    raise AssertionError(
+                        f"{about}, {len(reached)} reached position {j} and {kept} kept its guess; with p = {shown(p[j])} "
+                        f"and q = {shown(q[j])} a guess is kept with probability p/q at it (at most 1), so about "
+                        f"{mean:.0f} ± {math.sqrt(var):.1f} should have been. Look at {self.where}.")
+                replaced = [out[j] for _, out in reached if len(out) == j + 1]
+                self.follows(replaced, residual(p[j], q[j]),
+                             f"{about}, the {len(replaced)} tokens emitted after a rejection at position {j}",
+                             f"the normalised excess of p = {shown(p[j])} over q = {shown(q[j])}")
+            else:
+                self.follows([out[k] for _, out in reached], p[k],
+                             f"{about}, the {len(reached)} bonus tokens after every guess was kept",
+                             f"the target's next distribution p = {shown(p[k])}")
+            if drawn and j < k:
+                self.follows([out[j] for _, out in reached], p[j],
+                             f"{about}, with the guesses drawn from q = {shown(q[j])}, the "
+                             f"{len(reached)} tokens emitted at position {j}",
+                             f"p = {shown(p[j])}, the target's own distribution there: that is the point of the rule")
+
+    def follows(self, tokens, probs, what, should):
+        counts = {}
+        for t in tokens:
+            counts[t] = counts.get(t, 0) + 1
+        p_value, n = p_value_chi2(counts, probs)
+        if p_value < LEVEL:
+            got = [round(counts.get(t, 0) / n, 3) for t in range(len(probs))]
+            raise AssertionError(f"{what} came out with frequencies {got}; they should follow {should} (χ² p-value "
+                                 f"{p_value:.1e}). Look at {self.where}.")
+
+
+ACCEPT = Accept()
+test_speculative_accept = ACCEPT.pytest_test()
