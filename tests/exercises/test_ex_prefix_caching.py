@@ -34,13 +34,17 @@ def expected_blocks(inputs) -> tuple[list[int], str]:
     for i in range(usable):
         block = cache.get((i, tuple(prompt[:(i + 1) * bs])))
         if block is None:
-            return blocks, (f"the cache has no block {i} after this prompt's first {i * bs} tokens, so the walk ends "
-                            f"there, whatever is cached after it")
+            lacks = f"block {i} after this prompt's first {i * bs} tokens" if i else "this prompt's first block"
+            return blocks, f"the cache lacks {lacks}, so the walk ends there, whatever is cached after it"
         blocks.append(block)
     if usable * bs + bs <= len(prompt):
         return blocks, (f"block {usable} holds the prompt's last token, which is always computed for its logits, so "
                         f"it is never reused even when cached")
-    return blocks, f"the prompt has {usable} whole block(s) before its last token"
+    return blocks, f"the prompt has {plural(usable, 'whole block')} before its last token"
+
+
+def plural(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def described(inputs) -> str:
@@ -55,8 +59,9 @@ def described(inputs) -> str:
     own.sort()
     held = (f"this prompt's block{'s' if len(own) > 1 else ''} {', '.join(str(j) for j, _ in own)} in block id"
             f"{'s' if len(own) > 1 else ''} {', '.join(str(b) for _, b in own)}" if own else "none of this prompt's blocks")
-    return (f"prefix_match(a prompt of {len(prompt)} tokens, block_size={bs}, a cache holding {held}"
-            f"{f' and {other} block(s) of other token prefixes' if other else ''})")
+    if other:
+        held += f" and {plural(other, 'block')} of other token prefixes"
+    return f"prefix_match(a prompt of {plural(len(prompt), 'token')}, block_size={bs}, a cache holding {held})"
 
 
 class PrefixMatch(Check):
@@ -196,7 +201,8 @@ class PrefixMatch(Check):
                                  f"Look at {self.where}.")
         cache = cache_by_prefix(inputs)
         if output["cache_after"] != list(cache.values()) or output["cache_size"] != len(cache):
-            raise AssertionError(f"{call} changed the cache it was given (it held {len(cache)} entries, "
+            raise AssertionError(f"{call} changed the cache it was given (it held {len(cache)} "
+                                 f"{'entry' if len(cache) == 1 else 'entries'}, "
                                  f"{output['cache_size']} after the call): matching only reads it. "
                                  f"Look at {self.where}.")
         if output["prompt_after"] != inputs["prompt"]:

@@ -139,6 +139,11 @@ class Accept(Check):
             "a guess proposed without sampling (q all on it) is kept with probability p":
                 {"q": dist([0.0, 1.0, 0.0, 0.0]), "p": dist([0.2, 0.5, 0.3, 0.0], [0.25] * 4),
                  **rounds_of([1], 300)},
+            # guess 0 kept with probability 0.2/0.5 = 0.4, guess 1 then with 0.25/0.5 = 0.5: one draw for both
+            # would keep guess 1 every time guess 0 was kept.
+            "each guess is decided by a draw of its own":
+                {"q": dist([0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]),
+                 "p": dist([0.2, 0.3, 0.5, 0.0], [0.25] * 4, [0.25] * 4), **rounds_of([0, 1], 600)},
             "randomness comes from the generator":
                 {"q": dist([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]),
                  "p": dist([0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]),
@@ -147,9 +152,9 @@ class Accept(Check):
         # The point of the rule: with guesses drawn from q, as a draft draws them, the first token follows p.
         g = torch.Generator().manual_seed(1234)
         q_row, p_row = [0.6, 0.3, 0.05, 0.05], [0.1, 0.2, 0.3, 0.4]
-        guesses = [[int(torch.multinomial(torch.tensor(q_row), 1, generator=g))] for _ in range(3000)]
+        guesses = [[int(torch.multinomial(torch.tensor(q_row), 1, generator=g))] for _ in range(2000)]
         cases["the first token follows the target's distribution"] = {
-            "q": dist(q_row), "p": dist(p_row, [0.25] * 4), "rounds": guesses, "seeds": list(range(3000)),
+            "q": dist(q_row), "p": dist(p_row, [0.25] * 4), "rounds": guesses, "seeds": list(range(2000)),
             "drawn": True}
         for c in cases.values():
             c.setdefault("drawn", False)
@@ -186,7 +191,7 @@ class Accept(Check):
                 return q0, p0, draw_from(d, q0)
 
             q0, p0, guess = until(d, rows, lambda r: 0.15 <= r[1][r[2]] / r[0][r[2]] <= 0.85)
-            return case(d, [q0], [p0, dyadic(d, V, some(d, V))], [[guess]] * 600, drawn=False)
+            return case(d, [q0], [p0, dyadic(d, V, some(d, V))], [[guess]] * 400, drawn=False)
 
         def first_rejection(d):
             V, k = d.int(4, 8), d.int(2, 4)
@@ -200,7 +205,7 @@ class Accept(Check):
 
         def no_guesses(d):
             V = d.int(3, 8)
-            return case(d, [], [dyadic(d, V, some(d, V))], [[] for _ in range(300)], drawn=False)
+            return case(d, [], [dyadic(d, V, some(d, V))], [[] for _ in range(200)], drawn=False)
 
         def without_sampling(d):
             V, k = d.int(3, 8), d.int(1, 3)
@@ -208,7 +213,22 @@ class Accept(Check):
             q = [[float(t == g) for t in range(V)] for g in guesses]
             p = until(d, lambda d: [dyadic(d, V, some(d, V)) for _ in range(k + 1)],
                       lambda p: all(0.15 <= p[i][g] <= 0.85 for i, g in enumerate(guesses)))
-            return case(d, q, p, [list(guesses)] * 400, drawn=False)
+            return case(d, q, p, [list(guesses)] * 300, drawn=False)
+
+        def own_draws(d):
+            V, k = d.int(3, 8), d.int(2, 3)
+
+            def row(d):
+                q_row, p_row = dyadic(d, V, some(d, V)), dyadic(d, V, some(d, V))
+                return q_row, p_row, draw_from(d, q_row)
+
+            # the first guess kept at most half the time, each later one 0.3-0.6 of the time: a draw shared by
+            # the guesses would keep a later one far more often than that
+            rows = [until(d, row, lambda r: 0.25 <= r[1][r[2]] / r[0][r[2]] <= 0.5)]
+            rows += [until(d, row, lambda r: 0.3 <= r[1][r[2]] / r[0][r[2]] <= 0.6)
+                     for _ in range(k - 1)]
+            q, p, guesses = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+            return case(d, q, p + [dyadic(d, V, some(d, V))], [list(guesses)] * 600, drawn=False)
 
         def replayed(d):
             V, k = d.int(3, 6), d.int(1, 3)
@@ -220,11 +240,12 @@ class Accept(Check):
             V, k = d.int(3, 6), d.int(1, 3)
             q = [dyadic(d, V, some(d, V)) for _ in range(k)]
             p = [dyadic(d, V, some(d, V)) for _ in range(k + 1)]
-            return case(d, q, p, [[draw_from(d, row) for row in q] for _ in range(1000)], drawn=True)
+            return case(d, q, p, [[draw_from(d, row) for row in q] for _ in range(600)], drawn=True)
 
         return {"p = q at every guess": all_kept, "a guess the target never makes": never_made,
                 "a guess the target makes less often": less_often, "a refusal before sure guesses": first_rejection,
                 "no guesses": no_guesses, "guesses proposed without sampling": without_sampling,
+                "a draw for each guess": own_draws,
                 "the same seeds again": replayed, "guesses drawn from q": drawn}
 
     def run(self, inputs):
