@@ -109,6 +109,7 @@ def prefix_match(token_ids: list[int], block_size: int, cached: dict[bytes, int]
 
     `cached` maps a block's chained hash (`hash_block`, starting from ROOT) to the block that holds it.
     Returns the blocks in order; reusing them, a sequence starts computing at len(result) · block_size.
+    Reads `token_ids` and `cached`, and changes neither.
     """
     # >>> exercise prefix-match (lesson 10, 2 pts): find the cached blocks that start a prompt
     # hint: walk whole blocks from the start, each one's key chained to the key before it; the walk ends at the first key the cache lacks, and never reaches the block that holds the last token, which must be computed for its logits

@@ -152,7 +152,8 @@ def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor, targ
 
     draft_probs (k, V): the distribution q_i each guess was drawn from.
     target_probs (k + 1, V): the target's p_i at the same positions, and one more for the bonus token.
-    Returns between 1 and k + 1 token ids, distributed exactly as sampling from p one token at a time.
+    Returns between 1 and k + 1 token ids (Python ints), distributed exactly as sampling from p one token at a
+    time. Every random number comes from `generator`, so a seeded round gives the same tokens again.
     """
     # >>> exercise speculative-accept (lesson 11, 3 pts): accept each guess with probability min(1, p/q), then draw one token of the target's own
     # hint: one uniform draw per guess from `generator` decides it (p and q read at the guessed token); keep the guesses before the first refusal; the last token comes from the target's next distribution when all were kept, otherwise from the mass where the target's distribution exceeds the draft's (torch.multinomial takes unnormalised weights)
