@@ -151,7 +151,7 @@ class Accept(Check):
             "randomness comes from the generator":
                 {"q": dist([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]),
                  "p": dist([0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]),
-                 **rounds_of([0, 1], 40), "replays": 40},
+                 **rounds_of([0, 1], 200), "replays": 40},
         }
         # The point of the rule: with guesses drawn from q, as a draft draws them, the first token follows p.
         g = torch.Generator().manual_seed(1234)
