@@ -12,9 +12,9 @@ a few µs each (c). And every weight must be read once. So a step costs about
 The ops grow with the depth only (about 32 per layer, `metrics.count_ops`),
 the bytes with depth × width² and the vocabulary. So decode of a small model
 is bound by per-op host overhead, and a large model's is bound by memory;
-somewhere in between they cross. On a big GPU the crossover sits far up: at
-4.8 TB/s, gpt2's ~380 ops at ~5 µs each cost as long as reading ~9 GB, more
-than gpt2-xl's weights. CUDA graphs (`minillm/cuda_graphs.py`) replay all of a
+somewhere in between they cross. On a big GPU the crossover sits far up:
+at an H200's 4.8 TB/s (datasheet), gpt2's ~380 ops at 5 µs each would take
+as long as reading 9 GB, more than gpt2-xl's weights. CUDA graphs (`minillm/cuda_graphs.py`) replay all of a
 step's kernels with one launch and so remove the ops · c term.
 
 What this lesson measures
@@ -195,15 +195,20 @@ def main(argv=None) -> dict:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     wb = [p["weight_bytes"] for p in points]
-    for m, style in zip(modes, ("o-", "s--", "^-", "x:")):
+    styles = {"eager": "o-", "static": "s--", "graph": "^-", "twin": "x:"}
+    for m in modes:
         label = "twin: the same ops at width 8 (host cost)" if m == "twin" else f"{m} step"
-        axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], style, label=label)
+        axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], styles[m], label=label)
     grid = [min(wb) / 2 * (4 * max(wb) / min(wb)) ** (i / 50) for i in range(51)]
     axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
     for p in points:
         axes[0].annotate(p["name"], (p["weight_bytes"], p["step_s"]["eager"] * 1e3), textcoords="offset points",
                          xytext=(4, 6), fontsize=8)
-    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title="step time against weight bytes")
+    if even is not None:
+        axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
+    top = max(p["step_s"][m] for p in points for m in modes) * 1e3
+    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title="step time against weight bytes",
+                ylim=(None, top * 6))
     axes[0].legend(fontsize=8, loc="upper left")
     xs = range(len(points))
     axes[1].bar(xs, [p["share_median"] for p in points], color="C0", label="overhead share (median)",
