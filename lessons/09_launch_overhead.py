@@ -199,7 +199,8 @@ def main(argv=None) -> dict:
     for m in modes:
         label = "twin: the same ops at width 8 (host cost)" if m == "twin" else f"{m} step"
         axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], styles[m], label=label)
-    grid = [min(wb) / 2 * (4 * max(wb) / min(wb)) ** (i / 50) for i in range(51)]
+    hi = 2 * max(wb + [even or 0])
+    grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
     axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
     for p in points:
         axes[0].annotate(p["name"], (p["weight_bytes"], p["step_s"]["eager"] * 1e3), textcoords="offset points",
