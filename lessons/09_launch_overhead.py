@@ -91,8 +91,11 @@ def crossover(points: list[dict]) -> str:
         return f"every shape up to {label(points[-1])} is overhead-bound: the crossover lies above it"
     if "overhead" not in kinds:
         return f"every shape from {label(points[0])} on is memory-bound: the crossover lies below it"
-    i = kinds.index("memory")
-    return f"the crossover lies between {label(points[i - 1])} and {label(points[i])}"
+    turns = [i for i in range(1, len(points)) if kinds[i - 1] == "overhead" and kinds[i] == "memory"]
+    if not turns:
+        return ("the shapes do not turn from overhead-bound to memory-bound as they grow: "
+                + ", ".join(label(p) for p in points))
+    return f"the crossover lies between {label(points[turns[0] - 1])} and {label(points[turns[0]])}"
 
 
 def even_bytes(overhead_s: float, step_s: float, weight_bytes: float) -> float | None:
@@ -218,7 +221,7 @@ def main(argv=None) -> dict:
     axes[1].axhline(OVERHEAD_BOUND, color="k", ls="--", lw=1, label="overhead-bound above, memory-bound below")
     axes[1].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="twin time ÷ eager step",
                 title="share of the step that is host overhead (bars: range)",
-                ylim=(0, max(1.25, 1.1 * max(max(p["share"]) for p in points))))
+                ylim=(0, 1.4 * max(1.0, *(max(p["share"]) for p in points))))
     axes[1].legend(fontsize=8, loc="upper right")
     op_modes = [m for m in modes if m != "twin"]
     width = 0.8 / len(op_modes)

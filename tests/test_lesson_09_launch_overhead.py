@@ -81,6 +81,8 @@ def test_bound_and_crossover_on_both_sides_of_the_line():
     text = lesson.crossover([point("a", 0.9), point("b", 0.7), point("c", 0.04), point("d", 0.02)])
     assert text.startswith("the crossover lies between b") and "and c" in text
     assert "between a" in lesson.crossover([point("a", 0.5), point("b", 0.49)])
+    assert "between b" in lesson.crossover([point("a", 0.49), point("b", 0.56), point("c", 0.04)])  # a noisy first
+    assert "do not turn" in lesson.crossover([point("a", 0.3), point("b", 0.6)])
     assert "lies above it" in lesson.crossover([point("a", 0.9), point("b", 0.51)])
     assert "lies below it" in lesson.crossover([point("a", 0.49), point("b", 0.1)])
 
