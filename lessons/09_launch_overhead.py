@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
     modes = list(points[0]["step_s"])
     print_table(["shape", "weights", "ops " + "/".join(m for m in modes if m != "twin"),
                  *[f"step {m}" for m in modes], "µs/op", "floor", "floor ÷ eager", "overhead share", "bound",
-                 "graph removes" + ("" if on_cuda else " (predicted)")],
+                 "a graph saves (predicted)"],
                 [[p["name"], si(p["weight_bytes"], "B"), "/".join(str(p["ops"][m]) for m in modes if m != "twin"),
                   *[ms(p["step_s"][m]) for m in modes], f"{p['host_per_op_s'] * 1e6:.1f}", ms(p["floor_s"]),
                   f"{p['floor_s'] / p['step_s']['eager']:.0%}", f"{p['share_median']:.2f}", bound(p["share_median"]),
