@@ -1,0 +1,243 @@
+"""Lesson 09: launch overhead. A small model waits on its host, a large one on memory.
+
+The claim
+---------
+Before a decode step moves any data, the host pays for every op it dispatches:
+Python, the module call, PyTorch's dispatcher and, on a GPU, a kernel launch,
+a few µs each (c). And every weight must be read once. So a step costs about
+
+    CPU:  t(step) ≈ ops · c + weight bytes / bandwidth       (the same cores do both: the terms add)
+    GPU:  t(step) ≈ max(ops · c, weight bytes / bandwidth)   (the host queues kernels while the GPU runs)
+
+The ops grow with the depth only (about 32 per layer, `metrics.count_ops`),
+the bytes with depth × width² and the vocabulary. So decode of a small model
+is bound by per-op host overhead, and a large model's is bound by memory;
+somewhere in between they cross. On a big GPU the crossover sits far up:
+at an H200's 4.8 TB/s (datasheet), gpt2's ~380 ops at 5 µs each would take
+as long as reading 9 GB, more than gpt2-xl's weights. CUDA graphs (`minillm/cuda_graphs.py`) replay all of a
+step's kernels with one launch and so remove the ops · c term.
+
+What this lesson measures
+-------------------------
+For each GPT-2 shape from `tiny` up to `--model` (tiny, mini, gpt2, then
+gpt2-medium, ... if you pass a larger one; at least two), one decode step at
+batch 1 after a short context (16 tokens with --quick, 64 otherwise):
+- the ops per step, counted: eager, and static (the padded step on buffers
+  allocated once, which a CUDA graph replays); on CUDA also the host's ops
+  around a graph replay;
+- the step time, eager and static (and replayed as a graph on CUDA);
+- its twin: the same depth at width 8 with a vocabulary of 16, i.e. the same
+  ops on matrices of a few hundred bytes. The twin's step time is the host's
+  cost of those ops, and ÷ ops it is the host time per op, c;
+- the weight-read floor: weight bytes ÷ the measured copy bandwidth.
+Each shape's steps and its twin run in turns, each turn a run of steps
+(≥ 10 ms; 30 ms in full runs), 5 rounds with --quick, 9 otherwise. On the CPU
+everything runs on one torch thread: a decode's matrix-vector kernels gain
+nothing from a second, and on shared cores threads wait for each other.
+
+The verdict, round by round: the overhead share (twin time ÷ eager step time)
+is ≥ 1/2 for the smallest shape (overhead-bound) and ≤ 1/2 for the largest
+(memory-bound), so the crossover lies inside the ladder and the lesson names
+where. On CUDA also: the smallest shape's graph step takes ≤ 1/2 of its eager
+step. --quick judges the same lines on the same ladder, with fewer rounds.
+CUDA graphs exist only on CUDA: on the CPU the lesson prints what a replay
+would remove (static ops × c) as a prediction, computed, not measured.
+
+Predict before you run: how many µs does one op cost on this machine? How many
+MB of weights take as long to read as gpt2's ops take to dispatch?
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+
+import torch
+from common import make_parser, ms, one_thread, plt, print_table, run, save_plot, si, start, write_results
+from measure import Check, interleave, judge, print_verdict
+
+from minillm.config import PRESETS
+from minillm.metrics import count_ops, decode_step, time_fn, weight_read_floor
+from minillm.weights import random_model
+
+NAME = "09_launch_overhead"
+OVERHEAD_BOUND = 0.5  # overhead share ≥ this: the host's cost of the ops is at least half the step
+GRAPH_GAIN = 0.5      # on CUDA: the smallest shape's graph step ≤ this × its eager step
+
+
+def ladder(model_name: str, params: int) -> list[str]:
+    """The presets smaller than the lesson's model, then the model itself (at least two shapes, in size order)."""
+    by_size = sorted(PRESETS, key=lambda n: PRESETS[n].num_params())
+    names = [n for n in by_size if PRESETS[n].num_params() < params and n != model_name] + [model_name]
+    if len(names) < 2:
+        names.append(next(n for n in by_size if PRESETS[n].num_params() > params))
+    return names
+
+
+def twin_of(config):
+    """The same depth, hence the same ops, on matrices of a few hundred bytes: a step that is all host cost."""
+    return dataclasses.replace(config, n_head=1, n_embd=8, vocab_size=16, eos_token_id=None)
+
+
+def bound(share: float) -> str:
+    return "overhead" if share >= OVERHEAD_BOUND else "memory"
+
+
+def crossover(points: list[dict]) -> str:
+    """Where the ladder turns from overhead-bound to memory-bound, in words, from the median shares."""
+    label = lambda p: f"{p['name']} ({si(p['weight_bytes'], 'B')}, share {p['share_median']:.2f})"  # noqa: E731
+    kinds = [bound(p["share_median"]) for p in points]
+    if "memory" not in kinds:
+        return f"every shape up to {label(points[-1])} is overhead-bound: the crossover lies above it"
+    if "overhead" not in kinds:
+        return f"every shape from {label(points[0])} on is memory-bound: the crossover lies below it"
+    turns = [i for i in range(1, len(points)) if kinds[i - 1] == "overhead" and kinds[i] == "memory"]
+    if not turns:
+        return ("the shapes do not turn from overhead-bound to memory-bound as they grow: "
+                + ", ".join(label(p) for p in points))
+    return f"the crossover lies between {label(points[turns[0] - 1])} and {label(points[turns[0]])}"
+
+
+def even_bytes(overhead_s: float, step_s: float, weight_bytes: float) -> float | None:
+    """The weight bytes whose reading takes as long as the ops' host time, at the rate this shape read its
+    own weights ((step − overhead) / bytes); None where the step is all overhead."""
+    if step_s <= overhead_s:
+        return None
+    return overhead_s * weight_bytes / (step_s - overhead_s)
+
+
+def calls_per_turn(step, device, turn_s: float) -> int:
+    """How many steps make one turn of at least `turn_s` (a single short step is mostly timer noise)."""
+    return max(1, round(turn_s / time_fn(step, device, warmup=1, repeats=3).median_s))
+
+
+def measure(model, name: str, s: dict, bandwidth: float) -> dict:
+    """One shape: ops, step times by mode and of its twin, in turns; the overhead share round by round."""
+    cfg, device = model.config, model.device
+    modes = ["eager", "static"] + (["graph"] if device.type == "cuda" else [])
+    steps = {m: decode_step(model, s["context"], 1, mode=m) for m in modes}
+    steps["twin"] = decode_step(random_model(twin_of(cfg), device, model.dtype), s["context"], 1)
+    ops = {m: count_ops(f) for m, f in steps.items()}
+    k = {m: calls_per_turn(f, device, s["turn_s"]) for m, f in steps.items()}
+    rounds = interleave({m: lambda f=f, n=k[m]: [f() for _ in range(n)] for m, f in steps.items()}, s["rounds"],
+                        device=device, desc=f"{name}: steps and twin, in turns")
+    times = {m: [t / k[m] for t in rounds.times(m)] for m in steps}
+    per_op = [t / ops["twin"].total for t in times["twin"]]
+    share = [c * ops["eager"].total / t for c, t in zip(per_op, times["eager"])]
+    point = {"name": name, "params": cfg.num_params(), "weight_bytes": cfg.weight_bytes(model.dtype),
+             "floor_s": weight_read_floor(cfg, model.dtype, bandwidth), "ops": {m: o.total for m, o in ops.items()},
+             "kernels": {m: o.kernels for m, o in ops.items()}, "steps_per_turn": k, "times_s": times,
+             "step_s": {m: statistics.median(v) for m, v in times.items()},
+             "host_per_op_s": statistics.median(per_op), "share": share, "share_median": statistics.median(share)}
+    point["overhead_s"] = point["host_per_op_s"] * ops["eager"].total
+    point["graph_removes_s"] = point["host_per_op_s"] * ops["static"].total  # what one replay saves: a prediction
+    if "graph" in modes:
+        point["graph_over_eager"] = [g / e for g, e in zip(times["graph"], times["eager"])]
+    return point
+
+
+def sizes(quick: bool) -> dict:
+    return {"context": 16, "rounds": 5, "turn_s": 0.01} if quick else {"context": 64, "rounds": 9, "turn_s": 0.03}
+
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args)
+    device, dtype, bandwidth, on_cuda = lesson.device, lesson.dtype, lesson.ceilings.bandwidth, lesson.device.type == "cuda"
+    s = sizes(args.quick)
+    points = []
+    with contextlib.nullcontext() if on_cuda else one_thread():
+        x = torch.zeros(1, device=device)
+        bare = time_fn(lambda: [x.add_(1) for _ in range(1000)], device, 1, 5).median_s / 1000  # one bare op
+        for name in ladder(args.model, lesson.config.num_params()):
+            model = lesson.model if name == args.model else random_model(PRESETS[name], device, dtype)
+            points.append(measure(model, name, s, bandwidth))
+            del model
+
+    modes = list(points[0]["step_s"])
+    print_table(["shape", "weights", "ops " + "/".join(m for m in modes if m != "twin"),
+                 *[f"step {m}" for m in modes], "µs/op", "floor", "floor ÷ eager", "overhead share", "bound",
+                 "a graph saves (predicted)"],
+                [[p["name"], si(p["weight_bytes"], "B"), "/".join(str(p["ops"][m]) for m in modes if m != "twin"),
+                  *[ms(p["step_s"][m]) for m in modes], f"{p['host_per_op_s'] * 1e6:.1f}", ms(p["floor_s"]),
+                  f"{p['floor_s'] / p['step_s']['eager']:.0%}", f"{p['share_median']:.2f}", bound(p["share_median"]),
+                  ms(p["graph_removes_s"])] for p in points],
+                f"Batch-1 decode after {s['context']} tokens, {str(dtype).removeprefix('torch.')} (medians of "
+                f"{s['rounds']} rounds; twin = the same ops at width 8; share = twin ÷ eager step):")
+
+    small, large = points[0], points[-1]
+    checks = [Check(f"overhead share of {small['name']}'s step", small["share"], OVERHEAD_BOUND, ">=", fmt="{:.2f}"),
+              Check(f"overhead share of {large['name']}'s step", large["share"], OVERHEAD_BOUND, "<=", fmt="{:.2f}")]
+    if on_cuda:
+        checks.append(Check(f"{small['name']}: graph step ÷ eager step", small["graph_over_eager"], GRAPH_GAIN, "<=",
+                            fmt="{:.2f}"))
+    verdict = judge("decode of a small model is bound by per-op host overhead, a large model's by memory",
+                    checks, lesson.load())
+    verdict.notes.append(crossover(points) + f"; one op costs the host {large['host_per_op_s'] * 1e6:.1f} µs in a "
+                         f"step of {large['name']} ({large['ops']['eager']} ops), a bare `x.add_(1)` "
+                         f"{bare * 1e6:.1f} µs: the rest is Python and module calls")
+    even = even_bytes(large["overhead_s"], large["step_s"]["eager"], large["weight_bytes"])
+    if even is not None:
+        verdict.notes.append(f"{large['name']}'s ops cost {ms(large['overhead_s'])} of host time; at the rate it read "
+                             f"its weights ({si(large['weight_bytes'] / (large['step_s']['eager'] - large['overhead_s']), 'B/s')}) "
+                             f"that is the time to read {si(even, 'B')}: a model of its depth with fewer weight "
+                             f"bytes waits more on its host than on memory")
+    at_floor = large["overhead_s"] * bandwidth
+    verdict.notes.append(f"at the copy bandwidth ({si(bandwidth, 'B/s')}) the floor of {large['name']}'s step is "
+                         f"{ms(large['floor_s'])}, and its host time equals the floor of a model of {si(at_floor, 'B')}")
+    if on_cuda:
+        verdict.notes.append(", ".join(f"{p['name']}: graph {ms(p['step_s']['graph'])} against eager "
+                                       f"{ms(p['step_s']['eager'])}, {p['floor_s'] / p['step_s']['graph']:.0%} of the "
+                                       "floor" for p in points))
+    else:
+        verdict.notes.append(f"CUDA graphs need CUDA; on a GPU one replay would save about the host time of the "
+                             f"static step's ops (prediction, static ops × µs/op): {small['name']} "
+                             f"{ms(small['graph_removes_s'])} of its {ms(small['step_s']['static'])}, {large['name']} "
+                             f"{ms(large['graph_removes_s'])} of its {ms(large['step_s']['static'])}")
+    print_verdict(verdict)
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    wb = [p["weight_bytes"] for p in points]
+    styles = {"eager": "o-", "static": "s--", "graph": "^-", "twin": "x:"}
+    for m in modes:
+        label = "twin: the same ops at width 8 (host cost)" if m == "twin" else f"{m} step"
+        axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], styles[m], label=label)
+    hi = 2 * max(wb + [even or 0])
+    grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
+    axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
+    for p in points:
+        axes[0].annotate(p["name"], (p["weight_bytes"], p["step_s"]["eager"] * 1e3), textcoords="offset points",
+                         xytext=(4, 6), fontsize=8)
+    if even is not None:
+        axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
+    top = max(p["step_s"][m] for p in points for m in modes) * 1e3
+    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title="step time against weight bytes",
+                ylim=(None, top * 6))
+    axes[0].legend(fontsize=8, loc="upper left")
+    xs = range(len(points))
+    axes[1].bar(xs, [p["share_median"] for p in points], color="C0", label="overhead share (median)",
+                yerr=[[p["share_median"] - min(p["share"]) for p in points],
+                      [max(p["share"]) - p["share_median"] for p in points]], capsize=3)
+    axes[1].axhline(OVERHEAD_BOUND, color="k", ls="--", lw=1, label="overhead-bound above, memory-bound below")
+    axes[1].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="twin time ÷ eager step",
+                title="share of the step that is host overhead (bars: range)",
+                ylim=(0, 1.4 * max(1.0, *(max(p["share"]) for p in points))))
+    axes[1].legend(fontsize=8, loc="upper right")
+    op_modes = [m for m in modes if m != "twin"]
+    width = 0.8 / len(op_modes)
+    for j, m in enumerate(op_modes):
+        axes[2].bar([x + (j - (len(op_modes) - 1) / 2) * width for x in xs], [p["ops"][m] for p in points], width,
+                    label=f"{m}" + (" (host ops around one replay)" if m == "graph" else ""))
+    axes[2].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="ATen ops dispatched per step",
+                title="ops per decode step")
+    axes[2].legend(fontsize=8, loc="upper left")
+    save_plot(lesson, fig)
+
+    figures = {"context_len": s["context"], "rounds": s["rounds"], "bare_op_s": bare, "points": points,
+               "crossover": crossover(points), "even_bytes": even, "host_time_equals_floor_of_bytes": at_floor}
+    write_results(lesson, figures, verdict)
+    return {"figures": figures, "verdict": verdict}
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,94 @@
+"""Lesson 09 (launch overhead): it runs quick on the tiny model, its twin dispatches the same ops as the model
+it stands for, and the pieces of its verdict are fed numbers on both sides of their lines."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import PRESETS
+from minillm.metrics import count_ops, decode_step
+from minillm.weights import random_model
+
+LESSONS = Path(__file__).resolve().parent.parent / "lessons"
+sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"lesson_{name}", LESSONS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lesson = load("09_launch_overhead")
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_thread):
+    lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / f"{lesson.NAME}.json").read_text())
+    assert doc["lesson"] == lesson.NAME and doc["quick"] is True
+    assert (tmp_path / f"{lesson.NAME}.png").stat().st_size > 1000
+    v, points = doc["verdict"], doc["figures"]["points"]
+    assert v["outcome"] in ("HOLDS", "NOT SUPPORTED", "INCONCLUSIVE")
+    assert [p["name"] for p in points] == ["tiny", "mini"]
+    assert [c["holds_if"] for c in v["checks"]] == [">=", "<="] and all(c["timed"] for c in v["checks"])
+    for p in points:
+        assert set(p["step_s"]) == {"eager", "static", "twin"}  # no graph off CUDA
+        assert p["ops"]["twin"] == p["ops"]["eager"] > 0 and p["ops"]["static"] > 0
+        assert len(p["share"]) == doc["figures"]["rounds"] and all(s > 0 for s in p["share"])
+        assert p["overhead_s"] == pytest.approx(p["host_per_op_s"] * p["ops"]["eager"])
+    assert points[1]["ops"]["eager"] > points[0]["ops"]["eager"]  # mini is deeper: more ops per step
+    assert points[1]["weight_bytes"] > points[0]["weight_bytes"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini"])
+def test_the_twin_dispatches_the_same_ops_on_almost_no_bytes(name, one_thread):
+    """The twin's time stands for the host cost of the model's ops: that holds only if its ops are the same ones."""
+    cfg = PRESETS[name]
+    twin_cfg = lesson.twin_of(cfg)
+    model, twin = random_model(cfg, "cpu", torch.float32), random_model(twin_cfg, "cpu", torch.float32)
+    ops, twin_ops = count_ops(decode_step(model, 16)), count_ops(decode_step(twin, 16))
+    assert twin_ops.by_op == ops.by_op
+    assert twin_cfg.weight_bytes(torch.float32) < cfg.weight_bytes(torch.float32) / 10
+
+
+def test_ladder_runs_from_tiny_up_to_the_model_with_at_least_two_shapes():
+    p = lambda n: PRESETS[n].num_params()  # noqa: E731
+    assert lesson.ladder("gpt2", p("gpt2")) == ["tiny", "mini", "gpt2"]
+    assert lesson.ladder("gpt2-medium", p("gpt2-medium")) == ["tiny", "mini", "gpt2", "gpt2-medium"]
+    assert lesson.ladder("tiny", p("tiny")) == ["tiny", "mini"]
+    assert lesson.ladder("weights/my-model", p("gpt2") + 1) == ["tiny", "mini", "gpt2", "weights/my-model"]
+
+
+def point(name, share, weight_bytes=1e6):
+    return {"name": name, "share_median": share, "weight_bytes": weight_bytes}
+
+
+def test_bound_and_crossover_on_both_sides_of_the_line():
+    assert lesson.bound(0.5) == lesson.bound(0.51) == "overhead" and lesson.bound(0.49) == "memory"
+    text = lesson.crossover([point("a", 0.9), point("b", 0.7), point("c", 0.04), point("d", 0.02)])
+    assert text.startswith("the crossover lies between b") and "and c" in text
+    assert "between a" in lesson.crossover([point("a", 0.5), point("b", 0.49)])
+    assert "between b" in lesson.crossover([point("a", 0.49), point("b", 0.56), point("c", 0.04)])  # a noisy first
+    assert "do not turn" in lesson.crossover([point("a", 0.3), point("b", 0.6)])
+    assert "lies above it" in lesson.crossover([point("a", 0.9), point("b", 0.51)])
+    assert "lies below it" in lesson.crossover([point("a", 0.49), point("b", 0.1)])
+
+
+def test_even_bytes_is_the_weight_size_read_in_the_ops_host_time():
+    # 1 ms of ops in a 3 ms step of 100 MB: the weights took 2 ms, so 1 ms reads 50 MB
+    assert lesson.even_bytes(1e-3, 3e-3, 100e6) == pytest.approx(50e6)
+    assert lesson.even_bytes(1e-3, 1.5e-3, 100e6) == pytest.approx(200e6)
+    assert lesson.even_bytes(1e-3, 1e-3, 100e6) is None and lesson.even_bytes(2e-3, 1e-3, 100e6) is None
