@@ -29,8 +29,8 @@ preempted: caching is the only difference), greedy answers of fixed length.
                 and on, against S; the check is at the largest S.
     shared      3 requests at once: the 768-token system prompt, 32 tokens of their
                 own, answers of 32 tokens. Throughput = generated tokens ÷ makespan.
-    control     2 requests of 800 distinct tokens at once, answers of 32: nothing to share.
-    turns       2 conversations of 3 turns (a 256-token first message, then 64 per
+    control     2 requests of 416 distinct tokens at once, answers of 32: nothing to share.
+    turns       2 conversations of 3 turns (a 128-token first message, then 64 per
                 turn), each turn resending the history: served once each way, shown
                 for its hit rate and prefill saved, not judged.
 
@@ -81,10 +81,11 @@ def sizes(n_ctx: int, quick: bool) -> dict:
     if quick:  # at least a block (tiny: u = 4) so that something is shared
         return {"sweep": [max(3 * u, BLOCK_SIZE), 12 * u], "sweep_suffix": max(1, u // 2), "requests": 3,
                 "prefix": max(3 * u, 2 * BLOCK_SIZE), "suffix": max(1, u // 8), "answer": max(1, u // 8),
-                "control_requests": 2, "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": 2}
+                "control_requests": 2, "control_prompt": max(3 * u, 2 * BLOCK_SIZE) + max(1, u // 8),
+                "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": 2}
     return {"sweep": [3 * u, 6 * u, 12 * u, 24 * u], "sweep_suffix": u, "requests": 3, "prefix": 24 * u, "suffix": u,
-            "answer": u, "control_requests": 2, "conversations": 2, "turns": 3, "first": 8 * u, "user": 2 * u,
-            "repeats": 3}
+            "answer": u, "control_requests": 2, "control_prompt": 13 * u, "conversations": 2, "turns": 3,
+            "first": 4 * u, "user": 2 * u, "repeats": 3}
 
 
 def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3) -> list[Conversation]:
@@ -123,13 +124,17 @@ def throughput_bound(off: dict, on: dict) -> dict:
     return {"prefill_share": share, "tokens_saved": saved, "bound": 1 / (1 - share * saved)}
 
 
-def explain(checks: list[Check], bound: dict, s: dict, sweep_on_over_off: float) -> list[str]:
-    """The lesson's reading of its numbers: why each line was met or missed, from what this run measured."""
-    ttft, gain, control = checks
-    notes = [f"TTFT: a hit computes {s['sweep_suffix']} of {s['sweep'][-1] + s['sweep_suffix']} prompt tokens, an "
-             f"ideal {(s['sweep'][-1] + s['sweep_suffix']) / s['sweep_suffix']:.0f}× by tokens; measured "
-             f"{ttft.median:.1f}×: the hit's forward still pays a step's fixed cost and attends over every cached "
-             f"key ({sweep_on_over_off:.0%} of the uncached TTFT remains)"]
+def explain(checks: list[Check], bound: dict, s: dict, ttft: dict) -> list[str]:
+    """The lesson's reading of its numbers: why each line was met or missed, from what this run measured.
+    `ttft` holds the sweep's median TTFTs, caching "off" and "on", one per shared length."""
+    ttft_check, gain, control = checks
+    S, U = s["sweep"], s["sweep_suffix"]
+    on, off = ttft["on"], ttft["off"]
+    notes = [f"TTFT: a hit at S = {S[-1]} computes {U} of {S[-1] + U} prompt tokens, an ideal "
+             f"{(S[-1] + U) / U:.0f}× by tokens; measured {ttft_check.median:.1f}×. A hit took {ms(on[-1])} at "
+             f"S = {S[-1]}, and already {ms(on[0])} ({on[0] / on[-1]:.0%} of it) at S = {S[0]}: that part is the cost "
+             f"of any forward pass over {U} tokens, the rest grows with the cached keys attended over; uncached, "
+             f"{ms(off[0])} and {ms(off[-1])}"]
     reach = "cannot reach" if bound["bound"] < THROUGHPUT_LINE else "leaves room for"
     notes.append(f"throughput: without caching, steps that prefill took {bound['prefill_share']:.0%} of the shared "
                  f"workload's time and decode-only steps {1 - bound['prefill_share']:.0%}; caching computed "
@@ -149,8 +154,8 @@ def main(argv=None) -> dict:
     s = sizes(cfg.n_ctx, args.quick)
     work = {"sweep": ttft_sweep(s["sweep"], s["sweep_suffix"], cfg.vocab_size),
             "shared": shared_prefix_workload(s["requests"], s["prefix"], s["suffix"], s["answer"], cfg.vocab_size),
-            "control": no_sharing_workload(s["control_requests"], s["prefix"] + s["suffix"], s["answer"],
-                                           cfg.vocab_size, seed=2),
+            "control": no_sharing_workload(s["control_requests"], s["control_prompt"], s["answer"], cfg.vocab_size,
+                                           seed=2),
             "turns": multi_turn_workload(s["conversations"], s["turns"], s["first"], s["user"], s["answer"],
                                          cfg.vocab_size, seed=1)}
     warm = no_sharing_workload(2, 32, 2, cfg.vocab_size)
@@ -191,7 +196,7 @@ def main(argv=None) -> dict:
                     checks, lesson.load())
     bounds = pair("shared", throughput_bound)
     bound = {k: statistics.median(b[k] for b in bounds) for k in bounds[0]}
-    verdict.notes += explain(checks, bound, s, ttft["on"][-1] / ttft["off"][-1])
+    verdict.notes += explain(checks, bound, s, ttft)
     print_verdict(verdict)
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))

@@ -28,6 +28,7 @@ spec.loader.exec_module(lesson)
 
 CFG = PRESETS["tiny"]
 QUIET = MachineLoad(2, 1.0, 0.0, 0.0, 0.0)
+SWEEP = {"off": [0.5, 0.8, 1.4, 2.6], "on": [0.18, 0.19, 0.2, 0.22]}  # median TTFTs by shared length
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +100,11 @@ def test_the_throughput_bound_is_amdahls_law_on_prefill_saved():
     assert b["prefill_share"] == pytest.approx(0.6) and b["tokens_saved"] == pytest.approx(0.75)
     assert b["bound"] == pytest.approx(1 / (1 - 0.45))  # 1.82×: the 2× line cannot be met
     s = lesson.sizes(1024, quick=False)
-    low = lesson.explain(lesson.make_checks(s, [10.0], [1.7], [1.0]), b, s, 0.1)[1]
+    low = lesson.explain(lesson.make_checks(s, [10.0], [1.7], [1.0]), b, s, SWEEP)[1]
     assert "at most 1.82× faster, which cannot reach the 2× line" in low and "60% of the shared" in low
     b = lesson.throughput_bound({**off, "prefill_steps_s": 9.0, "decode_steps_s": 1.0}, {"prefill_tokens_computed": 50})
     assert b["bound"] == pytest.approx(1 / (1 - 0.9 * 0.95))
-    high = lesson.explain(lesson.make_checks(s, [10.0], [2.5], [1.0]), b, s, 0.1)[1]
+    high = lesson.explain(lesson.make_checks(s, [10.0], [2.5], [1.0]), b, s, SWEEP)[1]
     assert "leaves room for the 2× line" in high
 
 
@@ -145,3 +146,12 @@ def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
         assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] and on["hit_rate"] == 0
     assert all(r["requests"] == len(s["sweep"]) for r in runs["sweep off"])
     assert all(r["requests"] == len(s["sweep"]) + 1 for r in runs["sweep on"])
+
+
+@pytest.mark.slow
+def test_a_student_copy_without_prefix_match_stops_lesson_10_with_one_line(tmp_path):
+    from test_lessons_in_order import assert_stops_at_a_stub, copy_up_to, run_lesson
+
+    copy, stubbed = copy_up_to(9, tmp_path / "student")
+    assert "prefix-match" in [ex.id for ex in stubbed]
+    assert_stops_at_a_stub(run_lesson(copy, 10, tmp_path / "out"), [ex for ex in stubbed if ex.id == "prefix-match"])
