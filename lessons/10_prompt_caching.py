@@ -133,8 +133,9 @@ def explain(checks: list[Check], bound: dict, s: dict, ttft: dict) -> list[str]:
     notes = [f"TTFT: a hit at S = {S[-1]} computes {U} of {S[-1] + U} prompt tokens, an ideal "
              f"{(S[-1] + U) / U:.0f}× by tokens; measured {ttft_check.median:.1f}×. A hit took {ms(on[-1])} at "
              f"S = {S[-1]}, and already {ms(on[0])} ({on[0] / on[-1]:.0%} of it) at S = {S[0]}: that part is the cost "
-             f"of any forward pass over {U} tokens, the rest grows with the cached keys attended over; uncached, "
-             f"{ms(off[0])} and {ms(off[-1])}"]
+             f"of any forward pass over {U} tokens, and "
+             + (f"the other {ms(on[-1] - on[0])} grows with the cached keys attended over" if on[-1] > on[0]
+                else "it does not grow with S here") + f"; uncached, {ms(off[0])} and {ms(off[-1])}"]
     reach = "cannot reach" if bound["bound"] < THROUGHPUT_LINE else "leaves room for"
     notes.append(f"throughput: without caching, steps that prefill took {bound['prefill_share']:.0%} of the shared "
                  f"workload's time and decode-only steps {1 - bound['prefill_share']:.0%}; caching computed "
