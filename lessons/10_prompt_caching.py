@@ -160,8 +160,10 @@ def main(argv=None) -> dict:
             "turns": multi_turn_workload(s["conversations"], s["turns"], s["first"], s["user"], s["answer"],
                                          cfg.vocab_size, seed=1)}
     warm = no_sharing_workload(2, 32, 2, cfg.vocab_size)
-    fns = {f"{w} {c}": runner(model, work[w][c == "off" and w == "sweep":], c == "on", 1 if w == "sweep" else None)
-           for w in ("sweep", "shared", "control") for c in ("off", "on")}  # uncached, the sweep needs no warm request
+    served = {"sweep off": work["sweep"][1:], "sweep on": work["sweep"],  # uncached, no request warms anything
+              **{f"{w} {c}": work[w] for w in ("shared", "control") for c in ("off", "on")}}
+    fns = {name: runner(model, convs, name.endswith(" on"), 1 if name.startswith("sweep") else None)
+           for name, convs in served.items()}
     with one_thread() if lesson.device.type == "cpu" else contextlib.nullcontext():
         runner(model, warm, True)()  # the first forward passes allocate: keep them out of the figures
         rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device, desc="caching off and on, in turns")
@@ -171,14 +173,15 @@ def main(argv=None) -> dict:
     med = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
     pair = lambda w, f: [f(off, on) for off, on in zip(runs[f"{w} off"], runs[f"{w} on"])]  # noqa: E731
 
+    def row(w: str, c: str) -> list:  # times: medians of the rounds; counts: the same in every round
+        name, counts = f"{w} {c}", runs[f"{w} {c}"][0]
+        return [w, c, ms(med(name, "ttft_p50_s")), ms(med(name, "ttft_p90_s")),
+                ms(med(name, "hit_ttft_p50_s")) if counts["hit_rate"] else "-", f"{med(name, 'throughput'):.1f}",
+                counts["prefill_tokens_computed"], counts["prompt_tokens"], f"{counts['hit_rate']:.0%}",
+                counts["peak_blocks_in_use"]]
+
     print_table(["workload", "caching", "TTFT p50", "TTFT p90", "hit TTFT p50", "tokens/s", "prefilled", "of prompt",
-                 "hit rate", "peak blocks"],
-                [[w, c, ms(med(f"{w} {c}", "ttft_p50_s")), ms(med(f"{w} {c}", "ttft_p90_s")),
-                  ms(med(f"{w} {c}", "hit_ttft_p50_s")) if runs[f"{w} {c}"][0]["hit_rate"] else "-",
-                  f"{med(f'{w} {c}', 'throughput'):.1f}", runs[f"{w} {c}"][0]["prefill_tokens_computed"],
-                  runs[f"{w} {c}"][0]["prompt_tokens"], f"{runs[f'{w} {c}'][0]['hit_rate']:.0%}",
-                  runs[f"{w} {c}"][0]["peak_blocks_in_use"]]
-                 for w in ("shared", "turns", "control") for c in ("off", "on")],
+                 "hit rate", "peak blocks"], [row(w, c) for w in ("shared", "turns", "control") for c in ("off", "on")],
                 f"medians of {s['repeats']} rounds (turns: one run each way); prefilled = prompt tokens computed:")
     sweep_rows = {c: [[r["ttft_s"] for r in run["records"][c == "on":]] for run in runs[f"sweep {c}"]]
                   for c in ("off", "on")}
