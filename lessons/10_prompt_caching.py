@@ -143,8 +143,9 @@ def explain(checks: list[Check], bound: dict, s: dict, ttft: dict) -> list[str]:
                  f"could be at most {bound['bound']:.2f}× faster, which {reach} the {THROUGHPUT_LINE:g}× line "
                  f"(measured {gain.median:.2f}×). Decode is untouched: shorter answers would raise the bound, "
                  "longer ones lower it")
-    notes.append(f"control: throughput on ÷ off {control.median:.3f} with nothing to share: that is the cost of "
-                 "hashing every full block and looking every prompt up, plus the run's noise")
+    notes.append(f"control: throughput on ÷ off {control.median:.3f}. Both runs compute every prompt token, so a "
+                 "difference from 1 is either the cost of hashing every full block and looking every prompt up, or "
+                 "the machine's noise: the verdict above says which this run can tell")
     return notes
 
 
