@@ -13,6 +13,9 @@ queue never empties, so memory and compute, not arrivals, set the pace); a rate
 draws Poisson arrivals, and `replay` admits each request at the first step
 boundary after its arrival time, sleeping while the engine is idle.
 
+Prompt caching (lesson 10) needs traffic that repeats itself: `Conversation`s,
+whose turns resend the whole history, served by closed-loop clients (`serve`).
+
 `replay` keeps what it needs from the outputs `step()` returns: each finished
 request's `RequestOutput` carries its own token times. The engine forgets a
 request once it has reported it finished, so nothing here reads it back.
@@ -20,8 +23,10 @@ request once it has reported it finished, so nothing here reads it back.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -148,3 +153,90 @@ def replay(engine: LLMEngine, trace: list[Request], on_step: Callable[[LLMEngine
     bar.close()
     end = max(o.metrics.finished_time for o in finished.values())
     return Replay(finished, start, end - start, len(step_tokens), step_tokens)
+
+
+# ---- traffic that repeats itself: a shared system prompt, conversations, and the control ----
+
+
+@dataclass
+class Conversation:
+    turns: list[list[int]]  # the user's message each turn; a turn's prompt is the history so far, then this
+    max_tokens: int         # the length of every answer (greedy, no early stop)
+
+
+def shared_prefix_workload(n: int, prefix_len: int, suffix_len: int, max_tokens: int, vocab_size: int,
+                           seed: int = 0) -> list[Conversation]:
+    """n one-turn requests: the same system prompt of `prefix_len` tokens, then `suffix_len` tokens of their own."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    return [Conversation([system + [rng.randrange(vocab_size) for _ in range(suffix_len)]], max_tokens)
+            for _ in range(n)]
+
+
+def multi_turn_workload(n: int, turns: int, first_len: int, user_len: int, max_tokens: int, vocab_size: int,
+                        seed: int = 0) -> list[Conversation]:
+    """n conversations: a first message of `first_len` tokens, then `turns` − 1 messages of `user_len`."""
+    rng = random.Random(seed)
+    return [Conversation([[rng.randrange(vocab_size) for _ in range(first_len if t == 0 else user_len)]
+                          for t in range(turns)], max_tokens) for _ in range(n)]
+
+
+def no_sharing_workload(n: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> list[Conversation]:
+    """The control: n one-turn requests of `prompt_len` tokens, nothing in common."""
+    rng = random.Random(seed)
+    return [Conversation([[rng.randrange(vocab_size) for _ in range(prompt_len)]], max_tokens) for _ in range(n)]
+
+
+def conversation_blocks(conversations: list[Conversation], block_size: int = 16) -> int:
+    """Blocks for every conversation at its longest (its last turn's prompt and answer) at once: never preempts."""
+    return sum(-(-(sum(len(t) for t in c.turns) + len(c.turns) * c.max_tokens) // block_size) for c in conversations)
+
+
+def serve(engine: LLMEngine, conversations: list[Conversation], concurrency: int | None = None) -> dict:
+    """Serve conversations from `concurrency` closed-loop clients (all at once by default): a client sends a
+    conversation's next turn (history + answer + next message) as soon as the last answer is complete, and
+    starts the next conversation when its own has ended. TTFT counts from the moment a request is added.
+
+    Returns every request's record, throughput (generated tokens ÷ makespan), TTFT p50/p90 (all requests, and
+    those that hit the cache), prompt tokens, prefill tokens computed, the hit rate, KV blocks in use (cached
+    blocks nobody holds count as free: any allocation may take them), and the seconds spent in steps that
+    prefilled against steps that only decoded.
+    """
+    waiting = deque(range(len(conversations)))
+    active: dict[str, tuple[int, int, list[int]]] = {}  # request id → (conversation, turn, prompt)
+    records, first_step = [], len(engine.timeline)
+
+    def send(c: int, turn: int, history: list[int]) -> None:
+        prompt = history + conversations[c].turns[turn]
+        active[engine.add_request(prompt, greedy(conversations[c].max_tokens))] = (c, turn, prompt)
+
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency or len(conversations), len(conversations))):
+        send(waiting.popleft(), 0, [])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            c, turn, prompt = active.pop(out.request_id)
+            records.append({"conversation": c, "turn": turn, "prompt_tokens": len(prompt),
+                            "cached_tokens": out.num_cached_tokens, "generated_tokens": len(out.output_token_ids),
+                            "ttft_s": out.metrics.ttft, "finished_s": out.metrics.finished_time - t0})
+            if turn + 1 < len(conversations[c].turns):
+                send(c, turn + 1, prompt + out.output_token_ids)
+            elif waiting:
+                send(waiting.popleft(), 0, [])
+    steps = engine.timeline[first_step:]
+    in_use = [engine.block_manager.num_blocks - s.num_free_blocks for s in steps]
+    makespan = max(r["finished_s"] for r in records)
+    ttfts, hits = [r["ttft_s"] for r in records], [r["ttft_s"] for r in records if r["cached_tokens"]]
+    return {"requests": len(records), "makespan_s": makespan,
+            "throughput": sum(r["generated_tokens"] for r in records) / makespan,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "hit_ttft_p50_s": percentile(hits, 50),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+            "prefill_tokens_computed": sum(s.num_prefill_tokens for s in steps),
+            "hit_rate": sum(r["cached_tokens"] for r in records) / sum(r["prompt_tokens"] for r in records),
+            "peak_blocks_in_use": max(in_use), "mean_blocks_in_use": statistics.mean(in_use),
+            "prefill_steps_s": sum(s.duration for s in steps if s.num_prefill_tokens),
+            "decode_steps_s": sum(s.duration for s in steps if not s.num_prefill_tokens),
+            "records": sorted(records, key=lambda r: (r["conversation"], r["turn"]))}

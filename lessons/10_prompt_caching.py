@@ -1,0 +1,253 @@
+"""Lesson 10: prompt caching. A request that starts like an earlier one skips the prefill of what they share.
+
+The claim
+---------
+Real traffic repeats itself: every chat request carries the same system
+prompt, every turn of a conversation resends the history before it. With
+`enable_prefix_caching=True` (`minillm/prefix_caching.py`) the engine keeps
+each full KV block under the hash of its whole prefix, and a new request
+takes the blocks it shares instead of computing them again. Prefill is
+compute-bound and its work grows with the tokens computed (lesson 01), so
+
+    TTFT of a hit  ≈ t(prefill of the uncached suffix)       ideal gain (S + U) / U
+    throughput     gains only as much as the work was prefill: decode is untouched
+
+SGLang reports "up to 5×" on such workloads. The claim judged here, with S = 768
+shared tokens and U = 32 of each request's own (gpt2's shape): a hit's TTFT is
+at least 5× lower, a workload of requests sharing that system prompt gets at
+least 2× the throughput, and on traffic that shares nothing, caching (hashing
+every block, looking every prompt up) keeps throughput within 3% of caching off.
+
+What this lesson measures
+-------------------------
+Every run gets a fresh engine whose pool holds its whole workload (nothing is
+preempted: caching is the only difference), greedy answers of fixed length.
+
+    TTFT sweep  one request at a time (no queue), max_tokens 1: one request warms
+                the system prompt, then one request per shared length S ∈ {96, 192,
+                384, 768}, each with its own U = 32 tokens. TTFT with caching off
+                and on, against S; the check is at the largest S.
+    shared      3 requests at once: the 768-token system prompt, 32 tokens of their
+                own, answers of 32 tokens. Throughput = generated tokens ÷ makespan.
+    control     2 requests of 416 distinct tokens at once, answers of 32: nothing to share.
+    turns       2 conversations of 3 turns (a 128-token first message, then 64 per
+                turn), each turn resending the history: served once each way, shown
+                for its hit rate and prefill saved, not judged.
+
+Sizes scale with the context (gpt2's above); --quick keeps the proportions
+that decide each line, so the same lines apply: the sweep at S ∈ {96, 384} with
+U = 16 (again (S + U) / U = 25 at the checked point); `shared` with a 96-token
+system prompt, 4 tokens of each request's own and 4-token answers (prompt ÷
+answer = 25, as in the full run); the control of 100-token prompts; turns of
+32 then 8 tokens. The sweep, shared and control runs go in turns, caching off
+and on, three rounds (two with --quick); every ratio is taken within a round.
+On a CPU the model runs on one thread: on shared cores a second thread makes
+each small step wait for it, and the runs of a round then differ more than
+caching makes them differ.
+
+The verdict: per round, the checked TTFT off ÷ on ≥ 5, shared throughput on ÷
+off ≥ 2, control throughput on ÷ off ≥ 0.97. Where a line is missed, the lesson
+computes why from the run: the share of the uncached run's time spent in steps
+that prefill, and the share of prefill tokens caching saved, bound the
+throughput gain at 1 / (1 − share · saved) even if saved tokens cost nothing.
+
+Predict before you run: a gpt2 prefill of 800 tokens costs about as much as
+how many decode steps? With 32-token answers, what throughput gain can caching
+the first 768 prompt tokens buy at most?
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+
+from common import make_parser, ms, one_thread, plt, print_table, run, save_plot, start, ticks_at, write_results
+from measure import Check, interleave, judge, print_verdict
+from workloads import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload, serve,
+                       shared_prefix_workload)
+
+from minillm.engine import LLMEngine
+from minillm.scheduler import SchedulerConfig
+
+NAME = "10_prompt_caching"
+TTFT_LINE = 5.0        # SGLang's "up to 5×", on the TTFT of a hit
+THROUGHPUT_LINE = 2.0  # the shared-prompt workload's throughput, on ÷ off
+CONTROL_LINE = 0.97    # nothing shared: within 3% of caching off
+BLOCK_SIZE = 16
+
+
+def sizes(n_ctx: int, quick: bool) -> dict:
+    """Token counts in units u = n_ctx / 32 (32 tokens for gpt2), so the tiny test model keeps the proportions."""
+    u = n_ctx // 32
+    if quick:  # at least a block (tiny: u = 4) so that something is shared
+        return {"sweep": [max(3 * u, BLOCK_SIZE), 12 * u], "sweep_suffix": max(1, u // 2), "requests": 3,
+                "prefix": max(3 * u, 2 * BLOCK_SIZE), "suffix": max(1, u // 8), "answer": max(1, u // 8),
+                "control_requests": 2, "control_prompt": max(3 * u, 2 * BLOCK_SIZE) + max(1, u // 8),
+                "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": 2}
+    return {"sweep": [3 * u, 6 * u, 12 * u, 24 * u], "sweep_suffix": u, "requests": 3, "prefix": 24 * u, "suffix": u,
+            "answer": u, "control_requests": 2, "control_prompt": 13 * u, "conversations": 2, "turns": 3,
+            "first": 4 * u, "user": 2 * u, "repeats": 3}
+
+
+def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3) -> list[Conversation]:
+    """One request with the longest system prompt (it fills the cache), then one per shared length, max_tokens 1."""
+    longest = shared_prefix_workload(len(prefixes) + 1, max(prefixes), suffix, 1, vocab_size, seed)
+    return [longest[0]] + [Conversation([c.turns[0][:s] + c.turns[0][-suffix:]], 1)
+                           for s, c in zip(prefixes, longest[1:])]
+
+
+def make_engine(model, conversations: list[Conversation], caching: bool) -> LLMEngine:
+    return LLMEngine(model, SchedulerConfig(max_num_seqs=len(conversations)), block_size=BLOCK_SIZE,
+                     num_blocks=conversation_blocks(conversations, BLOCK_SIZE), enable_prefix_caching=caching)
+
+
+def runner(model, conversations: list[Conversation], caching: bool, concurrency: int | None = None):
+    return lambda: serve(make_engine(model, conversations, caching), conversations, concurrency)
+
+
+def make_checks(s: dict, ttft_speedups: list[float], shared_gains: list[float],
+                control_gains: list[float]) -> list[Check]:
+    """The claim's three lines, one value per round: TTFT off ÷ on of the checked hit, throughput on ÷ off of the
+    shared workload and of the control."""
+    return [Check(f"TTFT off ÷ on, a hit on {s['sweep'][-1]} shared + {s['sweep_suffix']} own tokens", ttft_speedups,
+                  TTFT_LINE, ">=", fmt="{:.2f}"),
+            Check(f"throughput on ÷ off, {s['requests']} requests sharing {s['prefix']} tokens", shared_gains,
+                  THROUGHPUT_LINE, ">=", fmt="{:.2f}"),
+            Check("throughput on ÷ off, the control (nothing shared)", control_gains, CONTROL_LINE, ">=",
+                  fmt="{:.3f}")]
+
+
+def throughput_bound(off: dict, on: dict) -> dict:
+    """The most caching can gain in throughput: the uncached run's prefill-step share × the prefill tokens saved,
+    as if the saved tokens' time fell to zero and the rest stayed (Amdahl's law)."""
+    share = off["prefill_steps_s"] / (off["prefill_steps_s"] + off["decode_steps_s"])
+    saved = 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"]
+    return {"prefill_share": share, "tokens_saved": saved, "bound": 1 / (1 - share * saved)}
+
+
+def explain(checks: list[Check], bound: dict, s: dict, ttft: dict) -> list[str]:
+    """The lesson's reading of its numbers: why each line was met or missed, from what this run measured.
+    `ttft` holds the sweep's median TTFTs, caching "off" and "on", one per shared length."""
+    ttft_check, gain, control = checks
+    S, U = s["sweep"], s["sweep_suffix"]
+    on, off = ttft["on"], ttft["off"]
+    notes = [f"TTFT: a hit at S = {S[-1]} computes {U} of {S[-1] + U} prompt tokens, an ideal "
+             f"{(S[-1] + U) / U:.0f}× by tokens; measured {ttft_check.median:.1f}×. A hit took {ms(on[-1])} at "
+             f"S = {S[-1]}, and already {ms(on[0])} ({on[0] / on[-1]:.0%} of it) at S = {S[0]}: that part is the cost "
+             f"of any forward pass over {U} tokens, and "
+             + (f"the other {ms(on[-1] - on[0])} grows with the cached keys attended over" if on[-1] > on[0]
+                else "it does not grow with S here") + f"; uncached, {ms(off[0])} and {ms(off[-1])}"]
+    reach = "cannot reach" if bound["bound"] < THROUGHPUT_LINE else "leaves room for"
+    notes.append(f"throughput: without caching, steps that prefill took {bound['prefill_share']:.0%} of the shared "
+                 f"workload's time and decode-only steps {1 - bound['prefill_share']:.0%}; caching computed "
+                 f"{bound['tokens_saved']:.0%} fewer prefill tokens, so even if their time fell to zero the run "
+                 f"could be at most {bound['bound']:.2f}× faster, which {reach} the {THROUGHPUT_LINE:g}× line "
+                 f"(measured {gain.median:.2f}×). Decode is untouched: shorter answers would raise the bound, "
+                 "longer ones lower it")
+    notes.append(f"control: throughput on ÷ off {control.median:.3f}. Both runs compute every prompt token, so a "
+                 "difference from 1 is either the cost of hashing every full block and looking every prompt up, or "
+                 "the machine's noise: the verdict above says which this run can tell")
+    return notes
+
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    model, cfg = lesson.model, lesson.config
+    s = sizes(cfg.n_ctx, args.quick)
+    work = {"sweep": ttft_sweep(s["sweep"], s["sweep_suffix"], cfg.vocab_size),
+            "shared": shared_prefix_workload(s["requests"], s["prefix"], s["suffix"], s["answer"], cfg.vocab_size),
+            "control": no_sharing_workload(s["control_requests"], s["control_prompt"], s["answer"], cfg.vocab_size,
+                                           seed=2),
+            "turns": multi_turn_workload(s["conversations"], s["turns"], s["first"], s["user"], s["answer"],
+                                         cfg.vocab_size, seed=1)}
+    warm = no_sharing_workload(2, 32, 2, cfg.vocab_size)
+    served = {"sweep off": work["sweep"][1:], "sweep on": work["sweep"],  # uncached, no request warms anything
+              **{f"{w} {c}": work[w] for w in ("shared", "control") for c in ("off", "on")}}
+    fns = {name: runner(model, convs, name.endswith(" on"), 1 if name.startswith("sweep") else None)
+           for name, convs in served.items()}
+    with one_thread() if lesson.device.type == "cpu" else contextlib.nullcontext():
+        runner(model, warm, True)()  # the first forward passes allocate: keep them out of the figures
+        rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device, desc="caching off and on, in turns")
+        runs = {name: rounds.results(name) for name in fns}
+        for c in ("off", "on"):  # shown, not judged: one run each way
+            runs[f"turns {c}"] = [runner(model, work["turns"], c == "on")()]
+    med = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
+    pair = lambda w, f: [f(off, on) for off, on in zip(runs[f"{w} off"], runs[f"{w} on"])]  # noqa: E731
+
+    def row(w: str, c: str) -> list:  # times: medians of the rounds; counts: the same in every round
+        name, counts = f"{w} {c}", runs[f"{w} {c}"][0]
+        return [w, c, ms(med(name, "ttft_p50_s")), ms(med(name, "ttft_p90_s")),
+                ms(med(name, "hit_ttft_p50_s")) if counts["hit_rate"] else "-", f"{med(name, 'throughput'):.1f}",
+                counts["prefill_tokens_computed"], counts["prompt_tokens"], f"{counts['hit_rate']:.0%}",
+                counts["peak_blocks_in_use"]]
+
+    print_table(["workload", "caching", "TTFT p50", "TTFT p90", "hit TTFT p50", "tokens/s", "prefilled", "of prompt",
+                 "hit rate", "peak blocks"], [row(w, c) for w in ("shared", "turns", "control") for c in ("off", "on")],
+                f"medians of {s['repeats']} rounds (turns: one run each way); prefilled = prompt tokens computed:")
+    sweep_rows = {c: [[r["ttft_s"] for r in run["records"][c == "on":]] for run in runs[f"sweep {c}"]]
+                  for c in ("off", "on")}
+    ttft = {c: [statistics.median(col) for col in zip(*sweep_rows[c])] for c in ("off", "on")}
+    print_table(["shared tokens S", "own tokens U", "TTFT off", "TTFT on", "off ÷ on", "cached"],
+                [[p, s["sweep_suffix"], ms(ttft["off"][i]), ms(ttft["on"][i]),
+                  f"{ttft['off'][i] / ttft['on'][i]:.1f}×",
+                  runs["sweep on"][0]["records"][i + 1]["cached_tokens"]] for i, p in enumerate(s["sweep"])],
+                "one request at a time, after one that filled the cache (medians of the rounds):")
+
+    checks = make_checks(s, [a[-1] / b[-1] for a, b in zip(sweep_rows["off"], sweep_rows["on"])],
+                         pair("shared", lambda off, on: on["throughput"] / off["throughput"]),
+                         pair("control", lambda off, on: on["throughput"] / off["throughput"]))
+    verdict = judge(f"prefix caching cuts a hit's TTFT at least {TTFT_LINE:g}× (SGLang: up to 5×), at least doubles "
+                    "the throughput of requests sharing a system prompt, and costs under 3% when nothing is shared",
+                    checks, lesson.load())
+    bounds = pair("shared", throughput_bound)
+    bound = {k: statistics.median(b[k] for b in bounds) for k in bounds[0]}
+    verdict.notes += explain(checks, bound, s, ttft)
+    print_verdict(verdict)
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax = axes[0]
+    for c, color in (("off", "C3"), ("on", "C0")):
+        cols = list(zip(*sweep_rows[c]))
+        mid = [1e3 * m for m in ttft[c]]
+        ax.errorbar(s["sweep"], mid, fmt="o-", color=color, capsize=3, label=f"caching {c}",
+                    yerr=[[m - 1e3 * min(col) for m, col in zip(mid, cols)],
+                          [1e3 * max(col) - m for m, col in zip(mid, cols)]])
+    ax.set(xlabel=f"shared-prefix length S (tokens; each request adds {s['sweep_suffix']} of its own)",
+           ylabel="TTFT (ms), one request at a time", ylim=(0, None), xlim=(0, None),
+           title=f"TTFT of a hit ({checks[0].median:.1f}× lower at S = {s['sweep'][-1]}; bars: range)")
+    ticks_at(ax, [0] + s["sweep"])
+    ax.legend(fontsize=8, loc="upper left")
+    ax = axes[1]
+    names = ["shared", "turns", "control"]
+    for j, (c, color) in enumerate((("off", "C3"), ("on", "C0"))):
+        mid = [med(f"{w} {c}", "throughput") for w in names]
+        ax.bar([i + 0.4 * j - 0.2 for i in range(3)], mid, 0.4, color=color, label=f"caching {c}",
+               yerr=[[m - min(r["throughput"] for r in runs[f"{w} {c}"]) for m, w in zip(mid, names)],
+                     [max(r["throughput"] for r in runs[f"{w} {c}"]) - m for m, w in zip(mid, names)]], capsize=3)
+    ax.set_xticks(range(3), [f"{w}{' (one run)' * (w == 'turns')}\non ÷ off "
+                             f"{med(f'{w} on', 'throughput') / med(f'{w} off', 'throughput'):.2f}×" for w in names])
+    ax.set(ylabel="generated tokens/s", title="throughput by workload (bars: range of the rounds)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    ax.legend(fontsize=8, loc="upper right")
+    ax = axes[2]
+    for j, c in enumerate(("off", "on")):
+        pre, dec = med(f"shared {c}", "prefill_steps_s"), med(f"shared {c}", "decode_steps_s")
+        ax.bar(j, pre, 0.6, color="C1", label="steps that prefill" if j == 0 else None)
+        ax.bar(j, dec, 0.6, bottom=pre, color="C2", label="decode-only steps" if j == 0 else None)
+    ax.set_xticks([0, 1], ["caching off", "caching on"])
+    ax.set(ylabel="seconds of engine steps, shared workload",
+           title=f"where the time went: caching prefill can gain ≤ {bound['bound']:.2f}×")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    ax.legend(fontsize=8, loc="upper right")
+    save_plot(lesson, fig)
+
+    figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": ttft["off"], "ttft_on_s": ttft["on"]},
+               "throughput_bound": bound, "per_round_bounds": bounds,
+               "runs": {name: [{k: v for k, v in r.items() if k != "records"} for r in rs]
+                        for name, rs in runs.items()}}
+    write_results(lesson, figures, verdict)
+    return {"figures": figures, "verdict": verdict}
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,157 @@
+"""Lesson 10 (prompt caching): its workloads share what they claim to, its counts are exact, and its verdict and
+its reading of the numbers follow the figures on both sides of each line.
+
+Times are not asserted (they are the lesson's business); the counts that explain them are.
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import PRESETS
+from minillm.weights import random_model
+
+LESSONS = Path(__file__).resolve().parent.parent / "lessons"
+sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+
+from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
+from workloads import (multi_turn_workload, no_sharing_workload, serve,  # noqa: E402
+                       shared_prefix_workload)
+
+spec = importlib.util.spec_from_file_location("lesson_10_prompt_caching", LESSONS / "10_prompt_caching.py")
+lesson = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = lesson
+spec.loader.exec_module(lesson)
+
+CFG = PRESETS["tiny"]
+QUIET = MachineLoad(2, 1.0, 0.0, 0.0, 0.0)
+SWEEP = {"off": [0.5, 0.8, 1.4, 2.6], "on": [0.18, 0.19, 0.2, 0.22]}  # median TTFTs by shared length
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)  # tiny matrices: more threads only wait for each other on shared cores
+    return random_model(CFG, "cpu", torch.float32)  # GPT-2's own init: what is counted here does not depend on values
+
+
+def test_workloads_are_seeded_and_share_only_what_they_say():
+    a = shared_prefix_workload(4, 40, 8, 5, CFG.vocab_size, seed=1)
+    assert a == shared_prefix_workload(4, 40, 8, 5, CFG.vocab_size, seed=1)
+    prompts = [c.turns[0] for c in a]
+    assert all(len(p) == 48 and p[:40] == prompts[0][:40] for p in prompts)
+    assert len({tuple(p[40:]) for p in prompts}) == 4
+    control = no_sharing_workload(4, 48, 5, CFG.vocab_size, seed=1)
+    assert len({p.turns[0][0] for p in control}) == 4, "the control's prompts must differ from their first token"
+    turns = multi_turn_workload(2, 3, 20, 6, 5, CFG.vocab_size)
+    assert [[len(t) for t in c.turns] for c in turns] == [[20, 6, 6]] * 2
+
+
+def test_shared_prompt_prefills_the_system_prompt_once(model):
+    work = shared_prefix_workload(4, 40, 8, 3, CFG.vocab_size)
+    off = serve(lesson.make_engine(model, work, caching=False), work)
+    on = serve(lesson.make_engine(model, work, caching=True), work)
+    assert off["prefill_tokens_computed"] == 4 * 48 and off["hit_rate"] == 0
+    # All four arrive at once and share the step: the first computes 48, the others their last 48 − 32.
+    assert on["prefill_tokens_computed"] == 48 + 3 * 16
+    assert on["hit_rate"] == pytest.approx(3 * 32 / (4 * 48))
+    assert [r["cached_tokens"] for r in on["records"]] == [0, 32, 32, 32]
+    assert on["peak_blocks_in_use"] < off["peak_blocks_in_use"], "a shared prefix is held once"
+    assert [r["generated_tokens"] for r in on["records"]] == [3] * 4
+    assert on["prefill_steps_s"] > 0 and on["decode_steps_s"] > 0  # 3-token answers: decode-only steps follow
+
+
+def test_each_turn_of_a_conversation_reuses_the_history(model):
+    work = multi_turn_workload(2, 3, 20, 6, 5, CFG.vocab_size)
+    records = serve(lesson.make_engine(model, work, caching=True), work)["records"]
+    assert [(r["conversation"], r["turn"], r["prompt_tokens"]) for r in records] == \
+        [(c, t, 20 + t * 11) for c in range(2) for t in range(3)]
+    for r in records:  # what the previous turn computed: its prompt and answer but the last token, whole blocks
+        assert r["cached_tokens"] == (0 if r["turn"] == 0 else (r["prompt_tokens"] - 6 - 1) // 16 * 16), r
+
+
+def test_the_control_shares_nothing_and_one_client_sends_one_request_at_a_time(model):
+    work = no_sharing_workload(3, 20, 4, CFG.vocab_size)
+    engine = lesson.make_engine(model, work, caching=True)
+    on = serve(engine, work, concurrency=1)
+    assert on["hit_rate"] == 0 and on["prefill_tokens_computed"] == 60
+    assert max(s.num_seqs for s in engine.timeline) == 1
+
+
+def test_the_ttft_sweep_hits_exactly_the_shared_length(model):
+    prefixes = [16, 32, 48]
+    sweep = lesson.ttft_sweep(prefixes, 5, CFG.vocab_size)
+    first = sweep[0].turns[0]
+    assert len(first) == 53 and all(c.max_tokens == 1 for c in sweep)
+    for s, c in zip(prefixes, sweep[1:]):
+        p = c.turns[0]
+        assert len(p) == s + 5 and p[:s] == first[:s] and p[s] != first[s]
+    on = serve(lesson.make_engine(model, sweep, caching=True), sweep, concurrency=1)
+    assert [r["cached_tokens"] for r in on["records"]] == [0] + prefixes
+    off = serve(lesson.make_engine(model, sweep[1:], caching=False), sweep[1:], concurrency=1)
+    assert off["prefill_tokens_computed"] == sum(prefixes) + 3 * 5
+
+
+def test_the_throughput_bound_is_amdahls_law_on_prefill_saved():
+    off = {"prefill_steps_s": 6.0, "decode_steps_s": 4.0, "prefill_tokens_computed": 1000}
+    b = lesson.throughput_bound(off, {"prefill_tokens_computed": 250})
+    assert b["prefill_share"] == pytest.approx(0.6) and b["tokens_saved"] == pytest.approx(0.75)
+    assert b["bound"] == pytest.approx(1 / (1 - 0.45))  # 1.82×: the 2× line cannot be met
+    s = lesson.sizes(1024, quick=False)
+    low = lesson.explain(lesson.make_checks(s, [10.0], [1.7], [1.0]), b, s, SWEEP)[1]
+    assert "at most 1.82× faster, which cannot reach the 2× line" in low and "60% of the shared" in low
+    b = lesson.throughput_bound({**off, "prefill_steps_s": 9.0, "decode_steps_s": 1.0}, {"prefill_tokens_computed": 50})
+    assert b["bound"] == pytest.approx(1 / (1 - 0.9 * 0.95))
+    high = lesson.explain(lesson.make_checks(s, [10.0], [2.5], [1.0]), b, s, SWEEP)[1]
+    assert "leaves room for the 2× line" in high
+
+
+@pytest.mark.parametrize("ttft, shared, control, outcome", [
+    ([12.0, 11.5, 12.4], [2.2, 2.1, 2.3], [1.0, 0.99, 1.01], HOLDS),
+    ([4.0, 4.5, 3.9], [2.2, 2.1, 2.3], [1.0, 0.99, 1.01], NOT_SUPPORTED),     # TTFT below 5×
+    ([12.0, 11.5, 12.4], [1.7, 1.65, 1.72], [1.0, 0.99, 1.01], NOT_SUPPORTED),  # throughput below 2×
+    ([12.0, 11.5, 12.4], [2.2, 2.1, 2.3], [0.9, 0.92, 0.95], NOT_SUPPORTED),  # the control costs more than 3%
+    ([12.0, 11.5, 12.4], [2.2, 2.1, 2.3], [0.95, 1.0, 0.99], INCONCLUSIVE),   # the control's spread spans its line
+])
+def test_each_line_of_the_verdict(ttft, shared, control, outcome):
+    s = lesson.sizes(1024, quick=False)
+    checks = lesson.make_checks(s, ttft, shared, control)
+    assert [c.line for c in checks] == [5.0, 2.0, 0.97] and "768 shared + 32 own" in checks[0].name
+    assert judge("claim", checks, QUIET).outcome == outcome
+
+
+def test_quick_keeps_the_proportions_that_decide_each_line():
+    for quick in (False, True):
+        s = lesson.sizes(1024, quick)
+        assert (s["sweep"][-1] + s["sweep_suffix"]) / s["sweep_suffix"] == 25
+        assert (s["prefix"] + s["suffix"]) / s["answer"] == 25
+        assert s["prefix"] + s["suffix"] + s["answer"] <= 1024
+
+
+def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
+    lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / f"{lesson.NAME}.json").read_text())
+    assert doc["lesson"] == lesson.NAME and doc["quick"] is True
+    assert (tmp_path / f"{lesson.NAME}.png").stat().st_size > 1000
+    v, runs, s = doc["verdict"], doc["figures"]["runs"], doc["figures"]["sizes"]
+    assert v["outcome"] in (HOLDS, NOT_SUPPORTED, INCONCLUSIVE) and len(v["checks"]) == 3
+    assert all(len(c["values"]) == s["repeats"] for c in v["checks"])
+    assert any(r.startswith("throughput: without caching") for r in v["reasons"])
+    for off, on in zip(runs["shared off"], runs["shared on"]):
+        assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"] == off["prompt_tokens"]
+        assert off["hit_rate"] == 0 < on["hit_rate"]
+    for off, on in zip(runs["control off"], runs["control on"]):
+        assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] and on["hit_rate"] == 0
+    assert all(r["requests"] == len(s["sweep"]) for r in runs["sweep off"])
+    assert all(r["requests"] == len(s["sweep"]) + 1 for r in runs["sweep on"])
+
+
+@pytest.mark.slow
+def test_a_student_copy_without_prefix_match_stops_lesson_10_with_one_line(tmp_path):
+    from test_lessons_in_order import assert_stops_at_a_stub, copy_up_to, run_lesson
+
+    copy, stubbed = copy_up_to(9, tmp_path / "student")
+    assert "prefix-match" in [ex.id for ex in stubbed]
+    assert_stops_at_a_stub(run_lesson(copy, 10, tmp_path / "out"), [ex for ex in stubbed if ex.id == "prefix-match"])
