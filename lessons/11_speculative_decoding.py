@@ -14,7 +14,9 @@ costing c target steps, Leviathan et al. predict the speedup
 The claim, in three lines: a pass over 5 new tokens costs at most 1.3× a
 one-token step (the premise); the measured speedup is within 15% of S for every
 γ and draft; prompt lookup (vLLM's n-gram draft, c ≈ 0) on a prompt that
-repeats itself, at γ = 4 (fixed beforehand), is at least 1.5× faster.
+repeats itself, at γ = 4 (fixed beforehand), is at least 1.5× faster. Each
+line is judged round by round, on the range over the rounds widened by the
+machine's load (`measure.judge`); the notes compute why a line was missed.
 
 What this lesson measures
 -------------------------
@@ -33,12 +35,12 @@ What this lesson measures
    checkpoint's α, and the verdict names the weights. The best case, a free
    draft that is always right (α = 1, c = 0), is (γ + 1) ÷ the pass's cost.
 4. The sweep: greedy, the target alone (`kv_cache.generate`) and each draft
-   for γ = 1..8, in turns, three rounds; only the decode phase is timed (the
-   prefill is the same target pass either way). Per γ: α, tokens per pass
+   for γ = 1, 2, 4, 8, in turns, three rounds; only the decode phase is timed
+   (the prefill is the same target pass either way). Per γ: α, tokens per pass
    against (1 − α^(γ+1)) / (1 − α), the speedup, S fed the measured α and c,
    and S charging the measured cost of the γ + 1 pass in place of the "1":
    where S misses, that shows how much of the miss is the premise.
---quick: γ = 2 and 4, a 64-token prompt, 16 new tokens, two rounds; same lines.
+--quick: γ = 4 only, a 64-token prompt, 12 new tokens, two rounds; the same lines.
 Last, one sampled run per draft (temperature 1) reports α under Leviathan's
 acceptance rule, the exercise of this lesson.
 
@@ -74,9 +76,10 @@ LOOKUP_GAMMA, LOOKUP_LINE = 4, 1.5
 
 def sizes(quick: bool) -> dict:
     if quick:
-        return {"gammas": [2, 4], "passage": 24, "quoted": 16, "max_tokens": 16, "repeats": 2, "cost_repeats": 5}
-    return {"gammas": list(range(1, 9)), "passage": 80, "quoted": 32, "max_tokens": 48, "repeats": 3,
-            "cost_repeats": 7, "ks": [16]}
+        return {"gammas": [LOOKUP_GAMMA], "passage": 24, "quoted": 16, "max_tokens": 12, "repeats": 2,
+                "cost_repeats": 5, "ks": []}
+    return {"gammas": [1, 2, 4, 8], "passage": 64, "quoted": 32, "max_tokens": 32, "repeats": 3, "cost_repeats": 7,
+            "ks": [16]}
 
 
 def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
@@ -116,7 +119,7 @@ def cost_fns(target: GPT2, draft: GPT2, ks: list[int], context: int) -> dict:
 
     lookup, greedy = NgramProposer(), SamplingParams(temperature=0.0)   # random tokens: no match, all scanned
     return {**{f"pass {k}": verify(k) for k in ks}, **{f"matmuls {k}": matmuls(k) for k in ks},
-            "draft step": decode_step(draft, context), "lookup": lambda: lookup.propose(tokens[:context], 4, greedy, None)}
+            "draft step": decode_step(draft, context), "lookup": lambda: lookup.propose(tokens[:context], LOOKUP_GAMMA, greedy, None)}
 
 
 def roofline_s(cfg, k: int, context: int, dtype, ceilings) -> float:
@@ -209,6 +212,10 @@ def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
                  f"{w['predicted_v']:.2f}× ({w['speedup'] / w['predicted_v'] - 1:+.0%})"
                  + (f"; it proposed {w['guesses_per_pass']:.2f} guesses per pass, not γ = {w['gamma']}"
                     if w["guesses_per_pass"] < 0.95 * w["gamma"] else ""))
+    lu = next(r for r in rows if r["draft"] == "prompt lookup" and r["gamma"] == LOOKUP_GAMMA)
+    notes.append(f"prompt lookup at γ = {LOOKUP_GAMMA}: {lu['tokens_per_pass']:.2f} tokens per target pass (α = "
+                 f"{lu['alpha']:.2f}, {lu['guesses_per_pass']:.2f} guesses per pass), so at most "
+                 f"{lu['tokens_per_pass']:.2f}× even were verification free; measured {lu['speedup']:.2f}×")
     for name in dict.fromkeys(r["draft"] for r in rows):
         b = max((r for r in rows if r["draft"] == name), key=lambda r: r["speedup"])
         pays = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (spread too wide)"}[
@@ -260,7 +267,7 @@ def main(argv=None) -> dict:
     target, cfg, s = lesson.model, lesson.config, sizes(args.quick)
     draft = (quiet_load_model(args.draft, lesson.device, lesson.dtype) if args.draft
              else shallow_draft(target, max(1, cfg.n_layer // 4)))
-    ks = sorted({1, PREMISE_K, *s.get("ks", []), *(g + 1 for g in s["gammas"])})
+    ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
     context = min(CONTEXT, cfg.n_ctx - max(ks))
     costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
                        desc="verification cost, in turns")
