@@ -267,6 +267,11 @@ def main(argv=None) -> dict:
     target, cfg, s = lesson.model, lesson.config, sizes(args.quick)
     draft = (quiet_load_model(args.draft, lesson.device, lesson.dtype) if args.draft
              else shallow_draft(target, max(1, cfg.n_layer // 4)))
+    prompt = quoting_prompt(target, s["passage"], s["quoted"])
+    greedy = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"], ignore_eos=True)
+    drafts = {"model draft": draft, "prompt lookup": NgramProposer()}
+    sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)   # α when sampling
+    alpha_sampled = {n: timed(target, d, prompt, sampled, LOOKUP_GAMMA)().stats.alpha for n, d in drafts.items()}
     ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
     context = min(CONTEXT, cfg.n_ctx - max(ks))
     costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
@@ -280,9 +285,6 @@ def main(argv=None) -> dict:
                 f"one target pass after {context} cached tokens ({ms(cost['pass_s'][1])} for k = 1); "
                 f"c = {c['model draft']:.3f} (model draft), {c['prompt lookup']:.4f} (lookup)")
 
-    prompt = quoting_prompt(target, s["passage"], s["quoted"])
-    greedy = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"], ignore_eos=True)
-    drafts = {"model draft": draft, "prompt lookup": NgramProposer()}
     fns = {"target alone": timed(target, None, prompt, greedy),
            **{f"{n} γ={g}": timed(target, d, prompt, greedy, g) for n, d in drafts.items() for g in s["gammas"]}}
     fns["target alone"]()   # warm-up, untimed
@@ -302,8 +304,6 @@ def main(argv=None) -> dict:
                 f"timed, {s['repeats']} rounds; the target alone: "
                 f"{ms(statistics.median(b.decode_s / b.decode_tokens for b in base))} per token")
 
-    sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)
-    alpha_sampled = {n: timed(target, d, prompt, sampled, LOOKUP_GAMMA)().stats.alpha for n, d in drafts.items()}
     load = lesson.load()
     verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), so "
                     f"the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
