@@ -93,8 +93,10 @@ def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
 
 def quoting_prompt(target: GPT2, passage: int, quoted: int, seed: int = 0) -> list[int]:
     """A passage, the target's greedy continuation of it, and the passage again."""
-    text = torch.randint(0, target.config.vocab_size, (passage,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return text + generate(target, [text], SamplingParams(temperature=0.0, max_tokens=quoted, ignore_eos=True))[0] + text
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, target.config.vocab_size, (passage,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=quoted, ignore_eos=True)
+    return text + generate(target, [text], greedy)[0] + text
 
 
 def cost_fns(target: GPT2, draft: GPT2, ks: list[int], context: int) -> dict:
@@ -119,7 +121,8 @@ def cost_fns(target: GPT2, draft: GPT2, ks: list[int], context: int) -> dict:
 
     lookup, greedy = NgramProposer(), SamplingParams(temperature=0.0)   # random tokens: no match, all scanned
     return {**{f"pass {k}": verify(k) for k in ks}, **{f"matmuls {k}": matmuls(k) for k in ks},
-            "draft step": decode_step(draft, context), "lookup": lambda: lookup.propose(tokens[:context], LOOKUP_GAMMA, greedy, None)}
+            "draft step": decode_step(draft, context),
+            "lookup": lambda: lookup.propose(tokens[:context], LOOKUP_GAMMA, greedy, None)}
 
 
 def roofline_s(cfg, k: int, context: int, dtype, ceilings) -> float:
@@ -136,7 +139,8 @@ def summarise_costs(costs, ks: list[int], roofline: dict[int, float]) -> dict:
     return {"rounds": rounds, "ratio": {k: statistics.median(r) for k, r in rounds.items()},
             "matmul_ratio": {k: statistics.median(costs.ratio(f"matmuls {k}", "matmuls 1")) for k in ks},
             "roofline_ratio": {k: roofline[k] / roofline[1] for k in ks},
-            "pass_s": {k: costs.median(f"pass {k}") for k in ks}, "matmul_s": {k: costs.median(f"matmuls {k}") for k in ks},
+            "pass_s": {k: costs.median(f"pass {k}") for k in ks},
+            "matmul_s": {k: costs.median(f"matmuls {k}") for k in ks},
             "c": {"model draft": statistics.median(costs.ratio("draft step", "pass 1")),
                   "prompt lookup": statistics.median(costs.ratio("lookup", "pass 1"))}}
 
@@ -198,11 +202,13 @@ def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
     v, pass_s, matmul_s = cost["ratio"], cost["pass_s"], cost["matmul_s"]
     free = max(k for k in v if all(v[j] < FREE_LINE for j in v if j <= k))
     extra, extra_mm = pass_s[PREMISE_K] - pass_s[1], matmul_s[PREMISE_K] - matmul_s[1]
-    notes = [f"a pass stays under {FREE_LINE}× a step up to k = {free}; at k = {PREMISE_K} it costs {v[PREMISE_K]:.2f}× "
-             f"where the roofline says {cost['roofline_ratio'][PREMISE_K]:.2f}×"
+    notes = [f"a pass stays under {FREE_LINE}× a step up to k = {free}; at k = {PREMISE_K} it costs "
+             f"{v[PREMISE_K]:.2f}× where the roofline says {cost['roofline_ratio'][PREMISE_K]:.2f}×"
              + (f", {ms(extra)} more than a step, {extra_mm / extra:.0%} of that in the matrix products alone: "
-                + ("the matrix kernel, slower per row on a few rows than on one" if extra_mm >= extra / 2 else
-                   "mostly outside them (attention, the k rows of logits, per-operation overhead)") if extra > 0 else "")
+                + (f"the matrix kernel: it takes longer on {PREMISE_K} rows than on one, though it reads the same "
+                   "weights" if extra_mm >= extra / 2 else
+                   "mostly outside them (attention, the k rows of logits, per-operation overhead)")
+                if extra > 0 else "")
              + f". No draft, however cheap and right, beats {(LOOKUP_GAMMA + 1) / v[LOOKUP_GAMMA + 1]:.2f}× at "
                f"γ = {LOOKUP_GAMMA}: (γ + 1) ÷ the pass's cost"]
     w = max(rows, key=lambda r: abs(r["speedup"] / r["predicted"] - 1))
@@ -233,7 +239,8 @@ def plot(lesson, cost: dict, rows: list[dict], gammas: list[int]) -> None:
                 capsize=3, fmt="o-", label="target pass, logits at all k (bars: range)")
     ax.plot(ks, [cost["matmul_ratio"][k] for k in ks], "s--", label="its matrix products alone")
     ax.plot(ks, [cost["roofline_ratio"][k] for k in ks], "k:", label="the roofline (measured ceilings)")
-    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9, label=f"the claim: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
+    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9,
+            label=f"the claim: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
     top = max(PREMISE_LINE, *v.values(), *cost["matmul_ratio"].values())   # an outlier round's bar may run off the top
     ax.set(xlabel="new tokens k in one pass", ylabel="time ÷ a one-token step", ylim=(0, top * 1.4),
            title=f"verification cost after {cost['context']} cached tokens")
@@ -296,17 +303,19 @@ def main(argv=None) -> dict:
             raise RuntimeError(f"{name} at γ = {g} gave tokens other than the target's own greedy ones: a bug in "
                                "minillm/speculative.py (its tests say where)")
         rows.append(sweep_row(name, g, base, runs, c[name], v))
-    print_table(["draft", "γ", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S", "S, pass charged"],
+    print_table(["draft", "γ", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S",
+                 "S, pass charged"],
                 [[r["draft"], r["gamma"], f"{r['alpha']:.2f}", f"{r['tokens_per_pass']:.2f}",
                   f"{r['formula_tokens_per_pass']:.2f}", f"{r['guesses_per_pass']:.2f}", f"{r['speedup']:.2f}×",
-                  f"{r['low']:.2f}–{r['high']:.2f}", f"{r['predicted']:.2f}×", f"{r['predicted_v']:.2f}×"] for r in rows],
+                  f"{r['low']:.2f}–{r['high']:.2f}", f"{r['predicted']:.2f}×", f"{r['predicted_v']:.2f}×"]
+                 for r in rows],
                 f"greedy, a {len(prompt)}-token prompt that repeats itself, {s['max_tokens']} new tokens, decode phase "
                 f"timed, {s['repeats']} rounds; the target alone: "
                 f"{ms(statistics.median(b.decode_s / b.decode_tokens for b in base))} per token")
 
     load = lesson.load()
-    verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), so "
-                    f"the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
+    verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), "
+                    f"so the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
                     f"repeats itself gives ≥ {LOOKUP_LINE}×", make_checks(cost, rows), load)
     verdict.notes += explain(cost, rows, load.share) + [
         f"α was measured on {target.weights_source} weights (draft: {draft.weights_source}) and says nothing about a "

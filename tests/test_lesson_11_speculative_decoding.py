@@ -80,7 +80,8 @@ def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):
     prompt = lesson.quoting_prompt(target, passage=10, quoted=6, seed=4)
     text, quoted = prompt[:10], prompt[10:16]
     assert len(prompt) == 26 and prompt[16:] == text
-    assert quoted == kv_cache.generate(target, [text], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    assert quoted == kv_cache.generate(target, [text], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                      ignore_eos=True))[0]
 
 
 def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, one_thread):
@@ -113,7 +114,8 @@ def test_a_sweep_row_compares_seconds_per_token_and_feeds_the_formula_the_measur
 
 def rows(fits_per_round, lookup_speedups):
     """Sweep rows whose measured ÷ predicted speedups are the given ones (one list per row, a value per round)."""
-    out = [{"draft": "model draft", "gamma": g, "fit": f, "speedups": [1.0] * len(f)} for g, f in enumerate(fits_per_round, 1)]
+    out = [{"draft": "model draft", "gamma": g, "fit": f, "speedups": [1.0] * len(f)}
+           for g, f in enumerate(fits_per_round, 1)]
     out.append({"draft": "prompt lookup", "gamma": lesson.LOOKUP_GAMMA, "fit": [1.0] * len(lookup_speedups),
                 "speedups": lookup_speedups})
     return out
