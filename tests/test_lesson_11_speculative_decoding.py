@@ -105,11 +105,19 @@ def test_a_sweep_row_compares_seconds_per_token_and_feeds_the_formula_the_measur
     stats = SpecDecodingStats(num_draft_tokens=20, num_accepted_tokens=15, num_rejections=5, num_target_passes=10)
     base = [run(1.0, 10), run(2.0, 10)]                    # 0.1 s and 0.2 s per token
     spec = [run(0.5, 10, stats), run(0.5, 5, stats)]       # 0.05 s and 0.1 s per token
-    row = lesson.sweep_row("model draft", 2, base, spec, c=0.25, verify={3: 1.5})
+    row = lesson.sweep_row("model draft", 2, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
     assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75
     per_pass = expected_tokens_per_pass(0.75, 2)
-    assert row["predicted"] == pytest.approx(per_pass / 1.5) and row["predicted_v"] == pytest.approx(per_pass / 2.0)
-    assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2) and row["guesses_per_pass"] == 2.0
+    assert row["predicted"] == pytest.approx(per_pass / 1.5)
+    assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
+    # the run's own counts: 11 tokens and 20 guesses over 10 passes; a pass over 3 tokens costs 1.5 steps
+    assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
+    assert row["modelled"] == pytest.approx(1.1 / (2.0 * 0.25 + 1.5))
+
+
+def test_pass_cost_interpolates_between_the_measured_widths():
+    verify = {1: 1.0, 3: 1.5, 5: 2.5}
+    assert [lesson.pass_cost(verify, k) for k in (1, 2, 3, 4.5, 5)] == pytest.approx([1.0, 1.25, 1.5, 2.25, 2.5])
 
 
 def rows(fits_per_round, lookup_speedups):
@@ -139,11 +147,11 @@ def cost(ratio, pass_ms, matmul_ms):
 
 
 def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4)):
-    return [{"draft": "prompt lookup", "gamma": 4, "speedup": speedup, "predicted": predicted, "predicted_v": speedup,
+    return [{"draft": "prompt lookup", "gamma": 4, "speedup": speedup, "predicted": predicted, "modelled": speedup,
              "guesses_per_pass": guesses, "alpha": 0.8, "c": 0.01, "speedups": list(speedups),
              "tokens_per_pass": 1.7},
-            {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "predicted_v": 0.9,
-             "guesses_per_pass": 4.0, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95]}]
+            {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "modelled": 0.9,
+             "guesses_per_pass": 4.0, "tokens_per_pass": 1.2, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95]}]
 
 
 def test_explain_reads_the_cause_from_the_numbers():
@@ -152,14 +160,15 @@ def test_explain_reads_the_cause_from_the_numbers():
     assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
     assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
     assert "worst fit: prompt lookup at γ = 4, 1.30× measured against 2.60× predicted (-50%)" in explain[1]
-    assert "proposed 1.90 guesses per pass, not γ = 4" in explain[1]
+    assert "its own counts and costs (1.70 tokens and 1.90 guesses per pass, not γ = 4; a pass over 2.9 tokens " \
+           "at 1.15× a step) predict 1.30× (+0%)" in explain[1]
     assert "prompt lookup at γ = 4: 1.70 tokens per target pass (α = 0.80, 1.90 guesses per pass), so at most " \
            "1.70× even were verification free; measured 1.30×" in explain[2]
     assert "prompt lookup: best γ = 4, 1.30×" in explain[3] and "speculation pays" in explain[3]
     assert "speculation does not pay" in explain[4]
     other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1)), 0.0)
     assert "10% of that in the matrix products" in other[0] and "mostly outside them" in other[0]
-    assert "guesses per pass" not in other[1] and "may or may not pay" in other[3]
+    assert "model draft at γ = 4" in other[1] and "not γ" not in other[1] and "may or may not pay" in other[3]
 
 
 def test_the_cost_rounds_add_up(target, one_thread):
