@@ -38,9 +38,10 @@ What this lesson measures
    for γ = 1, 2, 4, 8, in turns, three rounds; only the decode phase is timed
    (the prefill is the same target pass either way). Per γ: α, tokens per pass
    against (1 − α^(γ+1)) / (1 − α), the speedup, and S fed the measured α and
-   c. Beside S, the run's own cost model: tokens per pass ÷ (guesses per pass ·
-   c + the measured cost of a pass over guesses + 1 tokens). Where S misses and
-   this one does not, the miss is the premise (and guesses S assumed).
+   c. Beside S, the run's own cost model: its tokens ÷ the sum over its rounds
+   of (guesses · c + the measured cost of a pass over guesses + 1 tokens).
+   Where S misses and this one does not, the miss is the premise (and guesses S
+   assumed that the draft did not make).
 --quick: γ = 4 only, a 42-token prompt, 10 new tokens, two rounds; the same lines.
 Before all that, one sampled run with the model draft (temperature 1) reports
 α under Leviathan's acceptance rule, the exercise of this lesson.
@@ -152,6 +153,7 @@ class Run(NamedTuple):
     decode_s: float       # the decode phase: from the first token (the prefill's) to the last
     decode_tokens: int    # tokens made in it
     stats: object         # SpecDecodingStats; None for the target alone
+    guesses: list[int]    # guesses verified by each timed round's pass (a pass over guesses + 1 tokens)
 
 
 def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0):
@@ -161,13 +163,15 @@ def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma:
         if draft is None:
             marks = []   # on_step fires after the prefill, then after every decode step
             out = generate(target, [prompt], params, on_step=lambda *_: marks.append(time.perf_counter()))[0]
-            return Run(out, marks[-1] - marks[0], len(out) - 1, None)
+            return Run(out, marks[-1] - marks[0], len(out) - 1, None, [])
         decoder = SpeculativeDecoder(target, draft, prompt, params, gamma)
         first = len(decoder.step())   # the first round: the prefill pass
-        t0 = time.perf_counter()
+        guesses, t0 = [], time.perf_counter()
         while decoder.finish_reason is None:
+            proposed = decoder.stats.num_draft_tokens
             decoder.step()
-        return Run(decoder.output, time.perf_counter() - t0, len(decoder.output) - first, decoder.stats)
+            guesses.append(decoder.stats.num_draft_tokens - proposed)
+        return Run(decoder.output, time.perf_counter() - t0, len(decoder.output) - first, decoder.stats, guesses)
     return once
 
 
@@ -179,14 +183,14 @@ def pass_cost(verify: dict[int, float], k: float) -> float:
 
 def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], c: float, verify: dict[int, float]) -> dict:
     """One draft at one γ: α, tokens per pass, the speedup per round (seconds per token, the target alone's ÷
-    speculation's), Leviathan's S from the measured α and c, and the cost model from the counts: tokens per pass ÷
-    (guesses per pass · c + the measured cost of a pass over guesses + 1 tokens)."""
+    speculation's), Leviathan's S from the measured α and c, and the run's own cost model: the timed rounds' tokens ÷
+    what their passes cost in target steps, Σ (guesses · c + the measured cost of a pass over guesses + 1 tokens)."""
     stats = runs[0].stats   # greedy: every round made the same tokens, so the same counts
     per_pass = expected_tokens_per_pass(stats.alpha, gamma)
     speedups = [(b.decode_s / b.decode_tokens) / (r.decode_s / r.decode_tokens) for b, r in zip(base, runs)]
     predicted = expected_speedup(stats.alpha, gamma, c)   # per_pass / (γc + 1)
     guesses = stats.num_draft_tokens / stats.num_target_passes
-    modelled = len(runs[0].tokens) / stats.num_target_passes / (guesses * c + pass_cost(verify, guesses + 1))
+    modelled = runs[0].decode_tokens / sum(g * c + pass_cost(verify, g + 1) for g in runs[0].guesses)
     return {"draft": name, "gamma": gamma, "alpha": stats.alpha, "c": c, "speedups": speedups,
             "speedup": statistics.median(speedups), "low": min(speedups), "high": max(speedups),
             "tokens_per_pass": len(runs[0].tokens) / stats.num_target_passes, "formula_tokens_per_pass": per_pass,
@@ -227,8 +231,7 @@ def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
                  f"{w['predicted']:.2f}× predicted ({w['speedup'] / w['predicted'] - 1:+.0%}); its own counts and "
                  f"costs ({w['tokens_per_pass']:.2f} tokens and {w['guesses_per_pass']:.2f} guesses per pass"
                  + (f", not γ = {w['gamma']}" if w["guesses_per_pass"] < 0.95 * w["gamma"] else "")
-                 + f"; a pass over {w['guesses_per_pass'] + 1:.1f} tokens at "
-                   f"{pass_cost(v, w['guesses_per_pass'] + 1):.2f}× a step) predict {w['modelled']:.2f}× "
+                 + f"; each pass charged its measured cost at its width) predict {w['modelled']:.2f}× "
                    f"({w['speedup'] / w['modelled'] - 1:+.0%})")
     lu = next(r for r in rows if r["draft"] == "prompt lookup" and r["gamma"] == LOOKUP_GAMMA)
     notes.append(f"prompt lookup at γ = {LOOKUP_GAMMA}: {lu['tokens_per_pass']:.2f} tokens per target pass (α = "

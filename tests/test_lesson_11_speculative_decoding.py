@@ -88,31 +88,33 @@ def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, on
     prompt = random_prompts(1, [15], seed=6)[0]
     want = kv_cache.generate(target, [prompt], GREEDY)[0]
     base = lesson.timed(target, None, prompt, GREEDY)()
-    assert base.tokens == want and base.decode_tokens == GREEDY.max_tokens - 1 and base.stats is None
+    assert base.tokens == want and base.decode_tokens == GREEDY.max_tokens - 1
+    assert base.stats is None and base.guesses == []
     assert base.decode_s > 0
     same = lesson.timed(target, target, prompt, GREEDY, 3)()   # the target as its own draft: every guess accepted
     assert same.tokens == want and same.stats.alpha == 1.0
     assert same.decode_tokens == GREEDY.max_tokens - 4   # the first round, untimed, made γ + 1 = 4 tokens
+    assert same.guesses == [3, 3]   # then two rounds of 4 tokens
     lookup = lesson.timed(target, NgramProposer(), prompt, GREEDY, 4)()
     assert lookup.tokens == want and lookup.stats.num_draft_passes == 0
 
 
-def run(seconds: float, tokens: int, stats=None):
-    return lesson.Run([0] * (tokens + 1), seconds, tokens, stats)
+def run(seconds: float, tokens: int, stats=None, guesses=()):
+    return lesson.Run([0] * (tokens + 1), seconds, tokens, stats, list(guesses))
 
 
 def test_a_sweep_row_compares_seconds_per_token_and_feeds_the_formula_the_measured_alpha_and_c():
     stats = SpecDecodingStats(num_draft_tokens=20, num_accepted_tokens=15, num_rejections=5, num_target_passes=10)
     base = [run(1.0, 10), run(2.0, 10)]                    # 0.1 s and 0.2 s per token
-    spec = [run(0.5, 10, stats), run(0.5, 5, stats)]       # 0.05 s and 0.1 s per token
+    spec = [run(0.5, 10, stats, [4, 0, 2]), run(0.5, 5, stats)]   # 0.05 s and 0.1 s per token
     row = lesson.sweep_row("model draft", 2, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
     assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75
     per_pass = expected_tokens_per_pass(0.75, 2)
     assert row["predicted"] == pytest.approx(per_pass / 1.5)
     assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
-    # the run's own counts: 11 tokens and 20 guesses over 10 passes; a pass over 3 tokens costs 1.5 steps
     assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
-    assert row["modelled"] == pytest.approx(1.1 / (2.0 * 0.25 + 1.5))
+    # the timed rounds' 10 tokens over their passes' cost: 4, 0 and 2 guesses at c, passes over 5, 1 and 3 tokens
+    assert row["modelled"] == pytest.approx(10 / ((4 * 0.25 + 2.5) + 1.0 + (2 * 0.25 + 1.5)))
 
 
 def test_pass_cost_interpolates_between_the_measured_widths():
@@ -160,8 +162,8 @@ def test_explain_reads_the_cause_from_the_numbers():
     assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
     assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
     assert "worst fit: prompt lookup at γ = 4, 1.30× measured against 2.60× predicted (-50%)" in explain[1]
-    assert "its own counts and costs (1.70 tokens and 1.90 guesses per pass, not γ = 4; a pass over 2.9 tokens " \
-           "at 1.15× a step) predict 1.30× (+0%)" in explain[1]
+    assert "its own counts and costs (1.70 tokens and 1.90 guesses per pass, not γ = 4; each pass charged its " \
+           "measured cost at its width) predict 1.30× (+0%)" in explain[1]
     assert "prompt lookup at γ = 4: 1.70 tokens per target pass (α = 0.80, 1.90 guesses per pass), so at most " \
            "1.70× even were verification free; measured 1.30×" in explain[2]
     assert "prompt lookup: best γ = 4, 1.30×" in explain[3] and "speculation pays" in explain[3]
