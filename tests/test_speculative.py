@@ -385,26 +385,3 @@ def test_bad_calls_get_clear_errors(target):
     with pytest.raises(ValueError, match="prompt is empty"):
         speculative.generate(target, NgramProposer(), [], GREEDY, num_speculative_tokens=2)
 
-
-# ---- the measurements lesson 11 calls ----------------------------------------------------------
-
-
-def test_the_measurements_run_and_add_up(target):
-    """Tiny shapes, one repeat: the figures are not the point here, their bookkeeping is."""
-    from minillm.speculative_bench import draft_cost, speculation_sweep, verification_cost
-    cost = verification_cost(target, context_len=20, ks=(1, 3), repeats=1, warmup=0)
-    assert cost["ratio"][1] == cost["matmul_ratio"][1] == 1.0 and cost["per_k"][3]["median_s"] > 0
-    c = draft_cost(target, NgramProposer(), context_len=20, repeats=1)["c"]
-    prompts = [p * 2 for p in random_prompts(2, [5, 9], seed=9)]
-    sweep = speculation_sweep(target, target, prompts, GREEDY, gammas=[2, 3], repeats=1, c=0.5,
-                              verify_ratio={3: 1.2, 4: 1.4})
-    for row in sweep["per_gamma"]:   # a draft that is the target: every guess accepted
-        g = row["gamma"]
-        assert row["alpha"] == 1.0 and row["same_tokens_as_baseline"], row
-        assert row["num_accepted_tokens"] == row["num_draft_tokens"] == row["num_draft_passes"]
-        assert row["new_tokens"] == GREEDY.max_tokens * len(prompts) == row["num_accepted_tokens"] + row["num_target_passes"]
-        assert row["predicted_speedup"] == pytest.approx((g + 1) / (g * 0.5 + 1))
-        assert row["predicted_with_verify_cost"] == pytest.approx((g + 1) / (g * 0.5 + {2: 1.2, 3: 1.4}[g]))
-    lookup = speculation_sweep(target, NgramProposer(), prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=1),
-                               gammas=[4], repeats=1, c=c)["per_gamma"][0]
-    assert lookup["same_tokens_as_baseline"] is None and lookup["num_draft_passes"] == 0 and 0 <= lookup["alpha"] <= 1

@@ -1,0 +1,196 @@
+"""Lesson 11 (speculative decoding): its run, its draft, its timing of the decode phase, and its verdict.
+
+The --quick run uses the `tiny` model, so its timings are noise; what it must
+get right regardless is the shape of its results and one verdict. The draft,
+the prompt and the timed runs are checked on a model whose tokens depend on
+their context; the verdict's pieces are fed numbers on both sides of each line.
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import SamplingParams, kv_cache
+from minillm.speculative import NgramProposer, SpecDecodingStats, expected_tokens_per_pass
+from models import context_model, random_prompts
+
+LESSONS = Path(__file__).resolve().parent.parent / "lessons"
+sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+
+from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave  # noqa: E402
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"lesson_{name}", LESSONS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+lesson = load("11_speculative_decoding")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and on shared cores extra threads only stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return context_model()
+
+
+def test_quick_run_on_tiny_writes_one_verdict(tmp_path, one_thread):
+    lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / f"{lesson.NAME}.json").read_text())
+    assert doc["lesson"] == lesson.NAME and doc["quick"] is True
+    assert (tmp_path / f"{lesson.NAME}.png").stat().st_size > 1000
+    assert doc["verdict"]["outcome"] in (HOLDS, NOT_SUPPORTED, INCONCLUSIVE) and len(doc["verdict"]["checks"]) == 4
+    rows = doc["figures"]["sweep"]
+    assert [(r["draft"], r["gamma"]) for r in rows] == [(d, g) for d in ("model draft", "prompt lookup") for g in [4]]
+    for r in rows:
+        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) == 2
+    cost = doc["figures"]["verification"]
+    assert cost["ratio"]["1"] == 1.0 and set(cost["ratio"]) == {"1", "5"} and cost["context"] <= 128 - 5
+
+
+def test_the_shallow_draft_shares_the_targets_weights_and_runs_its_first_blocks(target, one_thread):
+    ids = torch.tensor([random_prompts(1, [20], seed=3)[0]])
+    whole = lesson.shallow_draft(target, target.config.n_layer)
+    torch.testing.assert_close(whole(ids), target(ids), rtol=0, atol=0)
+    one = lesson.shallow_draft(target, 1)
+    assert one.h[0] is target.h[0] and one.wte.weight.data_ptr() == target.wte.weight.data_ptr()
+    assert one.config.n_layer == 1 and len(one.h) == 1 and one.device == target.device
+    with torch.inference_mode():   # the first block, then the target's own ln_f and head
+        x = target.h[0](target.wte(ids) + target.wpe(torch.arange(ids.shape[1])))
+        torch.testing.assert_close(one(ids), torch.nn.functional.linear(target.ln_f(x), target.wte.weight))
+    assert not torch.allclose(one(ids), target(ids), atol=1e-2)   # a context model: the later blocks matter
+
+
+def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):
+    prompt = lesson.quoting_prompt(target, passage=10, quoted=6, seed=4)
+    text, quoted = prompt[:10], prompt[10:16]
+    assert len(prompt) == 26 and prompt[16:] == text
+    assert quoted == kv_cache.generate(target, [text], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                      ignore_eos=True))[0]
+
+
+def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, one_thread):
+    prompt = random_prompts(1, [15], seed=6)[0]
+    want = kv_cache.generate(target, [prompt], GREEDY)[0]
+    base = lesson.timed(target, None, prompt, GREEDY)()
+    assert base.tokens == want and base.decode_tokens == GREEDY.max_tokens - 1
+    assert base.stats is None and base.guesses == []
+    assert base.decode_s > 0
+    same = lesson.timed(target, target, prompt, GREEDY, 3)()   # the target as its own draft: every guess accepted
+    assert same.tokens == want and same.stats.alpha == 1.0
+    assert same.decode_tokens == GREEDY.max_tokens - 4   # the first round, untimed, made γ + 1 = 4 tokens
+    assert same.guesses == [3, 3]   # then two rounds of 4 tokens
+    lookup = lesson.timed(target, NgramProposer(), prompt, GREEDY, 4)()
+    assert lookup.tokens == want and lookup.stats.num_draft_passes == 0
+
+
+def run(seconds: float, tokens: int, stats=None, guesses=()):
+    return lesson.Run([0] * (tokens + 1), seconds, tokens, stats, list(guesses))
+
+
+def test_a_sweep_row_compares_seconds_per_token_and_feeds_the_formula_the_measured_alpha_and_c():
+    stats = SpecDecodingStats(num_draft_tokens=20, num_accepted_tokens=15, num_rejections=5, num_target_passes=10)
+    base = [run(1.0, 10), run(2.0, 10)]                    # 0.1 s and 0.2 s per token
+    spec = [run(0.5, 10, stats, [4, 0, 2]), run(0.5, 5, stats)]   # 0.05 s and 0.1 s per token
+    row = lesson.sweep_row("model draft", 2, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
+    assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75
+    per_pass = expected_tokens_per_pass(0.75, 2)
+    assert row["predicted"] == pytest.approx(per_pass / 1.5)
+    assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
+    assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
+    # the timed rounds' 10 tokens over their passes' cost: 4, 0 and 2 guesses at c, passes over 5, 1 and 3 tokens
+    assert row["modelled"] == pytest.approx(10 / ((4 * 0.25 + 2.5) + 1.0 + (2 * 0.25 + 1.5)))
+
+
+def test_pass_cost_interpolates_between_the_measured_widths():
+    verify = {1: 1.0, 3: 1.5, 5: 2.5}
+    assert [lesson.pass_cost(verify, k) for k in (1, 2, 3, 4.5, 5)] == pytest.approx([1.0, 1.25, 1.5, 2.25, 2.5])
+
+
+def rows(fits_per_round, lookup_speedups):
+    """Sweep rows whose measured ÷ predicted speedups are the given ones (one list per row, a value per round)."""
+    out = [{"draft": "model draft", "gamma": g, "fit": f, "speedups": [1.0] * len(f)}
+           for g, f in enumerate(fits_per_round, 1)]
+    out.append({"draft": "prompt lookup", "gamma": lesson.LOOKUP_GAMMA, "fit": [1.0] * len(lookup_speedups),
+                "speedups": lookup_speedups})
+    return out
+
+
+@pytest.mark.parametrize("premise, fits, lookup, want", [
+    ([1.1, 1.25], [[0.9, 1.1], [1.0, 0.95]], [1.6, 1.8], [HOLDS] * 4),
+    ([1.4, 1.9], [[0.6, 0.7], [1.0, 1.0]], [1.2, 1.3], [NOT_SUPPORTED, NOT_SUPPORTED, HOLDS, NOT_SUPPORTED]),
+    ([1.0, 1.0], [[1.2, 1.3], [1.0, 1.0]], [1.4, 1.6], [HOLDS, HOLDS, NOT_SUPPORTED, INCONCLUSIVE]),
+])
+def test_the_checks_fall_on_either_side_of_their_lines(premise, fits, lookup, want):
+    checks = lesson.make_checks({"rounds": {lesson.PREMISE_K: premise}}, rows(fits, lookup))
+    assert [c.outcome(0.0) for c in checks] == want
+    assert [c.line for c in checks] == [1.3, 0.85, 1.15, 1.5]
+
+
+def cost(ratio, pass_ms, matmul_ms):
+    ks = list(ratio)
+    return {"ratio": dict(ratio), "pass_s": {k: t / 1e3 for k, t in zip(ks, pass_ms)},
+            "matmul_s": {k: t / 1e3 for k, t in zip(ks, matmul_ms)}, "roofline_ratio": {k: 1.0 for k in ks}}
+
+
+def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4)):
+    return [{"draft": "prompt lookup", "gamma": 4, "speedup": speedup, "predicted": predicted, "modelled": speedup,
+             "guesses_per_pass": guesses, "alpha": 0.8, "c": 0.01, "speedups": list(speedups),
+             "tokens_per_pass": 1.7},
+            {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "modelled": 0.9,
+             "guesses_per_pass": 4.0, "tokens_per_pass": 1.2, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95]}]
+
+
+def test_explain_reads_the_cause_from_the_numbers():
+    ratio = {1: 1.0, 2: 1.1, 3: 1.15, 5: 2.0}
+    explain = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 9, 10, 16]), sweep(1.3, 2.6, 1.9), 0.0)
+    assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
+    assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
+    assert "worst fit: prompt lookup at γ = 4, 1.30× measured against 2.60× predicted (-50%)" in explain[1]
+    assert "its own counts and costs (1.70 tokens and 1.90 guesses per pass, not γ = 4; each pass charged its " \
+           "measured cost at its width) predict 1.30× (+0%)" in explain[1]
+    assert "prompt lookup at γ = 4: 1.70 tokens per target pass (α = 0.80, 1.90 guesses per pass), so at most " \
+           "1.70× even were verification free; measured 1.30×" in explain[2]
+    assert "prompt lookup: best γ = 4, 1.30×" in explain[3] and "speculation pays" in explain[3]
+    assert "speculation does not pay" in explain[4]
+    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1)), 0.0)
+    assert "10% of that in the matrix products" in other[0] and "mostly outside them" in other[0]
+    assert "model draft at γ = 4" in other[1] and "not γ" not in other[1] and "may or may not pay" in other[3]
+
+
+def test_the_cost_rounds_add_up(target, one_thread):
+    """Tiny shapes, two rounds: the figures are not the point, their bookkeeping is."""
+    ks = [1, 3]
+    costs = interleave(lesson.cost_fns(target, lesson.shallow_draft(target, 1), ks, context=20), 2, warmup=0)
+    summary = lesson.summarise_costs(costs, ks, roofline={1: 2.0, 3: 3.0})
+    assert summary["ratio"][1] == summary["matmul_ratio"][1] == 1.0 and summary["roofline_ratio"][3] == 1.5
+    assert summary["rounds"][3] == costs.ratio("pass 3", "pass 1") and summary["pass_s"][3] > 0
+    assert set(summary["c"]) == {"model draft", "prompt lookup"} and all(c > 0 for c in summary["c"].values())
+    logits = costs.results("pass 3")[0]
+    assert logits.shape == (3, target.config.vocab_size)   # logits at every new token, as a verification needs
+
+
+@pytest.mark.slow
+def test_a_student_copy_stops_at_this_lessons_exercise_before_measuring(tmp_path):
+    """With only speculative-accept still a stub, the lesson stops at it with one line (its sampled run comes first)."""
+    from test_lessons_in_order import assert_stops_at_a_stub, copy_up_to, run_lesson
+    copy, stubbed = copy_up_to(10, tmp_path / "student")
+    assert "speculative-accept" in [ex.id for ex in stubbed]
+    result = run_lesson(copy, 11, tmp_path / "out")
+    assert_stops_at_a_stub(result, stubbed)
+    assert "one target pass" not in result.stdout   # stopped before the measurements, not after a minute of them
