@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams, kv_cache
-from minillm.block_manager import BlockManager
 from minillm.cuda_graphs import DecodeRunner, batch_buckets, bucket, width_buckets
 from minillm.engine import LLMEngine
 from minillm.kv_cache import KVCache, Segment
