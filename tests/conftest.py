@@ -130,3 +130,13 @@ def context_model():
     """The tiny GPT-2 with a seeded init whose next token depends on the context (tests/models.py)."""
     from models import context_model as build
     return build()
+
+
+@pytest.fixture
+def one_thread():
+    """Run on one torch thread: tiny models gain nothing from more, and on shared cores extra threads only stall."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

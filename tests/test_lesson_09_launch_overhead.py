@@ -1,9 +1,6 @@
 """Lesson 09 (launch overhead): it runs quick on the tiny model, its twin dispatches the same ops as the model
 it stands for, and the pieces of its verdict are fed numbers on both sides of their lines."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,27 +9,12 @@ from minillm import PRESETS
 from minillm.metrics import count_ops, decode_step
 from minillm.weights import random_model
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"lesson_{name}", LESSONS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
+lesson = load_lesson("09_launch_overhead")
 
-lesson = load("09_launch_overhead")
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_thread):

@@ -3,10 +3,7 @@ its reading of the numbers follow the figures on both sides of each line.
 
 Times are not asserted (they are the lesson's business); the counts that explain them are.
 """
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,17 +11,13 @@ import torch
 from minillm import PRESETS
 from minillm.weights import random_model
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
 from workloads import (multi_turn_workload, no_sharing_workload, serve,  # noqa: E402
                        shared_prefix_workload)
 
-spec = importlib.util.spec_from_file_location("lesson_10_prompt_caching", LESSONS / "10_prompt_caching.py")
-lesson = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = lesson
-spec.loader.exec_module(lesson)
+lesson = load_lesson("10_prompt_caching")
 
 CFG = PRESETS["tiny"]
 QUIET = MachineLoad(2, 1.0, 0.0, 0.0, 0.0)

@@ -1,6 +1,5 @@
 """Lessons 01–04: each runs with --quick on the CPU, writes its documented JSON and one verdict; the pieces
 each verdict stands on are tested with numbers on both sides of their lines."""
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,19 +11,12 @@ from minillm import PRESETS
 from minillm.metrics import decode_cost, prefill_cost, resident_bytes, step_cost
 from models import random_prompts
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+from lessons_support import LESSONS, load_lesson  # also puts lessons/ on sys.path
 
 
-def load(stem: str):
-    spec = importlib.util.spec_from_file_location(f"lesson_{stem}", LESSONS / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
-
-L01, L02, L03, L04 = (load(s) for s in ("01_phase_split", "02_kv_cache", "03_kv_memory", "04_memory_bound_decode"))
+L01, L02, L03, L04 = (load_lesson(s) for s in ("01_phase_split", "02_kv_cache", "03_kv_memory",
+                                                "04_memory_bound_decode"))
 FIGURES = {
     "01_phase_split": {"ttft_s", "itl_s", "prefill", "decode", "ridge_per_round", "lm_head_share"},
     "02_kv_cache": {"naive_latency_s", "cached_latency_s", "speedup_per_round", "step_growth_per_round",

@@ -5,10 +5,7 @@ must get right regardless is the memory accounting (a property of token counts,
 not of speed), the shape of their results and their one verdict. The pieces each
 verdict stands on are fed numbers on both sides of their lines.
 """
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,31 +16,15 @@ from minillm.scheduler import SchedulerConfig
 from minillm.sequence import RequestMetrics
 from minillm.weights import random_model
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 import workloads  # noqa: E402
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"lesson_{name}", LESSONS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
-
-frag, paging, stutter, sweep = (load(n) for n in ("05_fragmentation", "06_paging_cost", "07_stutter",
+frag, paging, stutter, sweep = (load_lesson(n) for n in ("05_fragmentation", "06_paging_cost", "07_stutter",
                                                   "08_budget_sweep"))
 
-
-@pytest.fixture
-def one_thread():
-    """Tiny models gain nothing from threads, and on shared cores extra threads only stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_quick(module, tmp_path) -> dict:

@@ -1,12 +1,10 @@
 """The lessons' measuring layer (lessons/measure.py): checks judged on both sides of every line, the spread
 and the machine's load, timing in turns, and the stop at an exercise still to be written (lessons/common.py)."""
 import sys
-from pathlib import Path
 
 import pytest
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 import common  # noqa: E402
 import measure  # noqa: E402
@@ -200,17 +198,13 @@ def test_any_other_not_implemented_error_keeps_its_traceback():
 def test_under_two_busy_processes_a_timed_verdict_says_inconclusive_instead_of_flipping(tmp_path):
     """Two processes that spin on every core a 2-core machine has: the lessons must see the load and not
     give a confident verdict its spread cannot carry."""
-    import importlib.util
     import subprocess
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         verdicts = {}
         for stem in ("02_kv_cache", "06_paging_cost"):
-            spec = importlib.util.spec_from_file_location(f"loaded_{stem}", LESSONS / f"{stem}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-            verdicts[stem] = module.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])["verdict"]
+            argv = ["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)]
+            verdicts[stem] = load_lesson(stem).main(argv)["verdict"]
     finally:
         for p in busy:
             p.kill()
