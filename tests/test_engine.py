@@ -127,12 +127,9 @@ def fuzz_trace(seed: int):
                 num_blocks=num_blocks, arrivals=arrivals, aborts=aborts)
 
 
-def run_fuzz(model, seed, decode_mode="eager"):
-    t = fuzz_trace(seed)
-    engine = LLMEngine(model, SchedulerConfig(t["budget"], t["max_seqs"], t["chunked"]), block_size=t["bs"],
-                       num_blocks=t["num_blocks"])
-    if decode_mode != "eager":  # tests/test_cuda_graphs.py: the same traces with padded decode steps
-        engine.decoder = DecodeRunner(model, engine.cache, t["max_seqs"], decode_mode)
+def drive(engine: LLMEngine, t: dict, label: str) -> tuple[dict, dict]:
+    """Replay trace `t` step by step (arrivals and aborts at their step), checking the engine's invariants after
+    every step and that no block leaked at the end; returns request ids by index and the finished outputs by id."""
     ids, finals, step = {}, {}, 0
     while len(ids) < len(t["prompts"]) or engine.has_unfinished_requests():
         for i, at in enumerate(t["arrivals"]):
@@ -146,8 +143,18 @@ def run_fuzz(model, seed, decode_mode="eager"):
                 finals[out.request_id] = out
         engine.check_invariants()
         step += 1
-        assert step < 2000, f"trace {seed} did not finish: {t}"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, f"trace {seed} leaked blocks"
+        assert step < 2000, f"{label} did not finish: {t}"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, f"{label} leaked blocks: {t}"
+    return ids, finals
+
+
+def run_fuzz(model, seed, decode_mode="eager"):
+    t = fuzz_trace(seed)
+    engine = LLMEngine(model, SchedulerConfig(t["budget"], t["max_seqs"], t["chunked"]), block_size=t["bs"],
+                       num_blocks=t["num_blocks"])
+    if decode_mode != "eager":  # tests/test_cuda_graphs.py: the same traces with padded decode steps
+        engine.decoder = DecodeRunner(model, engine.cache, t["max_seqs"], decode_mode)
+    ids, finals = drive(engine, t, f"trace {seed}")
     for i, rid in ids.items():
         out = finals[rid]
         want = kv_cache.generate(model, [t["prompts"][i]], t["params"][i])[0]

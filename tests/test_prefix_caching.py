@@ -18,6 +18,7 @@ from minillm.engine import LLMEngine
 from minillm.prefix_caching import ROOT, PrefixCachingBlockManager, hash_block
 from minillm.scheduler import SchedulerConfig
 from models import context_model, random_prompts
+from test_engine import drive
 
 CFG = PRESETS["tiny"]
 
@@ -365,21 +366,7 @@ def run_trace(model, t: dict, caching: bool, monkeypatch) -> tuple[dict, dict, L
     engine = LLMEngine(model, t["config"], block_size=t["bs"], num_blocks=t["num_blocks"],
                        enable_prefix_caching=caching)
     evictions = count_evictions(engine) if caching else [0]
-    ids, finals, step = {}, {}, 0
-    while len(ids) < len(t["prompts"]) or engine.has_unfinished_requests():
-        for i, at in enumerate(t["arrivals"]):
-            if at == step:
-                ids[i] = engine.add_request(t["prompts"][i], t["params"][i])
-        for i, at in t["aborts"].items():
-            if at == step and i in ids:
-                engine.abort_request(ids[i])
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.check_invariants()
-        step += 1
-        assert step < 2000, f"the trace did not finish: {t}"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, f"blocks leaked: {t}"
+    ids, finals = drive(engine, t, "the trace")
     monkeypatch.setattr(engine_module, "sample", real_sample)
     return {i: finals[r] for i, r in ids.items()}, seen, engine, evictions
 
