@@ -22,8 +22,9 @@ What this lesson measures
    timed, γ = 1, 2, 4, 8, for a draft of the target's first quarter of blocks and
    for prompt lookup (vLLM's n-gram draft), on a passage, the target's greedy
    continuation and the passage again: α, tokens per pass against
-   (1 − α^(γ+1)) / (1 − α), the speedup and S. Random weights say nothing of a
-   real checkpoint's α. First, a sampled run: α under Leviathan's rule (the exercise).
+   (1 − α^(γ+1)) / (1 − α), the speedup, S, and S fed the run's own guesses
+   and pass costs (random weights say nothing of a real checkpoint's α).
+   First, a sampled run: α under Leviathan's rule (the exercise).
 --quick: γ = 4 only, a 42-token prompt, 10 new tokens, two rounds; the same lines.
 
 Predict before you run: what share of a decode step is not reading weights on
@@ -157,7 +158,7 @@ def make_checks(cost: dict, rows: list[dict]) -> list[Check]:
 
 
 def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
-    """How far verification is free and why not further; the worst fit against what S assumed; each draft's best γ."""
+    """How far verification is free and why not further; the worst fit and its counts' and costs' S; each best γ."""
     v, pass_s, matmul_s = cost["ratio"], cost["seconds"]["pass"], cost["seconds"]["matmuls"]
     free = max(k for k in v if all(v[j] < FREE_LINE for j in v if j <= k))
     extra, extra_mm = pass_s[PREMISE_K] - pass_s[1], matmul_s[PREMISE_K] - matmul_s[1]
@@ -231,9 +232,8 @@ def main(argv=None) -> dict:
     base = rounds.results("target alone")
     per_token = ms(statistics.median(b.decode_s / b.decode_tokens for b in base))
     rows = [sweep_row(n, g, base, rounds.results(f"{n} γ={g}"), c[n], v) for n in drafts for g in s["gammas"]]
-    print_table(["draft", "γ", "c", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S",
-                 "counts, costs"],
-                [[r["draft"], r["gamma"], f"{r['c']:.3f}", f"{r['alpha']:.2f}", f"{r['tokens_per_pass']:.2f}",
+    print_table(["draft", "γ", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S", "counts, costs"],
+                [[r["draft"], r["gamma"], f"{r['alpha']:.2f}", f"{r['tokens_per_pass']:.2f}",
                   f"{r['formula_tokens_per_pass']:.2f}", f"{r['guesses_per_pass']:.2f}", f"{r['speedup']:.2f}×",
                   f"{r['low']:.2f}–{r['high']:.2f}", f"{r['predicted']:.2f}×", f"{r['modelled']:.2f}×"] for r in rows],
                 f"greedy, a {len(prompt)}-token prompt that repeats itself, {s['max_tokens']} new tokens, "

@@ -190,4 +190,4 @@ def test_a_student_copy_stops_at_this_lessons_exercise_before_measuring(tmp_path
     assert "speculative-accept" in [ex.id for ex in stubbed]
     result = run_lesson(copy, 11, tmp_path / "out")
     assert_stops_at_a_stub(result, stubbed)
-    assert "one target pass" not in result.stdout   # stopped before the measurements, not after a minute of them
+    assert "greedy, a" not in result.stdout   # stopped before the sweep's table, not after a minute of measuring
