@@ -89,37 +89,34 @@ def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, on
     want = kv_cache.generate(target, [prompt], GREEDY)[0]
     base = lesson.timed(target, None, prompt, GREEDY)()
     assert base.tokens == want and base.decode_tokens == GREEDY.max_tokens - 1
-    assert base.stats is None and base.guesses == []
-    assert base.decode_s > 0
+    assert base.stats is None and base.decode_s > 0
     same = lesson.timed(target, target, prompt, GREEDY, 3)()   # the target as its own draft: every guess accepted
     assert same.tokens == want and same.stats.alpha == 1.0
     assert same.decode_tokens == GREEDY.max_tokens - 4   # the first round, untimed, made γ + 1 = 4 tokens
-    assert same.guesses == [3, 3]   # then two rounds of 4 tokens
+    assert same.stats.num_target_passes == 3   # then two rounds of 4 tokens
     lookup = lesson.timed(target, NgramProposer(), prompt, GREEDY, 4)()
     assert lookup.tokens == want and lookup.stats.num_draft_passes == 0
 
 
-def run(seconds: float, tokens: int, stats=None, guesses=()):
-    return lesson.Run([0] * (tokens + 1), seconds, tokens, stats, list(guesses))
+def run(seconds: float, tokens: int, stats=None):
+    return lesson.Run([0] * (tokens + 1), seconds, tokens, stats)
 
 
 def test_a_sweep_row_compares_seconds_per_token_and_feeds_the_formula_the_measured_alpha_and_c():
     stats = SpecDecodingStats(num_draft_tokens=20, num_accepted_tokens=15, num_rejections=5, num_target_passes=10)
     base = [run(1.0, 10), run(2.0, 10)]                    # 0.1 s and 0.2 s per token
-    spec = [run(0.5, 10, stats, [4, 0, 2]), run(0.5, 5, stats)]   # 0.05 s and 0.1 s per token
-    row = lesson.sweep_row("model draft", 2, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
+    spec = [run(0.5, 10, stats), run(0.5, 5, stats)]       # 0.05 s and 0.1 s per token
+    row = lesson.sweep_row("model draft", 3, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
     assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75
-    per_pass = expected_tokens_per_pass(0.75, 2)
-    assert row["predicted"] == pytest.approx(per_pass / 1.5)
+    per_pass = expected_tokens_per_pass(0.75, 3)
+    assert row["formula_tokens_per_pass"] == pytest.approx(per_pass)
+    assert row["predicted"] == pytest.approx(per_pass / 1.75)   # γc + 1 = 1.75
     assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
     assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
-    # the timed rounds' 10 tokens over their passes' cost: 4, 0 and 2 guesses at c, passes over 5, 1 and 3 tokens
-    assert row["modelled"] == pytest.approx(10 / ((4 * 0.25 + 2.5) + 1.0 + (2 * 0.25 + 1.5)))
-
-
-def test_pass_cost_interpolates_between_the_measured_widths():
-    verify = {1: 1.0, 3: 1.5, 5: 2.5}
-    assert [lesson.pass_cost(verify, k) for k in (1, 2, 3, 4.5, 5)] == pytest.approx([1.0, 1.25, 1.5, 2.25, 2.5])
+    # its own counts and costs: 1.1 tokens per pass ÷ (2 guesses, not γ = 3, at c + a pass over 3 tokens: 1.5×)
+    assert row["modelled"] == pytest.approx(1.1 / (2 * 0.25 + 1.5))
+    other = lesson.sweep_row("model draft", 3, base, spec, c=0.25, verify={1: 1.0, 5: 2.0})   # 3 interpolated: 1.5
+    assert other["modelled"] == pytest.approx(row["modelled"])
 
 
 def rows(fits_per_round, lookup_speedups):
@@ -144,15 +141,15 @@ def test_the_checks_fall_on_either_side_of_their_lines(premise, fits, lookup, wa
 
 def cost(ratio, pass_ms, matmul_ms):
     ks = list(ratio)
-    return {"ratio": dict(ratio), "pass_s": {k: t / 1e3 for k, t in zip(ks, pass_ms)},
-            "matmul_s": {k: t / 1e3 for k, t in zip(ks, matmul_ms)}, "roofline_ratio": {k: 1.0 for k in ks}}
+    return {"ratio": dict(ratio), "seconds": {"pass": {k: t / 1e3 for k, t in zip(ks, pass_ms)},
+                                              "matmuls": {k: t / 1e3 for k, t in zip(ks, matmul_ms)}}}
 
 
 def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4)):
     return [{"draft": "prompt lookup", "gamma": 4, "speedup": speedup, "predicted": predicted, "modelled": speedup,
              "guesses_per_pass": guesses, "alpha": 0.8, "c": 0.01, "speedups": list(speedups),
              "tokens_per_pass": 1.7},
-            {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "modelled": 0.9,
+            {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "modelled": 0.8,
              "guesses_per_pass": 4.0, "tokens_per_pass": 1.2, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95]}]
 
 
@@ -161,25 +158,25 @@ def test_explain_reads_the_cause_from_the_numbers():
     explain = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 9, 10, 16]), sweep(1.3, 2.6, 1.9), 0.0)
     assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
     assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
-    assert "worst fit: prompt lookup at γ = 4, 1.30× measured against 2.60× predicted (-50%)" in explain[1]
-    assert "its own counts and costs (1.70 tokens and 1.90 guesses per pass, not γ = 4; each pass charged its " \
-           "measured cost at its width) predict 1.30× (+0%)" in explain[1]
-    assert "prompt lookup at γ = 4: 1.70 tokens per target pass (α = 0.80, 1.90 guesses per pass), so at most " \
-           "1.70× even were verification free; measured 1.30×" in explain[2]
-    assert "prompt lookup: best γ = 4, 1.30×" in explain[3] and "speculation pays" in explain[3]
-    assert "speculation does not pay" in explain[4]
+    assert "worst fit: prompt lookup at γ = 4, 1.30× against S = 2.60× (-50%)" in explain[1]
+    assert "own counts and costs (1.90 guesses per pass, each pass at its measured cost, not 1) predict 1.30× " \
+           "(+0%)" in explain[1]
+    assert "prompt lookup: best γ = 4, 1.30× (α = 0.80, c = 0.010; 1.70 tokens per pass" in explain[2]
+    assert "speculation pays" in explain[2] and "speculation does not pay" in explain[3] and len(explain) == 4
     other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1)), 0.0)
     assert "10% of that in the matrix products" in other[0] and "mostly outside them" in other[0]
-    assert "model draft at γ = 4" in other[1] and "not γ" not in other[1] and "may or may not pay" in other[3]
+    assert "model draft at γ = 4" in other[1] and "predict 0.80× (+12%)" in other[1]
+    assert "may or may not pay" in other[2]
 
 
 def test_the_cost_rounds_add_up(target, one_thread):
     """Tiny shapes, two rounds: the figures are not the point, their bookkeeping is."""
     ks = [1, 3]
     costs = interleave(lesson.cost_fns(target, lesson.shallow_draft(target, 1), ks, context=20), 2, warmup=0)
-    summary = lesson.summarise_costs(costs, ks, roofline={1: 2.0, 3: 3.0})
-    assert summary["ratio"][1] == summary["matmul_ratio"][1] == 1.0 and summary["roofline_ratio"][3] == 1.5
-    assert summary["rounds"][3] == costs.ratio("pass 3", "pass 1") and summary["pass_s"][3] > 0
+    summary = lesson.summarise_costs(costs, ks)
+    assert summary["ratio"][1] == summary["matmul_ratio"][1] == 1.0
+    assert summary["rounds"][3] == costs.ratio("pass 3", "pass 1") and summary["seconds"]["pass"][3] > 0
+    assert summary["seconds"]["matmuls"][3] == costs.median("matmuls 3")
     assert set(summary["c"]) == {"model draft", "prompt lookup"} and all(c > 0 for c in summary["c"].values())
     logits = costs.results("pass 3")[0]
     assert logits.shape == (3, target.config.vocab_size)   # logits at every new token, as a verification needs
@@ -193,4 +190,4 @@ def test_a_student_copy_stops_at_this_lessons_exercise_before_measuring(tmp_path
     assert "speculative-accept" in [ex.id for ex in stubbed]
     result = run_lesson(copy, 11, tmp_path / "out")
     assert_stops_at_a_stub(result, stubbed)
-    assert "one target pass" not in result.stdout   # stopped before the measurements, not after a minute of them
+    assert "greedy, a" not in result.stdout   # stopped before the sweep's table, not after a minute of measuring
