@@ -5,10 +5,7 @@ get right regardless is the shape of its results and one verdict. The draft,
 the prompt and the timed runs are checked on a model whose tokens depend on
 their context; the verdict's pieces are fed numbers on both sides of each line.
 """
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,31 +14,13 @@ from minillm import SamplingParams, kv_cache
 from minillm.speculative import NgramProposer, SpecDecodingStats, expected_tokens_per_pass
 from models import context_model, random_prompts
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-sys.path.insert(0, str(LESSONS))  # lessons import their shared modules by name
+from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave  # noqa: E402
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(f"lesson_{name}", LESSONS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-lesson = load("11_speculative_decoding")
+lesson = load_lesson("11_speculative_decoding")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models gain nothing from threads, and on shared cores extra threads only stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
