@@ -13,17 +13,17 @@ and three rules for a student copy:
     its own (NotImplementedError("exercise <id> (lesson ...")) is SKIPPED
     "needs exercise <id>, still a stub", and runs for real once it is written;
   * an exercise test that runs past EXERCISE_TEST_TIMEOUT_S (an endless loop)
-    is stopped with a TimeoutError that says so, where the OS has SIGALRM.
+    is stopped with an alarm that says so, where the OS has SIGALRM (minillm/alarm.py).
 Grading does not go through pytest: `exercises grade` runs the same checks in
 processes of its own (see minillm/exercises.py).
 """
 from __future__ import annotations
 
 import re
-import signal
-import threading
 
 import pytest
+
+from minillm.alarm import time_limit
 
 STUB_MESSAGE = re.compile(r"exercise (?P<id>[a-z0-9][a-z0-9-]*) \(lesson ")
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends
@@ -97,21 +97,12 @@ def stub_reached(exc: BaseException | None) -> str | None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """Stop an exercise test that runs away (a student's endless loop) with a message, where signals allow."""
-    if not exercises_of(item) or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+    if not exercises_of(item):
         yield
         return
-
-    def stop(signum, frame):
-        raise TimeoutError(f"this test ran for over {EXERCISE_TEST_TIMEOUT_S} s, when it needs well under one: "
-                           "is there a loop in your code that never ends?")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, EXERCISE_TEST_TIMEOUT_S)
-    try:
+    with time_limit(EXERCISE_TEST_TIMEOUT_S, f"this test ran for over {EXERCISE_TEST_TIMEOUT_S} s, when it needs "
+                    "well under one: is there a loop in your code that never ends?"):
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.hookimpl(hookwrapper=True)
