@@ -151,9 +151,12 @@ def in_process(fn: Callable[[], object]) -> dict:
         rc = 0 if rc is None or isinstance(rc, dict) else int(rc)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
-    except Exception:  # an Alarm is not an Exception: it goes on up to the runner, with the output so far
+    except Exception:
         rc = 1
         out.write(traceback.format_exc())
+    except Alarm as e:  # not an Exception: it goes on up to the runner, with the output so far
+        e.output_tail = out.getvalue()[-2000:]
+        raise
     return {"ok": rc == 0, "rc": rc, "output_tail": out.getvalue()[-2000:]}
 
 
@@ -210,7 +213,7 @@ def plan(device: str, models: list[str], lessons: list[Path], results: Path, scr
         args = parser.parse_args(["--model", m, "--device", device, "--dtype", dname, "--batch", "1",
                                   "--json", str(results / f"bench_{m}_{dname}.json"), *small_only])
         return in_process(lambda: bench.run(args))
-    stages += [Stage(f"bench {m}", (10, 20)[i], lambda m=m: run_bench(m)) for m, i in sizes]
+    stages += [Stage(f"bench {m} {dname}", (10, 20)[i], lambda m=m: run_bench(m)) for m, i in sizes]
 
     def lessons_on(m, estimate, required):
         argv = ["--device", device, "--model", m, "--quick"]
@@ -244,7 +247,7 @@ def run_stages(stages: list[Stage], budget_s: float, on_cuda: bool, report: dict
                     result = stage.run()
                 entry.update(result, status="ok" if result.get("ok", True) else "failed")
             except Alarm as e:
-                entry.update(status="stopped", why=str(e))
+                entry.update(status="stopped", why=str(e), output_tail=getattr(e, "output_tail", ""))
             except Exception as e:  # record it and go on: one broken path must not hide the others
                 entry.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
             entry["seconds"] = round(time.monotonic() - t0, 2)
@@ -261,8 +264,27 @@ def passed(report: dict) -> bool:
                for s in report["stages"].values())
 
 
+def models_of(args) -> list[str]:
+    names = [m.strip() for m in (args.models or ("tiny" if args.dry_run else "gpt2-xl,gpt2")).split(",")]
+    return list(dict.fromkeys(m for m in names if m))
+
+
+def print_plan(stages: list[Stage], budget_s: float) -> int:
+    """Each stage with its estimate and where the budget ends, as a run that keeps to its estimates would go."""
+    total = 0.0
+    for stage in stages:
+        fits = total + stage.estimate_s <= budget_s
+        total += stage.estimate_s if fits else 0
+        print(f"{stage.name}: ~{stage.estimate_s:.0f} s" + ("" if fits else "  (past the budget: skipped)")
+              + (" (CUDA only)" if stage.cuda_only else ""))
+    print(f"about {total:.0f} s of {budget_s:.0f} s planned; estimates for an H200, not yet measured")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", action="store_true", help="list the stages, their estimates and what the budget "
+                        "fits, and run nothing")
     parser.add_argument("--dry-run", action="store_true",
                         help="the whole flow on the CPU with the tiny model; CUDA-only stages are skipped")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds of stages to start (default {BUDGET_S})")
@@ -273,6 +295,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
     on_cuda = torch.cuda.is_available() and not args.dry_run
+    if args.plan:
+        return print_plan(plan("cuda" if not args.dry_run else "cpu", models_of(args), discover(), Path("."), Path(".")),
+                          args.budget)
     if not on_cuda and not args.dry_run:
         print(f"gpu_check: no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
               "This check needs an NVIDIA GPU; `python gpu_check.py --dry-run` runs its flow on the CPU.",
@@ -280,7 +305,7 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the pytest stages too: a dry run is the CPU's, wherever it runs
-    models = [m.strip() for m in (args.models or ("tiny" if args.dry_run else "gpt2-xl,gpt2")).split(",") if m.strip()]
+    models = models_of(args)
     out = Path(args.out or ROOT / "lessons" / "results" / ("dry-run" if args.dry_run else "reference"))
     name = safe_name(torch.cuda.get_device_name(0)) if on_cuda else "cpu"
     results = out / name
