@@ -100,7 +100,7 @@ def test_the_allocator_counts_a_tensor_and_a_kv_cache_at_their_bytes():
 def test_half_precision_logits_agree_with_fp32_and_cached_decode_with_naive(gpt2_fp32, dtype):
     """Half-precision logits within 5e-2 of fp32 (scaled by the logits' size), finite, and the cached decode
     gives naive decode's greedy tokens in that dtype wherever their margins allow."""
-    ids = torch.randint(0, 50257, (1, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = torch.randint(0, gpt2_fp32.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)).cuda()
     model = context_model(PRESETS["gpt2"], std=ENGINE_STD).to("cuda", dtype)
     with torch.inference_mode():
         want = gpt2_fp32(ids)[0, -1].float()
