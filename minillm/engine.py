@@ -10,7 +10,7 @@ One step, data flowing one way:
     scheduler.schedule()      → a plan: which sequences feed how many tokens, decodes
                                 first (and which were preempted to make room); the
                                 block manager has given every planned token a slot
-    cache.prepare(segments)   → the step's AttentionMetadata: positions, slot mapping,
+    cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping,
                                 block tables, context lengths, built once (decodes
                                 only: written into buffers allocated once, below)
     model(ids, positions)     → one forward pass over the flattened ragged batch,
@@ -92,11 +92,12 @@ from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
 from .config import check_int, check_real
 from .cuda_graphs import DecodeRunner
-from .kv_cache import Segment, to_device
+from .kv_cache import Segment
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
-from .sampling import FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample
+from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample,
+                       to_device)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
 

@@ -201,11 +201,23 @@ def _on_rows(x: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
     return x
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list as a tensor on `device`, without making the host wait.
+
+    `torch.tensor(values, device="cuda")` copies from pageable memory, and such
+    a copy waits for the GPU to finish everything queued before it: one hidden
+    sync per tensor. Copied from pinned (page-locked) memory with
+    non_blocking=True, it is queued behind that work instead, and the host goes on.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Per-row values as an (N, 1) tensor on `device`; on CUDA through pinned memory with non_blocking=True,
-    so the host does not wait for the GPU (see kv_cache.to_device)."""
-    host = torch.tensor(values, dtype=dtype)[:, None]
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    """Per-row values as an (N, 1) tensor on `device`, uploaded by `to_device`."""
+    return to_device(values, device, dtype)[:, None]
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,
