@@ -41,7 +41,8 @@ from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
 from measure import MachineLoad, Verdict, read_load  # noqa: E402
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
-from minillm.metrics import Ceilings, environment, measure_ceilings, si  # noqa: E402
+from minillm.roofline import Ceilings, measure_ceilings  # noqa: E402
+from minillm.timing import environment, si  # noqa: E402
 from minillm.weights import load_model, locate, random_model, resolve_device, resolve_dtype  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"

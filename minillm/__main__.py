@@ -22,7 +22,7 @@ import sys
 import time
 
 from .kv_cache import generate as cached_generate
-from .metrics import synchronize
+from .timing import synchronize
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 from .weights import load_model, resolve_device, resolve_dtype

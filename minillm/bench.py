@@ -3,7 +3,7 @@
     python -m minillm bench --model gpt2 --device cpu --dtype fp32 [--prompt-len 512 --batch 1 --context-len 512]
 
 It measures the device's ceilings first (matmul FLOP/s in the working dtype,
-copy bandwidth; see `metrics.py`), then times one prefill of `--prompt-len`
+copy bandwidth; see `roofline.py`), then times one prefill of `--prompt-len`
 tokens per sequence and one decode step after `--context-len` cached tokens,
 both through the contiguous KV cache, and prints for each phase:
 
@@ -38,8 +38,10 @@ from pathlib import Path
 import torch
 
 from .config import dtype_bytes
-from .metrics import (achieved, decode_cost, environment, measure_ceilings, prefill_cost, si, time_decode,
-                      time_fn, time_prefill)
+from .cost import decode_cost, prefill_cost
+from .roofline import achieved, measure_ceilings
+from .steps import time_decode, time_prefill
+from .timing import environment, si, time_fn
 from .weights import load_model, resolve_device, resolve_dtype
 
 # minillm's speed goals (benchmarks, not tests), for batch 1 and 512-token prompts.

@@ -9,11 +9,11 @@ kernel launch, a few µs each. The device waits for the host:
     step time ≈ max(device time, ops per step · host time per op)
 
 `gpt2` in bf16 reads 0.25 GB of weights per step, 0.05 ms at an H200's
-4.8 TB/s, but one engine step dispatches about 400 ops (`metrics.count_ops`):
+4.8 TB/s, but one engine step dispatches about 400 ops (`steps.count_ops`):
 1–2 ms of host time at 2–5 µs each.
 Such a step is bound by launch overhead, not by memory; the larger the model,
 the more work each launch carries, until memory binds again (lesson 09
-finds the crossover). `metrics.count_ops` counts a step's ops.
+finds the crossover). `steps.count_ops` counts a step's ops.
 
 The fix: CUDA graphs
 --------------------

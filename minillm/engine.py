@@ -42,17 +42,9 @@ share of all admitted prompt tokens that were.
 
 Sizing the pool: give `num_blocks` directly; or a byte budget
 `kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
-the GPU's memory the engine may fill. As vLLM does, the engine then profiles:
-it runs its largest prefill and decode steps on a throwaway pool and reads the
-allocator's peak, captures its largest graph and reads what that holds, and
-gives the pool what is left of its share:
-
-    pool = total · utilization − memory outside torch (CUDA context, other processes)
-           − live tensors (the weights) − activation peak − graph memory
-
-Memory the caching allocator keeps after an earlier engine let go of it is not
-subtracted: the new pool reuses it. `close()` frees the pool and the graphs
-and empties the cache for other processes. On the CPU the default budget is 1 GiB.
+the GPU's memory the engine may fill, from which it profiles its own largest
+steps first, as vLLM does (`kv_pool.py`). `close()` frees the pool and the
+graphs and empties the cache for other processes.
 
 What it costs: per step, one forward pass over Σ tokens planned, plus Python
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
@@ -79,20 +71,16 @@ Python heap stays flat.
 """
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Callable
 
 import torch
 
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
-from .config import check_int, check_real
 from .cuda_graphs import DecodeRunner
 from .kv_cache import Segment
+from .kv_pool import size_pool
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
@@ -100,37 +88,6 @@ from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finis
                        to_device)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, Sequence, SequenceStatus
-
-CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> None:
-    """Each sizing knob's type and range, whatever the device: a knob that does nothing here is still checked."""
-    check_int("block_size", block_size, 1)
-    if num_blocks is not None:
-        check_int("num_blocks", num_blocks, 1, hint=": the pool needs at least one block")
-    if kv_cache_memory_bytes is not None:
-        check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
-    if not 0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]: it is the share of "
-                         "the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
-
-
-def available_memory(device: torch.device) -> float:
-    """Bytes a new pool could take: CUDA's free memory; on the CPU, what Linux calls MemAvailable, else the
-    total RAM (inf where the OS tells neither)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return math.inf
-
 
 @dataclass
 class RequestOutput:
@@ -166,13 +123,10 @@ class LLMEngine:
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
-        self.memory: dict[str, int] = {}  # how the pool was sized: budget, activation peak, graph bytes
-        if num_blocks is None:
-            num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization,
-                                                     use_graphs)
-        self._check_pool_fits(num_blocks, block_size)
+        # how the pool was sized: budget, activation peak, graph bytes
+        num_blocks, self.memory = size_pool(model, self.scheduler_config, block_size, num_blocks,
+                                            kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
         blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
         self.block_manager = blocks(num_blocks, block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
@@ -185,60 +139,6 @@ class LLMEngine:
         self.record_timeline = record_timeline
         self._aborted: list[Sequence] = []
         self._next_id = 0
-
-    # ---- memory ---------------------------------------------------------------
-
-    def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float,
-                               use_graphs: bool) -> int:
-        block_bytes = block_size * self.config.kv_bytes_per_token(self.model.dtype)
-        self.memory["block_bytes"] = block_bytes
-        if budget is None and self.model.device.type == "cuda":
-            activation_peak, graph_bytes = self._profile(block_size, use_graphs)
-            budget = gpu_kv_budget(self.model.device, utilization, activation_peak, graph_bytes)
-            self.memory.update(activation_peak=activation_peak, graph_bytes=graph_bytes)
-        elif budget is None:
-            budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes - 1  # the pool holds one block more: the pad block (paged_attention.py)
-        self.memory.update(kv_budget=budget)
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget of {budget / 2**20:.1f} MiB holds no block of {block_bytes / 2**20:.2f} "
-                             f"MiB ({block_size} tokens) besides the pad block; raise kv_cache_memory_bytes or "
-                             "gpu_memory_utilization, or use a smaller model")
-        return num_blocks
-
-    def _check_pool_fits(self, num_blocks: int, block_size: int) -> None:
-        """Refuse a pool larger than the memory there is, before allocating it: on the CPU an oversized
-        allocation is not an error but a process the kernel kills later, without a word."""
-        device = self.model.device
-        pool = (num_blocks + 1) * block_size * self.config.kv_bytes_per_token(self.model.dtype)  # + the pad block
-        have = available_memory(device)
-        if pool > have:
-            raise ValueError(f"num_blocks={num_blocks} blocks of {block_size} tokens need {pool / 2**30:,.1f} GiB of "
-                             f"KV cache, but {device} has {have / 2**30:,.1f} GiB available; lower num_blocks, or "
-                             "leave it out and size the pool with kv_cache_memory_bytes")
-
-    @torch.inference_mode()
-    def _profile(self, block_size: int, use_graphs: bool) -> tuple[int, int]:
-        """vLLM's profile run, on a throwaway pool: the allocator's peak over this engine's largest prefill
-        (max_num_batched_tokens, sampled) and largest decode step (max_num_seqs rows over whole-context tables),
-        and the memory that the largest CUDA graph holds (0 without graphs)."""
-        device, sc = self.model.device, self.scheduler_config
-        prefill, decoder = profile_steps(self.model, sc.max_num_batched_tokens, sc.max_num_seqs, block_size)
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)  # the throwaway pool is not an activation: measure above it
-        torch.cuda.reset_peak_memory_stats(device)
-        prefill()
-        decoder.run_largest()
-        torch.cuda.synchronize(device)
-        activation_peak = torch.cuda.max_memory_allocated(device) - base
-        graph_bytes = 0
-        if use_graphs:
-            before = torch.cuda.memory_reserved(device)
-            decoder.capture([(decoder.batch_sizes[-1], decoder.widths[-1])])
-            graph_bytes = torch.cuda.memory_reserved(device) - before + decoder.logits.nbytes
-        del prefill, decoder
-        torch.cuda.empty_cache()
-        return activation_peak, graph_bytes
 
     def close(self) -> None:
         """Free the KV pool and the CUDA graphs now and, on CUDA, hand the allocator's cached memory back
@@ -433,52 +333,3 @@ class LLMEngine:
         return [finals[i] for i in ids]
 
 
-# ---- sizing the pool on a GPU ----------------------------------------------------------
-
-
-def gpu_kv_budget(device: torch.device, utilization: float, activation_peak: int, graph_bytes: int) -> int:
-    """Bytes for the KV pool: the engine's share of the GPU, less what is spoken for.
-
-    The share is total · utilization. Spoken for: memory used outside this
-    process's torch allocator (the CUDA context, other processes: used − reserved),
-    the live tensors (allocated: the weights, anything still held), the activation
-    peak of the largest step, and the graphs' memory. What the caching allocator
-    has reserved but no tensor uses, say the pool of an engine deleted before, is
-    free for this one: counting it as used (total − free) left a second engine with
-    no room at all.
-    """
-    free, total = torch.cuda.mem_get_info(device)
-    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
-    live = torch.cuda.memory_allocated(device)
-    return int(total * utilization) - outside_torch - live - activation_peak - graph_bytes
-
-
-def profile_steps(model: GPT2, max_num_batched_tokens: int, max_num_seqs: int,
-                  block_size: int) -> tuple[Callable[[], list[int]], DecodeRunner]:
-    """The largest steps an engine of these limits can take, on a throwaway pool, for a profile run.
-
-    Returns a function that runs the largest prefill (max_num_batched_tokens
-    tokens in prompts of at most n_ctx, then the LM head and a top-k/top-p
-    sampler on max_num_seqs rows), and a static `DecodeRunner` whose
-    `run_largest` takes max_num_seqs rows over whole-context tables. Runs on
-    any device, so the CPU tests check its shapes.
-    """
-    cfg, device = model.config, model.device
-    lens = [min(cfg.n_ctx, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens, cfg.n_ctx)]
-    blocks = BlockManager(sum(-(-n // block_size) for n in lens), block_size)
-    cache = PagedKVCache(cfg, blocks, device, model.dtype)
-    segments = []
-    for i, n in enumerate(lens):
-        blocks.append_slots(SimpleNamespace(seq_id=i, num_computed_tokens=0), n)
-        segments.append(Segment(i, 0, n))
-    rows = min(max_num_seqs, sum(lens))
-    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows
-
-    @torch.inference_mode()
-    def prefill():
-        meta = cache.prepare(segments)
-        logits = model(torch.zeros(1, sum(lens), dtype=torch.long, device=device), meta.positions, cache=cache,
-                       logits_indices=torch.arange(rows, device=device))
-        return sample(logits, params)
-
-    return prefill, DecodeRunner(model, cache, max_num_seqs, "static")
