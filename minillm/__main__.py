@@ -22,8 +22,8 @@ import sys
 import time
 
 from .kv_cache import generate as cached_generate
+from .sampling import SamplingParams, check_prompt
 from .timing import synchronize
-from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 from .weights import load_model, resolve_device, resolve_dtype
 
@@ -57,7 +57,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(args.model, device, dtype, args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     prompt_ids = tokenizer.encode(args.prompt)
-    model.config.check_prompt(prompt_ids, params.max_tokens)
+    check_prompt(model.config, prompt_ids, params.max_tokens)
     # Untimed warm-up: a first call pays one-off costs (allocation, kernel choice) that are not the request's.
     cached_generate(model, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(2, params.max_tokens)))
 

@@ -18,21 +18,14 @@ One step, data flowing one way:
     sample, update, record    → new tokens, finished requests free their blocks,
                                 per-request times and a per-step timeline
 
-The pieces, each in its own file: `scheduler.py` (queues, admission,
-preemption) or `chunked_prefill.py` (its decode-first policy),
-`block_manager.py` (which blocks each sequence owns), `paged_attention.py`
-(the pool and attention through block tables), `cuda_graphs.py` (decode on
-static buffers, as CUDA graphs), `sampling.py`.
-
-Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
-`SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
-`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, `enforce_eager`,
-`enable_prefix_caching`, `num_cached_tokens`.
-
-Decode-only steps run on buffers allocated once (`cuda_graphs.DecodeRunner`):
-on CUDA each is the replay of a CUDA graph captured at start, one per batch and
-width bucket; with `enforce_eager=True` (vLLM's name), or on the CPU, they run
-eagerly at their exact shapes. Prefill and mixed steps always run eagerly.
+The pieces, each in its own file: `scheduler.py` or `chunked_prefill.py` (the
+policy), `block_manager.py` (which blocks each sequence owns),
+`paged_attention.py` (the pool), `cuda_graphs.py` (decode-only steps on buffers
+allocated once: on CUDA the replay of a graph per batch and width bucket,
+eager at exact shapes with `enforce_eager=True` or on the CPU; prefill and
+mixed steps always run eagerly), `sampling.py`, and `kv_pool.py` (the pool's
+size). Names follow vLLM's (`add_request`, `abort_request`, `step`,
+`has_unfinished_requests`, `RequestOutput`, and every knob).
 
 Prefix caching (`enable_prefix_caching=True`, off by default): full blocks are
 kept by the hash of their whole prefix and shared by every request that
@@ -40,10 +33,9 @@ starts alike (`prefix_caching.py`). Each output carries `num_cached_tokens`,
 the prompt tokens its request found cached; `prefix_cache_hit_rate` is the
 share of all admitted prompt tokens that were.
 
-Sizing the pool: give `num_blocks` directly; or a byte budget
-`kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
-the GPU's memory the engine may fill, from which it profiles its own largest
-steps first, as vLLM does (`kv_pool.py`). `close()` frees the pool and the
+Sizing the pool: `num_blocks`, or a byte budget `kv_cache_memory_bytes`, or
+on CUDA `gpu_memory_utilization`, from which a profile run takes what the
+engine's largest steps need (`kv_pool.py`). `close()` frees the pool and the
 graphs and empties the cache for other processes.
 
 What it costs: per step, one forward pass over Σ tokens planned, plus Python
@@ -72,7 +64,6 @@ Python heap stays flat.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -84,35 +75,10 @@ from .kv_pool import size_pool
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
-from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample,
-                       to_device)
+from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, check_prompt, finish_reason,
+                       make_generator, sample, to_device)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, Sequence, SequenceStatus
-
-@dataclass
-class RequestOutput:
-    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: list[int]  # everything generated so far
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    num_preemptions: int = 0
-    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
-
-
-@dataclass
-class StepStats:
-    """One row of the engine's timeline."""
-    start: float
-    duration: float          # schedule + forward + sample, synchronised
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    num_preempted: int
-    num_free_blocks: int     # after the step
-
+from .sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus, StepStats
 
 class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
@@ -170,7 +136,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params is a {type(params).__name__}; pass a SamplingParams (or None for the defaults)")
-        prompt_token_ids = tuple(self.config.check_prompt(prompt_token_ids, params.max_tokens))
+        prompt_token_ids = tuple(check_prompt(self.config, prompt_token_ids, params.max_tokens))
         if request_id is None:
             while str(self._next_id) in self.requests:  # taken by a caller's own choice
                 self._next_id += 1

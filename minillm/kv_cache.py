@@ -63,7 +63,7 @@ import torch
 
 from .config import GPT2Config
 from .model import GPT2, causal_attention, causal_mask
-from .sampling import SamplingParams, finish_reason, make_generator, sample, to_device
+from .sampling import SamplingParams, check_prompt, finish_reason, make_generator, sample, to_device
 
 
 class Segment(NamedTuple):
@@ -222,7 +222,7 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
     """
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
-    prompts = [cfg.check_prompt(p, params.max_tokens) for p in prompts]
+    prompts = [check_prompt(cfg, p, params.max_tokens) for p in prompts]
     if not prompts:
         return []
     B = len(prompts)

@@ -206,7 +206,7 @@ class GPT2(nn.Module):
 
         `positions` (B, T) defaults to 0..T-1; a cache's owner passes the real
         positions of the new tokens. Inputs are trusted here: validate prompts
-        once per request with `GPT2Config.check_prompt`, not once per step.
+        once per request with `sampling.check_prompt`, not once per step.
         """
         B, T = input_ids.shape
         if positions is None:
