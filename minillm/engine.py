@@ -194,8 +194,7 @@ class LLMEngine:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
-        s = self.scheduler
-        return s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
+        return getattr(self.block_manager, "hit_rate", 0.0)  # 0 without prefix caching
 
     # ---- one step -----------------------------------------------------------
 
