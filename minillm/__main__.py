@@ -21,21 +21,12 @@ import argparse
 import sys
 import time
 
+from .cli_flags import add_model_arguments
 from .kv_cache import generate as cached_generate
 from .sampling import SamplingParams, check_prompt
 from .timing import synchronize
 from .tokenizer import load_tokenizer
 from .weights import load_model, resolve_device, resolve_dtype
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype, --weights-dir: shared by every command that loads a model."""
-    parser.add_argument("--model", default="gpt2",
-                        help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, mini) or a checkpoint folder")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
-    parser.add_argument("--weights-dir", default=None,
-                        help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

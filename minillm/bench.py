@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .cli_flags import add_model_arguments
 from .config import dtype_bytes
 from .cost import decode_cost, prefill_cost
 from .roofline import achieved, measure_ceilings
@@ -53,10 +54,7 @@ EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="gpt2", help="preset or checkpoint folder (random init when absent)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
-    parser.add_argument("--weights-dir", default=None, help="where preset folders live")
+    add_model_arguments(parser)
     parser.add_argument("--prompt-len", type=int, default=GOAL_PROMPT_LEN, help="prefill tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--context-len", type=int, default=None,
