@@ -8,12 +8,12 @@ kernel launch, a few µs each. The device waits for the host:
 
     step time ≈ max(device time, ops per step · host time per op)
 
-`gpt2` in bf16 reads 0.25 GB of weights per step, 0.05 ms at an H200's
-4.8 TB/s, but one engine step dispatches about 400 ops (`steps.count_ops`):
-1–2 ms of host time at 2–5 µs each.
-Such a step is bound by launch overhead, not by memory; the larger the model,
-the more work each launch carries, until memory binds again (lesson 09
-finds the crossover). `steps.count_ops` counts a step's ops.
+`gpt2` in bf16 reads 0.25 GB of weights per step (`cost.decode_cost`), 0.05
+ms at an H200's 4.8 TB/s datasheet bandwidth, but one engine step dispatches
+hundreds of ops (`steps.count_ops` counts them; lesson 09 prints the count):
+at a few µs each, milliseconds of host time. Such a step is bound by launch
+overhead, not by memory; the larger the model, the more work each launch
+carries, until memory binds again (lesson 09 finds the crossover).
 
 The fix: CUDA graphs
 --------------------
@@ -40,8 +40,9 @@ the whole padded width (paged_attention.py), so a short context must not pay
 for the longest one.
 
 What padding costs: a batch of n runs as bucket(n) rows (< 2n), and a decode
-reads up to 2× the keys its longest context needs; at batch 8 and ~270-token
-contexts that made a CPU step about a quarter slower. Padding pays off only
+reads up to 2× the keys its longest context needs (`python -m minillm bench`
+times a decode step; lesson 09 sets eager, static and graph side by side).
+Padding pays off only
 where a shape is replayed. So the runner has three modes for one and the same code:
 
     eager    exact shapes on the static buffers: the CPU's decode, and CUDA's

@@ -116,8 +116,8 @@ def gpu_kv_budget(device: torch.device, utilization: float, activation_peak: int
     the live tensors (allocated: the weights, anything still held), the activation
     peak of the largest step, and the graphs' memory. What the caching allocator
     has reserved but no tensor uses, say the pool of an engine deleted before, is
-    free for this one: counting it as used (total − free) left a second engine with
-    no room at all.
+    free for this one (counting it as used, total − free, would leave a second
+    engine in one process no room at all).
     """
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = (total - free) - torch.cuda.memory_reserved(device)
