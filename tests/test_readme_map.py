@@ -1,5 +1,6 @@
-"""The README's map of the code follows the course: its module table and its picture list the modules in
-the order of the lessons, each lesson they name exists in lessons/, and every module of minillm/ is on it."""
+"""The README's module table follows the course: its rows are in the order of the lessons, each lesson
+they name exists in lessons/, and every module of minillm/ is on it. (The picture below it is in import
+order, which tests/test_project.py holds.)"""
 import re
 from pathlib import Path
 
@@ -23,28 +24,12 @@ def table() -> list[tuple[list[str], list[int]]]:
     return rows
 
 
-def picture() -> list[tuple[int, list[str]]]:
-    """(lesson, modules) per line of the picture."""
-    return [(int(m.group(1)), re.split(r"\s*(?:→|,)\s*", m.group(2).strip()))
-            for m in re.finditer(r"^    (\d\d)  (.+)$", README, re.M)]
-
-
 def test_the_table_is_in_lesson_order_and_names_only_lessons_that_exist():
     taught = [(modules, lessons) for modules, lessons in table() if lessons]
     firsts = [lessons[0] for _, lessons in taught]
     assert firsts == sorted(firsts), f"the module table is not in lesson order: {taught}"
     for modules, lessons in taught:
         assert set(lessons) <= LESSONS, f"{modules} name lessons {sorted(set(lessons) - LESSONS)} that lessons/ lacks"
-
-
-def test_the_picture_follows_the_table():
-    taught = [m for modules, lessons in table() if lessons for m in modules]
-    drawn = [m for _, modules in picture() for m in modules]
-    assert drawn == taught, "the picture and the module table list the modules in different orders"
-    for lesson, modules in picture():
-        for modules_row, lessons in table():
-            if set(modules) & set(modules_row):
-                assert lessons[0] == lesson, f"{modules_row} is drawn under lesson {lesson:02d}, taught first in {lessons[0]:02d}"
 
 
 def test_every_module_is_on_the_map():
