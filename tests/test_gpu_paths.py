@@ -172,3 +172,13 @@ def test_the_engine_model_is_stable_at_gpt2_depth(one_thread):
     assert error < FP32_LOGIT_ERROR / 3, error
     assert margins.median().item() > 100 * FP32_LOGIT_ERROR, margins.median()
     assert len(nexts) == len(prompts), nexts
+
+
+@pytest.mark.gpu
+@cuda
+def test_bench_on_cuda_times_the_graph_replay_the_engine_runs():
+    from minillm import bench
+    model = context_model(PRESETS["gpt2"], std=ENGINE_STD).to("cuda", torch.bfloat16)
+    r = bench.bench(model, prompt_len=32, context_len=32, batch=1, warmup=1, repeats=3)
+    assert r["decode"]["mode"] == "graph" and r["decode"]["seconds"] > 0
+    assert any("graph step" in line for line in bench.report(r, on_gpu=True))
