@@ -20,6 +20,11 @@ Layout variants that all load:
 The four projections are stored as Conv1D, [in_features, out_features], and
 the model keeps that layout (model.Conv1D says why), so nothing is transposed.
 
+`config.json` is read by `config_from_hf` and written by `config_to_hf`. A
+field the model does not implement (another `activation_function`, unscaled
+attention, untied embeddings, another `model_type`) is refused, not ignored:
+the model would run, and silently compute something else.
+
 What it costs
 -------------
     weight bytes = num_params · bytes per element
@@ -33,10 +38,14 @@ Invariants held by the tests
 ----------------------------
     - logits match transformers' GPT2LMHeadModel on the same weights (≤ 1e-4, fp32);
     - save → load gives identical logits, and GPT2LMHeadModel reads what we save;
-    - a missing, unexpected or misshapen key, a truncated file or a folder with
-      missing files raises a CheckpointError naming it; no half-loaded model
-      is ever returned, because every key and shape is checked before any
-      tensor is read.
+    - a missing, unexpected, misshapen or non-floating tensor, a truncated file,
+      a config.json field the model does not implement or an explicit folder
+      with missing files raises a CheckpointError naming it; no half-loaded
+      model is ever returned, because every key, shape and dtype is checked
+      before any tensor is read;
+    - a preset whose folder lacks a file (an interrupted or failed download) is
+      treated as absent: one warning line names the folder and the missing
+      files, and the seeded random init is used.
 """
 from __future__ import annotations
 
@@ -50,12 +59,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
+from .config import EOS_TOKEN_ID, HF_CHECKPOINTS, MAX_POSITIONS, MAX_VOCAB, PRESETS, GPT2Config, check_int
 from .model import GPT2
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+TOKENIZER_FILE = "tokenizer.json"
+_FLOATING = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors' names for floating dtypes
+# The fields of a GPT-2 config.json that change what the model computes, and the one value this model implements.
+_IMPLEMENTED = {"model_type": "gpt2", "activation_function": "gelu_new", "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "tie_word_embeddings": True, "add_cross_attention": False}
 
 _PREFIX = "transformer."
 _MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -146,22 +160,64 @@ def check_folder(folder: Path, name: str | None = None) -> None:
         raise CheckpointError(f"the weights folder {folder} is missing {', '.join(missing)}{resume}; {fix}")
 
 
+def config_from_hf(d: dict) -> GPT2Config:
+    """Read a Hugging Face GPT-2 `config.json` (its keys are n_layer, n_head, n_embd, n_positions, ...).
+
+    Every field is checked (type, range, n_embd divisible by n_head), and so is every field in _IMPLEMENTED
+    that is present; a ValueError names the field and the value.
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"the top level is a JSON {type(d).__name__}, not an object with fields such as n_layer")
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in d]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}; a GPT-2 config.json has n_layer, n_head, "
+                         "n_embd, n_positions and vocab_size")
+    for field, want in _IMPLEMENTED.items():
+        if field in d and d[field] != want:
+            raise ValueError(f"{field}={d[field]!r} is not implemented: minillm's GPT-2 computes only "
+                             f"{field}={want!r}, so this checkpoint would run and give wrong logits")
+    ctx_key = "n_positions" if "n_positions" in d else "n_ctx"
+    n_ctx = check_int(ctx_key, d.get(ctx_key, 1024), 1, MAX_POSITIONS + 1)
+    vocab_size = check_int("vocab_size", d["vocab_size"], 1, MAX_VOCAB + 1)
+    config = GPT2Config(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"], n_ctx=n_ctx,
+                        vocab_size=vocab_size, layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+                        eos_token_id=d.get("eos_token_id", EOS_TOKEN_ID if vocab_size > EOS_TOKEN_ID else None))
+    if d.get("n_inner") not in (None, 4 * config.n_embd):
+        raise ValueError(f"n_inner={d['n_inner']!r} is not implemented: minillm's MLP is 4 · n_embd = "
+                         f"{4 * config.n_embd} wide (n_inner null)")
+    return config
+
+
+def config_to_hf(config: GPT2Config) -> dict:
+    """The `config.json` another GPT-2 tool (transformers' GPT2Config) expects for these shapes."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+            "n_positions": config.n_ctx, "n_ctx": config.n_ctx, "vocab_size": config.vocab_size,
+            "layer_norm_epsilon": config.layer_norm_epsilon, "activation_function": "gelu_new",
+            "bos_token_id": config.eos_token_id, "eos_token_id": config.eos_token_id,
+            "n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}
+
+
 def read_config(folder: Path) -> GPT2Config:
     """The config.json of a checkpoint folder, every field checked; a CheckpointError names the file and field."""
     path = folder / CONFIG_FILE
     fix = "re-download it or rewrite it with save_pretrained"
     try:
-        return GPT2Config.from_hf_dict(json.loads(path.read_text(encoding="utf-8")))
+        return config_from_hf(json.loads(path.read_text(encoding="utf-8")))
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                               f"{fix}") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} nests its JSON deeper than the parser can follow, which no GPT-2 "
+                              f"config.json does; {fix}") from None
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _plan(file_keys: list[str], file_shapes: dict[str, tuple], config: GPT2Config, path: Path) -> dict[str, str]:
+def _plan(file_keys: list[str], file_shapes: dict[str, tuple], config: GPT2Config, path: Path,
+          file_dtypes: dict[str, str]) -> dict[str, str]:
     """Match the file's keys to the model's parameters, or raise naming every problem.
 
     Returns {model parameter name: key in the file}. Runs before any tensor is read.
@@ -189,6 +245,9 @@ def _plan(file_keys: list[str], file_shapes: dict[str, tuple], config: GPT2Confi
                                   f"n_layer={config.n_layer}, n_embd={config.n_embd}, n_ctx={config.n_ctx}, "
                                   f"vocab_size={config.vocab_size} expects {expected[name]}{layout}; "
                                   "does config.json belong to this model.safetensors?")
+        if file_dtypes[key] not in _FLOATING:  # cast to float, an integer or bool tensor would run as weights
+            raise CheckpointError(f"{path}: {key} holds {file_dtypes[key]} values, but a weight must be floating "
+                                  f"point ({', '.join(_FLOATING)}); is this a GPT-2 checkpoint?")
         plan[name] = key
     if unexpected:
         raise CheckpointError(f"{path}: unexpected keys {', '.join(unexpected[:8])}"
@@ -224,7 +283,9 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
     path = folder / WEIGHTS_FILE
     with _open(path, device) as f:
         keys = list(f.keys())
-        plan = _plan(keys, {k: tuple(f.get_slice(k).get_shape()) for k in keys}, config, path)
+        slices = {k: f.get_slice(k) for k in keys}
+        plan = _plan(keys, {k: tuple(s.get_shape()) for k, s in slices.items()}, config, path,
+                     {k: s.get_dtype() for k, s in slices.items()})
         state = {}
         for name, key in plan.items():
             try:
@@ -273,21 +334,42 @@ def save_pretrained(model: GPT2, folder: str | Path) -> Path:
     for name, p in model.state_dict().items():
         tensors[name] = p.detach().to("cpu").contiguous()
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    (folder / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     return folder
 
 
 # ---- one call for the lessons -----------------------------------------------
 
-def _warn_random(name: str, folder: Path, seed: int) -> None:
-    bar = "=" * 78
-    print(f"\n{bar}\n"
-          f"  WARNING: no weights for {name!r} in {folder}.\n"
-          f"  Using a RANDOM init of the {name} shape (seed {seed}) instead.\n"
-          f"  Timing and memory do not depend on the weight values, so measurements hold;\n"
-          f"  the generated text will be gibberish. For the real weights run:\n"
-          f"      {download_command(name)}\n"
-          f"{bar}\n", file=sys.stderr, flush=True)
+def missing_files(folder: Path) -> list[str]:
+    """The files of a full checkpoint (config, weights, tokenizer) that `folder` lacks; all of them if no folder."""
+    return [f for f in (*REQUIRED_FILES, TOKENIZER_FILE) if not (folder / f).is_file()]
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether `folder` holds what load_checkpoint needs; a failed or interrupted download does not."""
+    return not any(f in REQUIRED_FILES for f in missing_files(folder))
+
+
+_warned: set[Path] = set()
+
+
+def warn_once(folder: Path, message: str) -> None:
+    """One warning line per folder per process, on stderr: the model and the tokenizer share it."""
+    if folder not in _warned:
+        _warned.add(folder)
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def warn_absent(preset: str, folder: Path) -> None:
+    """The line for a preset run on a random init; silent for the made-up shapes, which have no files to miss."""
+    if preset not in HF_CHECKPOINTS and not folder.is_dir():
+        return
+    missing = missing_files(folder)
+    where = f"{folder} lacks {', '.join(missing)}" if folder.is_dir() else f"no weights in {folder}"
+    tokenizer = " and the byte fallback tokenizer" if TOKENIZER_FILE in missing else ""
+    fetch = f"; `{download_command(preset)}` fetches them" if preset in HF_CHECKPOINTS else ""
+    warn_once(folder, f"{where}, so {preset} runs on a RANDOM init of its shape{tokenizer}: timing and memory "
+                      f"hold, the text is gibberish{fetch}")
 
 
 def locate(name_or_path: str | Path, weights_dir: str | Path | None = None) -> tuple[Path, str | None]:
@@ -315,19 +397,20 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
     """A GPT-2 in eval mode, from a checkpoint folder, a downloaded preset, or a random init.
 
     - a path to a folder: load that checkpoint;
-    - a preset name: load `<weights_dir>/<name>/` if it exists; if it does not,
-      fall back to a seeded random init of that shape (warning loudly for the
-      four real checkpoints; `tiny` and `mini` have no real weights to miss).
+    - a preset name: load `<weights_dir>/<name>/` if it holds a complete
+      checkpoint; if not, fall back to a seeded random init of that shape, with
+      one warning line (none for `tiny` and `mini` without a folder: they have
+      no real weights to miss).
     `weights_dir` defaults to `default_weights_dir()`. The model's
     `weights_source` says where its values came from, for lessons to record.
     """
     folder, preset = locate(name_or_path, weights_dir)
-    if preset is None or folder.is_dir():
-        return load_checkpoint(folder, device, dtype)
-    if preset in HF_CHECKPOINTS:
-        _warn_random(preset, folder, seed)
+    if preset is None or is_complete(folder):
+        return load_checkpoint(folder, device, dtype)  # an explicit folder that is incomplete: an error saying why
+    warn_absent(preset, folder)
     return random_model(PRESETS[preset], device, dtype, seed)
 
 
 __all__ = ["CheckpointError", "resolve_device", "resolve_dtype", "default_weights_dir", "load_checkpoint",
-           "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command"]
+           "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
+           "config_from_hf", "config_to_hf", "is_complete", "missing_files", "warn_absent", "warn_once"]
