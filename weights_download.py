@@ -126,7 +126,7 @@ def _client() -> None:
     try:
         import httpx2 as _httpx2
         import huggingface_hub as _hub
-        from huggingface_hub import errors, file_download, utils  # noqa: F401 -- submodules used as hub.<name>
+        from huggingface_hub import constants, errors, file_download, utils  # noqa: F401 -- used as hub.<name>
     except ImportError as e:
         raise DownloadError(f"weights_download.py needs huggingface_hub 2 and httpx2 ({e}); install them with "
                             "`python -m pip install 'huggingface_hub>=2,<3' 'httpx2>=2,<3'`") from None
