@@ -31,7 +31,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
-from .weights import CONFIG_FILE, TOKENIZER_FILE, is_complete, locate, read_config, warn_absent, warn_once
+from .checkpoint import CONFIG_FILE, TOKENIZER_FILE, read_config
+from .weights import is_complete, locate, warn_absent, warn_once
 EOS_TEXT = "<|endoftext|>"
 
 
