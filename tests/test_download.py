@@ -447,6 +447,26 @@ def test_two_runs_at_once_never_leave_a_wrong_file_under_a_final_name(hub, tmp_p
         assert sorted(p.name for p in folder.iterdir()) == sorted(hub.files)
 
 
+@pytest.mark.slow
+def test_two_processes_at_once_never_leave_a_wrong_file_under_a_final_name(hub, tmp_path, monkeypatch):
+    """The same, as two real command lines: the lock is the file system's, across processes."""
+    import subprocess
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    hub.slow_s = 0.01  # about 0.1 s for the big file, against a second or two of start-up: the runs overlap
+    hub.files["model.safetensors"] = BIG * 4
+    waited = 0
+    for trial in range(20):
+        weights = tmp_path / str(trial)
+        runs = [subprocess.Popen([sys.executable, str(REPO / "weights_download.py"), "gpt2", "--dir", str(weights),
+                                  "--no-progress"], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        errs = [run.communicate(timeout=120)[1] for run in runs]
+        assert [run.returncode for run in runs] == [0, 0] and not any("Traceback" in e for e in errs), errs
+        for name, data in hub.files.items():
+            assert (weights / "gpt2" / name).read_bytes() == data, (trial, name)
+        waited += any("waiting for it" in e for e in errs)
+    print(f"the second run waited for the first in {waited} of 20 trials")
+
+
 def test_a_second_run_says_that_it_waits_for_the_first(hub, tmp_path):
     from filelock import FileLock
     holder = FileLock(tmp_path / ".gpt2.lock")
