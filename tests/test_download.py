@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import weights_download as wd  # noqa: E402
 
-from minillm.config import HF_CHECKPOINTS  # noqa: E402
+from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
 
 BIG = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes, unaligned end
 SMALL = b'{"n_layer": 2}\n'
@@ -203,8 +203,11 @@ def cdn_gets(hub) -> list[str | None]:
     return [r[2] for r in hub.requests if r[0] == "GET" and r[1].startswith("cdn:")]
 
 
-def test_checkpoint_names_match_the_presets():
-    assert wd.CHECKPOINTS == HF_CHECKPOINTS
+def test_every_checkpoint_has_a_hub_repo_and_a_preset(monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    assert set(wd.REPOS) == set(HF_CHECKPOINTS) and all(n in PRESETS for n in HF_CHECKPOINTS)
+    assert wd.file_url("distilgpt2", "model.safetensors") == \
+        "https://huggingface.co/distilbert/distilgpt2/resolve/main/model.safetensors"
 
 
 def test_hf_endpoint_overrides_the_base_url(monkeypatch):
