@@ -243,6 +243,7 @@ class EngineLoop:
                     self.on_finished(out)
             if put is not None:
                 put(out)
+        time.sleep(0)  # let go of the GIL, so the event loop sends these tokens before the next step begins
         self.num_running = len(engine.scheduler.running)
         self.num_waiting = len(engine.scheduler.waiting)
         self.num_blocks_used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
