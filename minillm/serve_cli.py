@@ -46,6 +46,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="the KV pool in blocks, whatever the memory (also on the CPU, where the default is 1 GiB)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a slot in the batch; past it, 429 with Retry-After")

@@ -620,7 +620,8 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     engine = LLMEngine(model, SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                               args.enable_chunked_prefill),
-                       block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                       block_size=args.block_size, num_blocks=args.num_gpu_blocks_override,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
                        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                        record_timeline=False)
     log_file = open(args.request_log, "a") if args.request_log else None
