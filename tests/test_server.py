@@ -24,7 +24,8 @@ openai = pytest.importorskip("openai")
 
 from models import context_model, random_prompts  # noqa: E402
 
-from minillm.bench_serve import BenchRequest, arrivals, benchmark, parse_goodput, summarize, workload  # noqa: E402
+from minillm.bench_serve import (BenchRequest, RequestResult, arrivals, benchmark, meets, parse_goodput,  # noqa: E402
+                                 summarize, workload)
 from minillm.engine import LLMEngine  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
@@ -218,6 +219,7 @@ def test_bench_serve_reports_percentiles_and_goodput(model, tokenizer):
     assert all(r.success for r in results) and [r.output_tokens for r in results] == [o for _, o in pairs]
     assert len({r.id for r in results}) == 12
     impossible = summarize(results, duration, parse_goodput(["ttft:0.001", "itl:0.001"]))
+    assert summarize(results, duration, parse_goodput(["itl:0.001"]))["goodput_share"] == 0
     loose = summarize(results, duration, parse_goodput(["ttft:60000", "itl:60000"]))
     assert impossible["goodput_share"] == 0 and impossible["request_goodput"] == 0
     assert loose["goodput_share"] == 1 and loose["request_goodput"] == pytest.approx(12 / duration)
@@ -226,6 +228,13 @@ def test_bench_serve_reports_percentiles_and_goodput(model, tokenizer):
     assert loose["total_output_tokens"] == sum(o for _, o in pairs) and loose["failed"] == 0
     with pytest.raises(ValueError, match="ttft, tpot, itl, e2el"):
         parse_goodput(["latency:5"])
+
+
+def test_the_itl_target_is_met_only_when_every_gap_meets_it():
+    stall = RequestResult(True, 4, start=0.0, token_times=[0.010, 0.011, 0.012, 0.013, 0.043], output_tokens=5)
+    assert meets(stall, {"ttft": 0.020}) and meets(stall, {"tpot": 0.010})  # mean gap 8 ms
+    assert not meets(stall, {"itl": 0.010})  # one 30 ms stall
+    assert not meets(RequestResult(False, 4), {})  # a failed request meets no target
 
 
 def free_port() -> int:
