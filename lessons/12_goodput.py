@@ -15,22 +15,28 @@ P99 target). Here the claim is judged on this device, served over HTTP.
 
 What this lesson measures
 -------------------------
-1. Step costs, on this device, before anything is served: a decode step of
-   STREAMS sequences and the prefill of the longest prompt. The targets follow
-   from them, with k and m fixed here and printed before the sweep:
-
-       ITL target  = k · t(decode step of STREAMS sequences)     k = 3
-       TTFT target = m · t(prefill of the longest prompt)         m = 3
-
-   and so does the rate grid, as shares of λ̂ = STREAMS / (output · t(decode)),
-   the rate at which STREAMS streams in flight would keep the engine busy.
-2. Two servers (`python -m minillm serve`, one with chunked prefill at a budget
+1. Two servers (`python -m minillm serve`, one with chunked prefill at a budget
    of a quarter of the long prompt, one without), each in its own process on
-   127.0.0.1. At each rate, a seeded trace (Poisson arrivals; short prompts, and
-   a share LONG_SHARE of long ones) is replayed against each in turn by
-   `bench-serve`'s client code, which times every token as it arrives.
-3. The sweep is repeated (in turns, the order reversed every other time). For
-   each mode and sweep: the highest rate whose goodput share is ≥ 90%.
+   127.0.0.1, each logging the engine's own record of every request.
+2. Step costs, as the served engine records them, before the sweep: a decode
+   step of STREAMS sequences (the median gap between their tokens), the long
+   prompt's prefill served alone, and the capacity (requests/s with the whole
+   trace sent at once). The targets follow, with k and m fixed here and
+   printed before anything is swept:
+
+       ITL target  = k · t(decode step of STREAMS sequences)     k = 8
+       TTFT target = m · t(prefill of the long prompt)            m = 3
+
+   and the rates are shares of the capacity. A request meets the ITL target
+   when every one of its gaps does: a stall is what its user sees.
+3. At each rate a seeded trace (Poisson arrivals; short prompts, and a share
+   LONG_SHARE of long ones) is replayed against each server in turn by
+   `bench-serve`'s client code, which times every token as it arrives. The
+   sweep is repeated, the order reversed every other time. For each mode and
+   sweep: the highest rate whose goodput share is ≥ 90%.
+
+--quick on a CPU serves the `mini` shape, whatever --model says: a sweep of
+gpt2 there takes minutes, and the claim is about scheduling, not weights.
 
 The verdict: chunked's highest rate ÷ unchunked's, one value per sweep, is at
 least 1.3 (a step of the rate grid), and chunked output throughput at the top
