@@ -240,7 +240,10 @@ class EngineLoop:
             if out.finished:
                 self._streams.pop(out.request_id, None)
                 if self.on_finished is not None:
-                    self.on_finished(out)
+                    try:
+                        self.on_finished(out)
+                    except Exception:  # noqa: BLE001  (a metric or a log line must not stop the serving)
+                        log.error("recording request %s failed\n%s", out.request_id, traceback.format_exc())
             if put is not None:
                 put(out)
         time.sleep(0)  # let go of the GIL, so the event loop sends these tokens before the next step begins
@@ -432,7 +435,11 @@ class Frontend:
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self.loop.submit(request_id, prompt, params, arrival, put)
-        answer = await outputs.get()
+        try:
+            answer = await outputs.get()
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.loop.abort(request_id)
+            raise
         if isinstance(answer, Rejected):
             self.rejected.labels(str(answer.status)).inc()
             headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
@@ -555,16 +562,17 @@ def _reason(out: RequestOutput, text: TextStream) -> str:
 
 def make_frontend(engine: LLMEngine, tokenizer, model_name: str, max_queue: int = 256,
                   on_finished: Callable[[RequestOutput], None] | None = None) -> Frontend:
-    """An engine thread for `engine`, and the frontend that talks to it."""
-    holder: dict[str, Frontend] = {}
+    """An engine thread for `engine`, and the frontend that talks to it; `on_finished(out)` also sees each
+    finished request's output, on the engine thread (the server's --request-log)."""
+    loop = EngineLoop(engine, max_queue)
+    fe = Frontend(loop, tokenizer, model_name, engine.config.n_ctx)
 
     def finished(out: RequestOutput) -> None:
-        holder["fe"].record(out)
+        fe.record(out)
         if on_finished is not None:
             on_finished(out)
 
-    loop = EngineLoop(engine, max_queue, on_finished=finished)
-    holder["fe"] = fe = Frontend(loop, tokenizer, model_name, engine.config.n_ctx)
+    loop.on_finished = finished  # before any request: none can arrive until the frontend is returned
     return fe
 
 
