@@ -141,6 +141,7 @@ class EngineLoop:
         self.num_running = self.num_waiting = self.num_blocks_used = 0
         self.num_blocks = engine.block_manager.num_blocks
         self.accepting = True
+        self._close = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Callable[[object], None]] = {}
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
@@ -167,9 +168,11 @@ class EngineLoop:
         self._inbox.put(("call", fn, future))
         return future
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Abort whatever is unfinished, report it, and end the thread."""
+    def stop(self, timeout: float | None = None, close: bool = False) -> None:
+        """Abort whatever is unfinished, report it, and end the thread; with close=True the thread then
+        closes the engine too (frees its pool), so that even that call comes from the engine's own thread."""
         self.accepting = False
+        self._close = close
         self._inbox.put(("stop",))
         self._thread.join(timeout)
 
@@ -195,6 +198,8 @@ class EngineLoop:
                 if not stopping:
                     break
         self.num_running = self.num_waiting = self.num_blocks_used = 0
+        if self._close:
+            engine.close()
 
     def _handle(self, command) -> bool:
         """Carry out one command; True for stop."""
@@ -660,8 +665,7 @@ def run(args) -> int:
     try:
         server.run()
     finally:
-        fe.loop.stop()
-        engine.close()
+        fe.loop.stop(close=True)
         if log_file:
             log_file.close()
     if not server.started:
