@@ -122,8 +122,10 @@ def check_targets(torch, metrics, load_model, name: str, device: str = "cuda", d
 def reference_model(torch, model, prompt):
     """transformers' GPT2LMHeadModel holding our model's weights, and the prompt as its input."""
     import transformers
+
+    from minillm.weights import config_to_hf
     with torch.device(model.device):  # its own random init is overwritten below: make it where it runs
-        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model.config.to_hf_dict()))
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(model.config)))
     hf = hf.to(model.dtype).eval()
     missing, unexpected = hf.transformer.load_state_dict(model.state_dict(), strict=False)
     if [k for k in missing if not k.endswith(("attn.bias", "masked_bias"))] or unexpected:
