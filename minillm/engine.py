@@ -466,18 +466,26 @@ class LLMEngine:
         sharing a block the step was to write) frees its blocks and rejoins the front of the waiting queue,
         in arrival order, to be recomputed, its admission uncounted if it was its first. A finished one not
         yet reported is reported by the next step."""
-        s, bm = self.scheduler, self.block_manager
+        s, bm, now = self.scheduler, self.block_manager, time.perf_counter()
         lost = set(bm.rollback(s.running))
         running, waiting, back = set(s.running), set(s.waiting), []
         for seq in self.requests.values():
+            reason = not seq.is_finished and seq.output_token_ids and finish_reason(
+                seq.output_token_ids[-1], len(seq.output_token_ids), seq.num_tokens, seq.params,
+                self.config.eos_token_id, self.config.n_ctx)
+            if reason:  # its last token ended it, but the step raised before it was marked finished
+                self._finish(seq, reason, now)
             if seq.is_finished:
                 bm.free(seq)  # nothing if the step's `remove` got that far
+                running.discard(seq)
+                if seq in waiting:
+                    s.waiting.remove(seq)
                 if seq not in self._unreported:
                     self._unreported.append(seq)
                 continue
             if seq in running and seq not in lost and seq.status is SequenceStatus.RUNNING \
                     and len(bm.block_tables.get(seq.seq_id, ())) >= bm.blocks_for(seq.num_computed_tokens) \
-                    and (seq.is_decoding or s.chunked_prefill):
+                    and seq.num_remaining >= 1 and (seq.is_decoding or s.chunked_prefill):
                 continue
             bm.free(seq)
             running.discard(seq)
@@ -553,14 +561,15 @@ class LLMEngine:
         """Run prompts to completion; outputs in the order of the prompts.
 
         It steps the engine until no request is left, so it refuses to start while requests added with
-        `add_request` are unfinished or unreported: their outputs would be consumed here and lost to their
-        caller. Every prompt is checked before any is queued, so a bad one queues none."""
+        `add_request` wait or run: their outputs would be consumed here and lost to their caller. Aborts not
+        yet reported stay so: the next `step()` reports them. Every prompt is checked before any is queued, so
+        a bad one queues none."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; pass one per prompt, "
                              "or a single SamplingParams for all")
-        if self.has_unfinished_requests():
-            pending = len(self.requests)
+        if self.scheduler.has_unfinished():
+            pending = len(self.scheduler.waiting) + len(self.scheduler.running)
             raise RuntimeError(f"generate() runs the engine until it is idle, but {pending} request"
                                f"{'s' if pending != 1 else ''} added with add_request {'are' if pending != 1 else 'is'} "
                                "still pending and their outputs would be lost; step() until "
@@ -575,10 +584,14 @@ class LLMEngine:
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
         finals: dict[str, RequestOutput] = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished:
-                    finals[out.request_id] = out
+        held, self._unreported = self._unreported, []
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        finally:
+            self._unreported = held + self._unreported
         return [finals[seq.request_id] for seq in seqs]
 
 
