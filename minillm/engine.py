@@ -570,9 +570,8 @@ class LLMEngine:
                              "or a single SamplingParams for all")
         if self.scheduler.has_unfinished():
             pending = len(self.scheduler.waiting) + len(self.scheduler.running)
-            raise RuntimeError(f"generate() runs the engine until it is idle, but {pending} request"
-                               f"{'s' if pending != 1 else ''} added with add_request {'are' if pending != 1 else 'is'} "
-                               "still pending and their outputs would be lost; step() until "
+            raise RuntimeError(f"generate() runs the engine until it is idle, but {pending} earlier request(s) still "
+                               "wait or run, and their outputs would be lost here; step() until "
                                "has_unfinished_requests() is False first, or add these prompts with add_request too")
         seqs = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):

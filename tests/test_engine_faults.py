@@ -438,13 +438,13 @@ def test_enable_chunked_prefill_must_be_a_bool(value):
 def test_generate_refuses_while_requests_added_earlier_are_pending(model):
     engine = LLMEngine(model, num_blocks=16)
     earlier = engine.add_request([1, 2, 3], greedy(3))
-    with pytest.raises(RuntimeError, match=r"1 request added with add_request is still pending"):
+    with pytest.raises(RuntimeError, match=r"but 1 earlier request\(s\) still wait or run"):
         engine.generate([[4, 5]], greedy(3))
     assert list(engine.requests) == [earlier], "nothing was queued"
     assert drain(engine)[earlier].output_token_ids == reference(model, [1, 2, 3], greedy(3))
     engine.add_request([6, 7], greedy(1))
     engine.add_request([8], greedy(1))
-    with pytest.raises(RuntimeError, match=r"2 requests added with add_request are still pending"):
+    with pytest.raises(RuntimeError, match=r"but 2 earlier request\(s\) still wait or run"):
         engine.generate([[4, 5]], greedy(3))
     drain(engine)
     aborted = engine.add_request([9], greedy(1))
