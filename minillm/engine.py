@@ -400,7 +400,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
+        """True while a request waits, runs, or has finished (aborted, or in a step that raised) and is not yet
+        reported by `step()`."""
         return self.scheduler.has_unfinished() or bool(self._unreported)
 
     def check_invariants(self) -> None:
