@@ -127,7 +127,7 @@ def test_a_request_that_shared_a_block_of_the_failed_step_is_recomputed(model):
     engine.check_invariants()
     assert [s.request_id for s in engine.scheduler.running] == ids[:1]
     assert [s.request_id for s in engine.scheduler.waiting] == ids[1:], "the sharer waits, holding no block"
-    assert engine.scheduler.num_prompt_tokens == 45, "the sharer's admission in the failed step is not counted"
+    assert engine.block_manager.num_prompt_tokens == 45, "the sharer's admission in the failed step is not counted"
     finals = drain(engine)
     assert [finals[i].output_token_ids for i in ids] == [reference(model, p, greedy()) for p in prompts]
     assert [finals[i].num_cached_tokens for i in ids] == [0, 40]
@@ -276,6 +276,11 @@ def run_fault_trace(model, seed: int) -> int:
         assert step < 500, f"trace {seed} did not finish: {t}"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, f"trace {seed} leaked: {t}"
     assert engine.requests == {} and set(finals) == set(ids.values()), f"trace {seed}: a request vanished: {t}"
+    admitted = [o for o in finals.values() if o.num_cached_tokens is not None]
+    bm = engine.block_manager
+    assert (bm.num_prompt_tokens, bm.num_cached_prompt_tokens) == \
+        (sum(len(o.prompt_token_ids) for o in admitted), sum(o.num_cached_tokens for o in admitted)), \
+        f"trace {seed}: the hit rate counts an admission twice, or one that no request reports: {t}"
     for i, rid in ids.items():
         out, want = finals[rid], reference(model, t["prompts"][i], t["params"][i])
         n = len(out.output_token_ids) if out.finish_reason == "abort" else len(want)
