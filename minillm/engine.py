@@ -23,9 +23,8 @@ pool and the graphs. Cost per step: one forward pass over Σ tokens planned, plu
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
 block_size · KV bytes per token.
 
-Who owns what: outputs are the caller's copies and `SamplingParams` are frozen.
-A finished request is reported once, then forgotten, as in vLLM; those still
-running or waiting are in `scheduler.running` and `scheduler.waiting`.
+Outputs are the caller's copies and `SamplingParams` are frozen. A finished
+request is reported once, then forgotten, as in vLLM.
 
 A step is all or nothing. If `step()` raises anywhere (in the forward pass,
 Ctrl-C, NaN logits), the prefix cache takes back every hash the step gave; each
@@ -35,10 +34,8 @@ a finished or aborted one is reported by the next step that returns (the rules
 are in `rollback.py`). Non-finite logits abort only their own requests
 (NonFiniteLogitsError names them). None vanishes; the invariants hold after.
 
-One engine, one thread: `step`, `add_request`, `abort_request`, `generate` and
-`close` refuse to start while another thread is inside one of them. One thread
-owns the engine; others hand it requests through a queue (`engine_rules.py` has
-the pattern, and the checks every request passes).
+One engine, one thread: a call from a second thread while one runs raises; one
+thread owns the engine, others hand it requests through a queue (`engine_rules.py`).
 
 Invariants held by the tests: every request's greedy tokens, and their logits,
 are those of `kv_cache.generate` run on it alone, whatever the batch, arrivals,
@@ -71,9 +68,8 @@ from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
 
 
 class LLMEngine:
-    """Continuous batching over the paged KV cache. One engine, one thread: a call from a second thread while
-    one runs raises; let one thread own the engine and step it, and hand it requests through a queue.Queue
-    (the pattern is in `engine_rules.py`)."""
+    """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
+    step it, and hand it requests through a queue.Queue (the pattern is in `engine_rules.py`)."""
 
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
@@ -88,7 +84,7 @@ class LLMEngine:
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
         use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
-        # how the pool was sized: budget, activation peak, graph bytes
+        # self.memory: how the pool was sized (budget, activation peak, graph bytes)
         num_blocks, self.memory = size_pool(model, self.scheduler_config, block_size, num_blocks,
                                             kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
         blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
@@ -318,5 +314,3 @@ class LLMEngine:
         finally:
             self._unreported = held + self._unreported
         return [finals[seq.request_id] for seq in seqs]
-
-
