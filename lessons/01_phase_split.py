@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     plot_roofline(axes[2], ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),
                                   "decode": ([d["intensity"] for d in decode], [d["flops_per_s"] for d in decode])})
     axes[2].set_title(f"roofline, {ceil.device}, {ceil.dtype}")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "ttft_s": ttft, "itl_s": itl,
                "prefill": prefill, "decode": decode, "ridge_per_round": ridge, "lm_head_share": head_share}

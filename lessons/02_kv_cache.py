@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
     axes[1].set(xlabel="tokens generated", ylabel="total time (ms)", ylim=(0, None),
                 title=f"total time: the cache is {statistics.median(speedup):.1f}× faster over {N} tokens")
     axes[1].legend()
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"prompt_len": P, "new_tokens": N, "positions": positions, "naive_latency_s": naive_s,
                "cached_latency_s": cached_s, "naive_total_s": sum(naive_s), "cached_total_s": sum(cached_s),

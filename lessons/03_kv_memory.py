@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
                          va="bottom", fontsize=8)
     axes[2].set(ylabel="full-context sequences", title="sequences whose KV fits beside the weights")
     axes[2].tick_params(axis="x", labelsize=8)
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"sizes": rows, "budget": {**budget, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION},
                "decode_bytes_split": split, "kv_bytes_per_token": per_token, "weights_read_per_step": weights_read,

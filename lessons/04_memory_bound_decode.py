@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
     plot_roofline(axes[2], ceil, {f"decode, batch {batches[0]}..{batches[-1]}": ([p["intensity"] for p in points],
                                                                                  [p["flops_per_s"] for p in points])})
     axes[2].set_title("roofline")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"context_len": s["context"], "points": points, "predicted_free_batch": b_star, "capacity": capacity,
                "kv_bytes_per_token": per_token, "weight_bytes": weight_bytes}

@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
     axes[2].set(xlabel="block size (tokens)", ylabel="waste (% of allocated KV memory)", ylim=(0, 100),
                 title="internal fragmentation by block size")
     axes[2].legend(fontsize=8, loc="upper left")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"trace": stats, "budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "reservation_tokens": M,
                "contiguous": runs["contiguous"], "paged": runs["paged"],

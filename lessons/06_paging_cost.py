@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
         ax.legend(fontsize=8)
     axes[1].set_title(f"by context, block {BLOCK_SIZE}")
     axes[2].set_title(f"by block size, context {s['judged']}")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"batch": BATCH, "judged_context": s["judged"], "by_context": by_context, "by_block_size": by_block,
                "gather_bytes": moved, "gather_bandwidth_share": share}

@@ -191,7 +191,7 @@ def main(argv=None) -> dict:
     axes[1, 1].axhline(STUTTER_FACTOR, color="k", ls=":", label=f"the claim's line: {STUTTER_FACTOR:g}× shorter")
     axes[1, 1].set(ylabel="unchunked max ITL ÷ chunked (bars: range of the rounds)", title="the stall, cut by chunking")
     axes[1, 1].legend(fontsize=8)
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     setup = {**s, "chunk_budget": B, "modes": {m: {"chunked": c, "budget": b} for m, (c, b) in modes.items()}}
     figures = {"setup": setup, "runs": runs}

@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     axes[0].set_title(f"throughput ({LARGE} ÷ {OLD_DEFAULT}: {statistics.median(gain):.2f}×; bars: range)")
     axes[1].set_title("time to first token")
     axes[2].set_title("inter-token latency")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"trace": {**stats, "rate_per_s": s["rate"], "prompt_median": s["prompt_median"],
                          "output_median": s["output_median"], "sigma": 0.6, "seed": 0},

@@ -231,7 +231,7 @@ def main(argv=None) -> dict:
     axes[2].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="ATen ops dispatched per step",
                 title="ops per decode step")
     axes[2].legend(fontsize=8, loc="upper left")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"context_len": s["context"], "rounds": s["rounds"], "bare_op_s": bare, "points": points,
                "crossover": crossover(points), "even_bytes": even, "host_time_equals_floor_of_bytes": at_floor}

@@ -239,7 +239,7 @@ def main(argv=None) -> dict:
            title=f"where the time went: caching prefill can gain ≤ {bound['bound']:.2f}×")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     ax.legend(fontsize=8, loc="upper right")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": ttft["off"], "ttft_on_s": ttft["on"]},
                "throughput_bound": bound, "per_round_bounds": bounds,

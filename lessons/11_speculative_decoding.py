@@ -205,7 +205,7 @@ def plot(lesson, cost: dict, rows: list[dict], gammas: list[int]) -> None:
     for a, ticks in ((ax, ks), (bx, gammas)):
         ticks_at(a, ticks)
         a.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
 
 def main(argv=None) -> dict:
