@@ -148,6 +148,18 @@ def predict(lesson: Lesson, *lines: str) -> None:
     print()
 
 
+def pct(share: float) -> str:
+    """A share of a ceiling for tables; above 100% it is flagged (*), never shown as if it were a share."""
+    return f"{share:.0%}" if share <= 1 else f"{share:.0%}*"
+
+
+def print_over_100_note(rows: list[list]) -> None:
+    """Explain the flag of `pct` once under a table that shows one."""
+    if any(isinstance(c, str) and c.endswith("%*") for r in rows for c in r):
+        print("* above 100%: the step ran faster than the ceiling kernel timed in its round, so that kernel is not "
+              "this step's limit (a step small enough for the caches beats a copy of RAM)\n")
+
+
 def ms(seconds: float) -> str:
     """A duration for tables: milliseconds below a second, seconds above."""
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
@@ -258,6 +270,35 @@ def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], l
     ax.legend(fontsize=8)
 
 
+def plot_checks(ax, verdict: Verdict) -> None:
+    """Every check of the verdict on one axis: its rounds (dots), the median (bar) and its interval, each divided
+    by the claim's line, so that the line is 1 for all of them; the side the claim wants is shaded."""
+    checks = [c for c in verdict.checks if c.line > 0]  # a count against 0 (tokens differing) has no ratio
+    colors = {"HOLDS": "darkgreen", "NOT SUPPORTED": "firebrick", "INCONCLUSIVE": "darkorange"}
+    for i, c in enumerate(checks):
+        scale = c.line
+        vals = [v / scale for v in c.values]
+        lo, hi = (x / scale for x in c.interval())
+        color = colors[c.outcome()]
+        ax.plot([i] * len(vals), vals, ".", color="grey", alpha=0.7, label="one round" if i == 0 else None)
+        ax.errorbar([i], [c.median / scale], yerr=[[c.median / scale - lo], [hi - c.median / scale]], fmt="_",
+                    markersize=18, capsize=6, color=color, label="median, interval" if i == 0 else None)
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="the claim's line")
+    ax.set_xticks(range(len(checks)), [textwrap_fill(c.name, 22) for c in checks], fontsize=7)
+    ax.set_xlim(-0.6, len(checks) - 0.4)
+    ax.set_ylabel("value ÷ the claim's line")
+    ax.set_title("the checks: rounds, median, interval\n(≥ checks hold above 1, ≤ checks below)", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    ys = [v / c.line for c in checks for v in c.values] + [1.0]
+    if min(ys) > 0 and max(ys) / min(ys) > 20:
+        ax.set_yscale("log")
+
+
+def textwrap_fill(text: str, width: int) -> str:
+    import textwrap
+    return "\n".join(textwrap.wrap(text, width)[:4])
+
+
 def stub_of(exc: BaseException) -> str | None:
     """The exercise id when `exc` (or what caused it) is an exercise stub's NotImplementedError."""
     for _ in range(10):
@@ -288,5 +329,5 @@ def run(main) -> None:
         sys.exit(STUB_EXIT)
 
 
-__all__ = ["make_parser", "start", "Lesson", "predict", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
+__all__ = ["make_parser", "start", "Lesson", "predict", "plot_checks", "pct", "print_over_100_note", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
            "plot_roofline", "run", "one_thread", "plt", "DEFAULT_OUT", "REPO_ROOT", "STUB_EXIT"]

@@ -176,7 +176,7 @@ class Rounds:
         text = f"{self.count} round{'s' * (self.count != 1)}"
         if self.cap_rounds > self.base:
             text += (f" ({self.base} + {self.added} added until decided; cap {self.cap_rounds} rounds or "
-                     f"{self.cap_s:.0f} s of added rounds)")
+                     f"{self.cap_s:.2g} s of added rounds)")
         return text
 
 
@@ -310,7 +310,7 @@ class Check:
 
     def interval_text(self) -> str:
         f, (lo, hi), n = self.fmt.format, self.interval(), len(self.values)
-        return f"{f(lo)}–{f(hi)}, {self.coverage:.0%} interval of the median of {n} round{'s' * (n != 1)}"
+        return f"{f(lo)}–{f(hi)}: the {self.coverage:.0%} interval of the median of {n} round{'s' * (n != 1)}"
 
     def describe(self) -> str:
         text = f"{self.name} {self.relation()}: {self.fmt.format(self.median)}"
@@ -347,8 +347,10 @@ class Verdict:
         for c in self.checks:
             if c.outcome() == INCONCLUSIVE:
                 ran = "; ".join(r.describe() for r in self.rounds) or f"{len(c.values)} rounds"
-                lines.append(f"INCONCLUSIVE on “{c.name}”: the interval {c.interval_text()} straddles the line "
-                             f"{c.relation()} ({ran}); rerun, ideally on a quieter machine, for a verdict")
+                lo, hi = c.interval()
+                lines.append(f"INCONCLUSIVE on “{c.name}”: its interval {c.fmt.format(lo)}–{c.fmt.format(hi)} "
+                             f"({c.coverage:.0%} interval of the median) straddles the line {c.relation()} after "
+                             f"{ran}; rerun, ideally on a quieter machine, for a verdict")
         lines.append(self.load.describe())
         return lines
 
