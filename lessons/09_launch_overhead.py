@@ -166,11 +166,21 @@ def main(argv=None) -> dict:
                 f"{s['rounds']} rounds; twin = the same ops at width 8; share = twin ÷ eager step):")
 
     small, large = points[0], points[-1]
-    checks = [Check(f"overhead share of {small['name']}'s step", small["share"], OVERHEAD_BOUND, ">=", fmt="{:.2f}"),
-              Check(f"overhead share of {large['name']}'s step", large["share"], OVERHEAD_BOUND, "<=", fmt="{:.2f}")]
+    def why(p) -> str:
+        return (f"{p['name']}'s twin (its {p['ops']['eager']} ops at width 8, almost no bytes) took "
+                f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
+                f"{si(p['weight_bytes'], 'B')} of weights at the copy bandwidth takes {ms(p['floor_s'])}")
+
+    checks = [Check(f"overhead share of {small['name']}'s step", small["share"], OVERHEAD_BOUND, ">=", fmt="{:.2f}",
+                    why=why(small) + ": the host's work is not what sets this step's pace"),
+              Check(f"overhead share of {large['name']}'s step", large["share"], OVERHEAD_BOUND, "<=", fmt="{:.2f}",
+                    why=why(large) + ": its ops cost the host more than its bytes cost the memory")]
     if on_cuda:
         checks.append(Check(f"{small['name']}: graph step ÷ eager step", small["graph_over_eager"], GRAPH_GAIN, "<=",
-                            fmt="{:.2f}"))
+                            fmt="{:.2f}",
+                            why=f"graph {ms(small['step_s']['graph'])} against eager {ms(small['step_s']['eager'])}, "
+                                f"with {ms(small['graph_removes_s'])} of host time predicted saved: the replay "
+                                "removed less host time than its ops cost"))
     verdict = judge("decode of a small model is bound by per-op host overhead, a large model's by memory",
                     checks, lesson.load())
     verdict.notes.append(crossover(points) + f"; one op costs the host {large['host_per_op_s'] * 1e6:.1f} µs in a "
@@ -205,13 +215,14 @@ def main(argv=None) -> dict:
     hi = 2 * max(wb + [even or 0])
     grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
     axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
-    for p in points:
+    for p in points:  # names below the eager marker, clear of it and of the lines above
         axes[0].annotate(p["name"], (p["weight_bytes"], p["step_s"]["eager"] * 1e3), textcoords="offset points",
-                         xytext=(4, 6), fontsize=8)
+                         xytext=(0, -14), ha="center", va="top", fontsize=8,
+                         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
     if even is not None:
         axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
     top = max(p["step_s"][m] for p in points for m in modes) * 1e3
-    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title="step time against weight bytes",
+    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title=f"step time against weight bytes (medians of {s['rounds']} rounds)",
                 ylim=(None, top * 6))
     axes[0].legend(fontsize=8, loc="upper left")
     xs = range(len(points))

@@ -201,7 +201,9 @@ def main(argv=None) -> dict:
                     checks, lesson.load())
     bounds = pair("shared", throughput_bound)
     bound = {k: statistics.median(b[k] for b in bounds) for k in bounds[0]}
-    verdict.notes += explain(checks, bound, s, ttft)
+    for check, why in zip(checks, explain(checks, bound, s, ttft)):  # one reading per line, printed either way
+        check.why = why
+        verdict.notes += [] if check.outcome() == "NOT SUPPORTED" else [why]
     print_verdict(verdict)
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))

@@ -157,7 +157,7 @@ def make_checks(cost: dict, rows: list[dict]) -> list[Check]:
         (f"prompt-lookup speedup at γ = {LOOKUP_GAMMA}", lookup["speedups"], LOOKUP_LINE, ">=")]]
 
 
-def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
+def explain(cost: dict, rows: list[dict]) -> list[str]:
     """How far verification is free and why not further; the worst fit and its counts' and costs' S; each best γ."""
     v, pass_s, matmul_s = cost["ratio"], cost["seconds"]["pass"], cost["seconds"]["matmuls"]
     free = max(k for k in v if all(v[j] < FREE_LINE for j in v if j <= k))
@@ -175,14 +175,14 @@ def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
                  f"pass at its measured cost, not 1) predict {w['modelled']:.2f}× ({off['modelled']})")
     for name in dict.fromkeys(r["draft"] for r in rows):
         b = max((r for r in rows if r["draft"] == name), key=lambda r: r["speedup"])
-        pays = PAYS[Check("speedup", b["speedups"], 1.0, ">=").outcome(share)]
+        pays = PAYS[Check("speedup", b["speedups"], 1.0, ">=").outcome()]
         notes.append(f"{name}: best γ = {b['gamma']}, {b['speedup']:.2f}× (α = {b['alpha']:.2f}, c = {b['c']:.3f}; "
                      f"{b['tokens_per_pass']:.2f} tokens per pass, the most it could give were verification and "
                      f"drafting free); speculation {pays} for this pair on this device")
     return notes
 
 
-def plot(lesson, cost: dict, rows: list[dict], gammas: list[int]) -> None:
+def plot(lesson, cost: dict, rows: list[dict], gammas: list[int], verdict) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.4))
     v, rounds, mm, ks = cost["ratio"], cost["rounds"], cost["matmul_ratio"], list(cost["ratio"])
     ax.errorbar(ks, list(v.values()), yerr=[[v[k] - min(rounds[k]) for k in ks], [max(rounds[k]) - v[k] for k in ks]],
@@ -240,15 +240,21 @@ def main(argv=None) -> dict:
                 f"{s['repeats']} rounds; the target alone: {per_token} per token")
 
     load = lesson.load()
+    checks = make_checks(cost, rows)
+    notes = explain(cost, rows)
+    lookup_note = next(n for n in notes if n.startswith("prompt lookup:"))
+    for check, why in zip(checks, [notes[0], notes[1], notes[1], lookup_note]):
+        check.why = why
     verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), "
                     f"so the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
-                    f"repeats itself gives ≥ {LOOKUP_LINE}×", make_checks(cost, rows), load)
-    verdict.notes += explain(cost, rows, load.share) + [
+                    f"repeats itself gives ≥ {LOOKUP_LINE}×", checks, load)
+    told = {c.why for c in checks if c.outcome() == "NOT SUPPORTED"}  # printed as the why of their check
+    verdict.notes += [n for n in notes if n not in told] + [
         f"α was measured on {target.weights_source} weights (draft: {draft.weights_source}) and says nothing about a "
         f"real checkpoint's α; the cost curve holds for any weights. Sampled (temperature 1, Leviathan's rule, "
         f"γ = {LOOKUP_GAMMA}), the model draft's α is {alpha_sampled:.2f}"]
     print_verdict(verdict)
-    plot(lesson, cost, rows, s["gammas"])
+    plot(lesson, cost, rows, s["gammas"], verdict)
     figures = {"verification": cost, "draft": draft.weights_source, "prompt_len": len(prompt),
                "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled}
     write_results(lesson, figures, verdict)

@@ -134,7 +134,7 @@ def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4)):
 
 def test_explain_reads_the_cause_from_the_numbers():
     ratio = {1: 1.0, 2: 1.1, 3: 1.15, 5: 2.0}
-    explain = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 9, 10, 16]), sweep(1.3, 2.6, 1.9), 0.0)
+    explain = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 9, 10, 16]), sweep(1.3, 2.6, 1.9))
     assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
     assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
     assert "worst fit: prompt lookup at γ = 4, 1.30× against S = 2.60× (-50%)" in explain[1]
@@ -142,7 +142,7 @@ def test_explain_reads_the_cause_from_the_numbers():
            "(+0%)" in explain[1]
     assert "prompt lookup: best γ = 4, 1.30× (α = 0.80, c = 0.010; 1.70 tokens per pass" in explain[2]
     assert "speculation pays" in explain[2] and "speculation does not pay" in explain[3] and len(explain) == 4
-    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1)), 0.0)
+    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1)))
     assert "10% of that in the matrix products" in other[0] and "mostly outside them" in other[0]
     assert "model draft at γ = 4" in other[1] and "predict 0.80× (+12%)" in other[1]
     assert "may or may not pay" in other[2]
