@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
 
     figures = {"sizes": rows, "budget": {**budget, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION},
                "decode_bytes_split": split, "kv_bytes_per_token": per_token, "weights_read_per_step": weights_read,
-               "crossover_tokens": crossover}
+               "crossover_tokens": crossover, "rounding_allowed_bytes": slack_bytes(device)}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -14,6 +14,7 @@ from minillm import SamplingParams, kv_cache
 from minillm.speculative import NgramProposer, SpecDecodingStats, expected_tokens_per_pass
 from models import context_model, random_prompts
 
+from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave  # noqa: E402
@@ -40,6 +41,7 @@ def test_quick_run_on_tiny_writes_one_verdict(tmp_path, one_thread):
         assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) == 2
     cost = doc["figures"]["verification"]
     assert cost["ratio"]["1"] == 1.0 and set(cost["ratio"]) == {"1", "5"} and cost["context"] <= 128 - 5
+    assert_lesson_results(doc)
 
 
 def test_the_shallow_draft_shares_the_targets_weights_and_runs_its_first_blocks(target, one_thread):
@@ -114,7 +116,7 @@ def rows(fits_per_round, lookup_speedups):
 ])
 def test_the_checks_fall_on_either_side_of_their_lines(premise, fits, lookup, want):
     checks = lesson.make_checks({"rounds": {lesson.PREMISE_K: premise}}, rows(fits, lookup))
-    assert [c.outcome(0.0) for c in checks] == want
+    assert [c.outcome() for c in checks] == want
     assert [c.line for c in checks] == [1.3, 0.85, 1.15, 1.5]
 
 

@@ -11,6 +11,7 @@ from minillm import PRESETS
 from minillm.metrics import decode_cost, prefill_cost, resident_bytes, step_cost
 from models import random_prompts
 
+from lesson_checks import assert_lesson_results
 from lessons_support import LESSONS, load_lesson  # also puts lessons/ on sys.path
 
 
@@ -43,6 +44,8 @@ def test_lesson_runs_quick_and_writes_json_and_plot(module, tmp_path, capsys):
     assert v["holds"] == (v["outcome"] == "HOLDS") and "share" in v["load"]
     out = capsys.readouterr().out
     assert out.count("Verdict:") == 1  # exactly one verdict per lesson
+    assert_lesson_results(doc)
+    assert doc["predictions"] and out.index("prediction:") < out.index("Verdict:")
 
 
 def test_a_lessons_help_shows_its_whole_docstring(capsys):

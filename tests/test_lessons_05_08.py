@@ -16,6 +16,7 @@ from minillm.scheduler import SchedulerConfig
 from minillm.sequence import RequestMetrics
 from minillm.weights import random_model
 
+from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 import workloads  # noqa: E402
@@ -33,6 +34,8 @@ def run_quick(module, tmp_path) -> dict:
     assert doc["lesson"] == module.NAME and doc["quick"] is True
     assert (tmp_path / f"{module.NAME}.png").stat().st_size > 1000
     assert doc["verdict"]["outcome"] in ("HOLDS", "NOT SUPPORTED", "INCONCLUSIVE")
+    assert_lesson_results(doc)
+    assert doc["predictions"]
     return doc
 
 
@@ -113,7 +116,7 @@ def test_lesson_06_quick_judges_the_step_at_the_stated_point(tmp_path, one_threa
     assert f["judged_context"] == PRESETS["tiny"].n_ctx // 4
     assert {r["block_size"] for r in f["by_block_size"]} == {4, 16, 64}
     for r in f["by_context"] + f["by_block_size"]:
-        assert len(r["step_ratio"]) == 3 and r["gather_s"] > 0 and all(x > 0 for x in r["attention_ratio"])
+        assert len(r["step_ratio"]) >= 3 and r["gather_s"] > 0 and all(x > 0 for x in r["attention_ratio"])
     assert v["checks"][0]["line"] == paging.STEP_COST_LIMIT and v["checks"][0]["timed"]
 
 
