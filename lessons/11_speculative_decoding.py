@@ -256,7 +256,7 @@ def main(argv=None) -> dict:
     print_verdict(verdict)
     plot(lesson, cost, rows, s["gammas"], verdict)
     figures = {"verification": cost, "draft": draft.weights_source, "prompt_len": len(prompt),
-               "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled}
+               "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled, "fit_tolerance": FIT}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 
