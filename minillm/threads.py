@@ -75,7 +75,7 @@ def busy_cores(cpus: list[int], window_s: float = WINDOW_S, path: str = "/proc/s
     if before is None:
         return None
     time.sleep(window_s)
-    after, seconds = _per_cpu_busy_s(path), time.perf_counter() - t0
+    after, seconds = _per_cpu_busy_s(path), max(time.perf_counter() - t0, window_s)  # sleep lasts at least that
     if after is None:
         return None
     used = sum(after.get(c, 0.0) - before.get(c, 0.0) for c in cpus)
