@@ -40,13 +40,14 @@ import numpy as np
 import torch
 
 from common import make_parser, ms, plt, print_table, run, save_plot, start, ticks_at, write_results
-from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict
+from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 
 from minillm.kv_cache import KVCache, Segment, generate
 from minillm.metrics import decode_step
 from minillm.model import GPT2, Conv1D
 from minillm.sampling import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
+from minillm.weights import load_model, locate
 
 NAME = "11_speculative_decoding"
 CONTEXT = 256                      # cached tokens before the measured passes
@@ -67,6 +68,37 @@ def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
     draft.h = torch.nn.ModuleList(target.h[:n_layer])
     draft.weights_source = f"the target's first {n_layer} of {target.config.n_layer} blocks"
     return draft.eval()
+
+
+CLASSIC_DRAFTS = {"gpt2": "distilgpt2", "gpt2-medium": "gpt2", "gpt2-large": "gpt2", "gpt2-xl": "gpt2"}
+
+
+def has_weights(name: str) -> bool:
+    """Whether `name` is a checkpoint whose weights are on disk (a preset folder holding safetensors)."""
+    try:
+        folder, preset = locate(name)
+    except ValueError:
+        return False
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+
+def choose_draft(target: GPT2, target_name: str, asked: str, device, dtype) -> tuple[GPT2, str]:
+    """The draft model and why: `asked` may name any checkpoint with the target's vocabulary; `auto` takes the
+    classic pair (distilgpt2 for gpt2, gpt2 for the larger ones) when its weights are present, else the shallow
+    draft; `shallow` always takes the target's first quarter of blocks."""
+    shallow = max(1, target.config.n_layer // 4)
+    if asked == "shallow" or (asked == "auto" and not has_weights(CLASSIC_DRAFTS.get(target_name, ""))):
+        why = "asked for (--draft shallow)" if asked == "shallow" else (
+            f"no weights for the classic draft {CLASSIC_DRAFTS[target_name]} of {target_name}"
+            if target_name in CLASSIC_DRAFTS else f"{target_name} has no classic draft")
+        return shallow_draft(target, shallow), f"the target's first {shallow} block{'s' * (shallow > 1)} ({why})"
+    name = CLASSIC_DRAFTS[target_name] if asked == "auto" else asked
+    draft = load_model(name, device, dtype)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SystemExit(f"--draft {name}: its vocabulary has {draft.config.vocab_size} tokens and the target's "
+                         f"{target.config.vocab_size}; a draft must propose the target's tokens: pick a checkpoint "
+                         "of the same tokenizer, or --draft shallow")
+    return draft, f"{name} ({draft.weights_source}{', the classic pair' if asked == 'auto' else ''})"
 
 
 def quoting_prompt(target: GPT2, passage: int, quoted: int, seed: int = 0) -> list[int]:
@@ -188,38 +220,70 @@ def plot(lesson, cost: dict, rows: list[dict], gammas: list[int], verdict) -> No
     ax.errorbar(ks, list(v.values()), yerr=[[v[k] - min(rounds[k]) for k in ks], [max(rounds[k]) - v[k] for k in ks]],
                 capsize=3, fmt="o-", label="target pass, logits at all k (bars: range)")
     ax.plot(ks, list(mm.values()), "s--", label="its matrix products alone")
-    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9, label=f"claim: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
+    ax.axhline(PREMISE_LINE, color="C3", ls=":", lw=1)
+    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9,
+            label=f"the claim's line: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
     ax.set(xlabel="new tokens k in one pass", ylabel="time ÷ a one-token step", title=f"verification cost after "
-           f"{cost['context']} cached tokens", ylim=(0, max(PREMISE_LINE, *v.values(), *mm.values()) * 1.4))
-    for name, color in zip(dict.fromkeys(r["draft"] for r in rows), ("C0", "C1")):
-        mine = [r for r in rows if r["draft"] == name]
-        gs = [r["gamma"] for r in mine]
-        bx.errorbar(gs, [r["speedup"] for r in mine], capsize=3, fmt="o-", color=color,
-                    label=f"{name}, α = {statistics.median(r['alpha'] for r in mine):.2f}: measured (bars: range)",
-                    yerr=[[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]])
-        bx.plot(gs, [r["predicted"] for r in mine], "x--", color=color, ms=9, label=f"{name}: S (measured α, c)")
-        bx.plot(gs, [r["modelled"] for r in mine], "s:", color=color, mfc="none", label=f"{name}: its counts and costs")
+           f"{cost['context']} cached tokens\n(medians of {len(rounds[ks[0]])} rounds)", ylim=(0, max(PREMISE_LINE, *v.values(), *mm.values()) * 1.4))
+    names = list(dict.fromkeys(r["draft"] for r in rows))
+    if len(gammas) > 1:  # a sweep: measured, and the two predictions beside it (offset so no marker hides another)
+        for name, color in zip(names, ("C0", "C1")):
+            mine = [r for r in rows if r["draft"] == name]
+            gs = [r["gamma"] for r in mine]
+            bx.errorbar(gs, [r["speedup"] for r in mine], capsize=3, fmt="o-", color=color,
+                        label=f"{name}, α = {statistics.median(r['alpha'] for r in mine):.2f}: measured (bars: range)",
+                        yerr=[[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]])
+            bx.plot([g * 1.06 for g in gs], [r["predicted"] for r in mine], "x--", color=color, ms=9,
+                    label=f"{name}: S (measured α, c)")
+            bx.plot([g / 1.06 for g in gs], [r["modelled"] for r in mine], "s:", color=color, mfc="none",
+                    label=f"{name}: its counts and costs")
+        bx.set_xscale("log", base=2)
+        ticks_at(bx, gammas)
+        bx.set(xlabel="γ, guesses per round", title=f"speedup vs γ: measured (medians of {len(rows[0]['speedups'])} "
+               "rounds) and predicted")
+    else:  # one γ: bars, not a one-point sweep
+        width = 0.27
+        for j, (key, label) in enumerate((("speedup", "measured (median; bars: range)"),
+                                          ("predicted", "S (measured α, c)"), ("modelled", "its counts and costs"))):
+            mine = [next(r for r in rows if r["draft"] == n) for n in names]
+            err = ([[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]]
+                   if key == "speedup" else None)
+            bx.bar([i + (j - 1) * width for i in range(len(names))], [r[key] for r in mine], width, yerr=err,
+                   capsize=3, label=label, color=f"C{j}")
+        bx.set_xticks(range(len(names)), [f"{n}\nα = {next(r for r in rows if r['draft'] == n)['alpha']:.2f}"
+                                          for n in names])
+        bx.set(title=f"speedup at γ = {gammas[0]}: measured (medians of {len(rows[0]['speedups'])} rounds) "
+                     "and predicted")
     bx.axhline(1, color="black", lw=0.6)
-    bx.set(xlabel="γ, guesses per round", ylabel="speedup over the target alone (decode phase)", title="speedup vs "
-           "γ: measured and predicted", ylim=(0, max(max(r["high"], r["predicted"]) for r in rows) * 1.1))
-    for a, ticks in ((ax, ks), (bx, gammas)):
-        ticks_at(a, ticks)
+    bx.axhline(LOOKUP_LINE, color="C3", ls=":", lw=1, label=f"the claim's line for prompt lookup: ≥ {LOOKUP_LINE}×")
+    bx.set(ylabel="speedup over the target alone (decode phase)",
+           ylim=(0, max(LOOKUP_LINE, *(max(r["high"], r["predicted"], r["modelled"]) for r in rows)) * 1.15))
+    ticks_at(ax, ks)
+    for a in (ax, bx):
         a.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     save_plot(lesson, fig, verdict)
 
 
 def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
+    parser = make_parser(__doc__)
+    parser.add_argument("--draft", default="auto",
+                        help="the draft: auto (the classic pair when its weights are present: distilgpt2 for gpt2, "
+                             "gpt2 for the larger; else shallow), shallow (the target's first blocks), or any "
+                             "checkpoint with the target's vocabulary")
+    args = parser.parse_args(argv)
     lesson = start(NAME, args, ceilings=False)
     target, cfg, s = lesson.model, lesson.config, SIZES["quick" if args.quick else "full"]
-    draft = shallow_draft(target, max(1, cfg.n_layer // 4))
+    draft, draft_why = choose_draft(target, args.model, args.draft, lesson.device, lesson.dtype)
+    print(f"draft: {draft_why}")
     prompt = quoting_prompt(target, s["passage"], s["quoted"])
     sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)
     alpha_sampled = timed(target, draft, prompt, sampled, LOOKUP_GAMMA)().stats.alpha   # the exercise's rule, first
     ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
     context = min(CONTEXT, cfg.n_ctx - max(ks))
+    premise = lambda r: Check("premise", summarise_costs(r, ks)["rounds"][PREMISE_K], PREMISE_LINE,  # noqa: E731
+                              "<=").outcome() != INCONCLUSIVE
     costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
-                       desc="verification cost, in turns")
+                       desc="verification cost, in turns", until=premise)
     cost = {**summarise_costs(costs, ks), "context": context}
     v, c = cost["ratio"], cost["c"]
 
@@ -227,17 +291,21 @@ def main(argv=None) -> dict:
     drafts = {"model draft": draft, "prompt lookup": NgramProposer()}
     fns = {"target alone": timed(target, None, prompt, greedy),
            **{f"{n} γ={g}": timed(target, d, prompt, greedy, g) for n, d in drafts.items() for g in s["gammas"]}}
+    def rows_of(r) -> list[dict]:
+        return [sweep_row(n, g, r.results("target alone"), r.results(f"{n} γ={g}"), c[n], v)
+                for n in drafts for g in s["gammas"]]
+
     rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device,   # the runs above warmed the model up
-                        desc="speculation sweep, in turns")
+                        desc="speculation sweep, in turns", until=settled(lambda r: make_checks(cost, rows_of(r))))
     base = rounds.results("target alone")
     per_token = ms(statistics.median(b.decode_s / b.decode_tokens for b in base))
-    rows = [sweep_row(n, g, base, rounds.results(f"{n} γ={g}"), c[n], v) for n in drafts for g in s["gammas"]]
+    rows = rows_of(rounds)
     print_table(["draft", "γ", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S", "counts, costs"],
                 [[r["draft"], r["gamma"], f"{r['alpha']:.2f}", f"{r['tokens_per_pass']:.2f}",
                   f"{r['formula_tokens_per_pass']:.2f}", f"{r['guesses_per_pass']:.2f}", f"{r['speedup']:.2f}×",
                   f"{r['low']:.2f}–{r['high']:.2f}", f"{r['predicted']:.2f}×", f"{r['modelled']:.2f}×"] for r in rows],
                 f"greedy, a {len(prompt)}-token prompt that repeats itself, {s['max_tokens']} new tokens, "
-                f"{s['repeats']} rounds; the target alone: {per_token} per token")
+                f"{rounds.count} rounds; the target alone: {per_token} per token")
 
     load = lesson.load()
     checks = make_checks(cost, rows)
@@ -247,7 +315,7 @@ def main(argv=None) -> dict:
         check.why = why
     verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), "
                     f"so the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
-                    f"repeats itself gives ≥ {LOOKUP_LINE}×", checks, load)
+                    f"repeats itself gives ≥ {LOOKUP_LINE}×", checks, load, [costs, rounds])
     told = {c.why for c in checks if c.outcome() == "NOT SUPPORTED"}  # printed as the why of their check
     verdict.notes += [n for n in notes if n not in told] + [
         f"α was measured on {target.weights_source} weights (draft: {draft.weights_source}) and says nothing about a "
@@ -255,7 +323,7 @@ def main(argv=None) -> dict:
         f"γ = {LOOKUP_GAMMA}), the model draft's α is {alpha_sampled:.2f}"]
     print_verdict(verdict)
     plot(lesson, cost, rows, s["gammas"], verdict)
-    figures = {"verification": cost, "draft": draft.weights_source, "prompt_len": len(prompt),
+    figures = {"verification": cost, "draft": draft.weights_source, "draft_choice": draft_why, "prompt_len": len(prompt),
                "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled, "fit_tolerance": FIT}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}

@@ -103,9 +103,11 @@ def main(argv=None) -> int:
     for row in summary:
         print(f"{row['lesson']:<26} {row['wall_s']:>8.1f}   {row['verdict']}")
     print(f"{'total':<26} {total:>8.1f}")
+    decisive = sum(row["verdict"] in ("HOLDS", "NOT SUPPORTED") for row in summary)
+    print(f"decisive verdicts (HOLDS or NOT SUPPORTED): {decisive} of {len(summary)}")
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": " ".join(["python", "lessons/run_all.py", *(argv if argv is not None else sys.argv[1:])]),
-           "quick": args.quick, "model": args.model, "lessons": summary, "total_s": total,
+           "quick": args.quick, "model": args.model, "lessons": summary, "total_s": total, "decisive": decisive,
            "load_average_before": load_before, "load_average_after": os.getloadavg()[0] if load_before else None,
            "cpu_count": os.cpu_count()}
     (out / "run_all.json").write_text(json.dumps(doc, indent=2) + "\n")
