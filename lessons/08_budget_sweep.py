@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
     figures = {"trace": {**stats, "rate_per_s": s["rate"], "prompt_median": s["prompt_median"],
                          "output_median": s["output_median"], "sigma": 0.6, "seed": 0},
                "configs": {n: {"budget": b, "chunked": c, "runs": points[n]} for n, (b, c) in configs.items()},
-               "gain_per_round": gain}
+               "gain_per_round": gain, "claimed_gain": CLAIM_GAIN}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

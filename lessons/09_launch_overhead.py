@@ -53,7 +53,7 @@ import dataclasses
 import statistics
 
 import torch
-from common import make_parser, ms, one_thread, plt, print_table, run, save_plot, si, start, write_results
+from common import make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 from measure import Check, interleave, judge, print_verdict
 
 from minillm.config import PRESETS
@@ -146,10 +146,18 @@ def main(argv=None) -> dict:
     device, dtype, bandwidth, on_cuda = lesson.device, lesson.dtype, lesson.ceilings.bandwidth, lesson.device.type == "cuda"
     s = sizes(args.quick)
     points = []
+    names = ladder(args.model, lesson.config.num_params())
     with contextlib.nullcontext() if on_cuda else one_thread():
         x = torch.zeros(1, device=device)
         bare = time_fn(lambda: [x.add_(1) for _ in range(1000)], device, 1, 5).median_s / 1000  # one bare op
-        for name in ladder(args.model, lesson.config.num_params()):
+        floors = {n: (PRESETS[n] if n in PRESETS else lesson.config).weight_bytes(dtype) / bandwidth for n in names}
+        predict(lesson, f"one bare op costs the host {bare * 1e6:.1f} µs here, and a decode step is hundreds of "
+                "ops (more per layer), so host time grows with depth; the weight-read floor grows with the weight "
+                "bytes: " + ", ".join(f"{n} {ms(f)}" for n, f in floors.items())
+                + f" at the copy bandwidth ({si(bandwidth, 'B/s')})",
+                "so the smallest shape should wait on its host and the largest on memory if its floor outgrows "
+                "its ops' host time")
+        for name in names:
             model = lesson.model if name == args.model else random_model(PRESETS[name], device, dtype)
             points.append(measure(model, name, s, bandwidth))
             del model

@@ -291,6 +291,8 @@ def main(argv=None) -> dict:
     figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": ttft["off"], "ttft_on_s": ttft["on"]},
                "throughput_bound": bound, "per_round_bounds": bounds, "predicted_bound": pb,
                "on_off_turns": on_off["turns"],
+               "claim": {"ttft_line": TTFT_LINE, "throughput_line": THROUGHPUT_LINE,
+                         "control_cost_limit": 1 - CONTROL_LINE},
                "runs": {name: [{k: v for k, v in r.items() if k != "records"} for r in rs]
                         for name, rs in runs.items()}}
     write_results(lesson, figures, verdict)

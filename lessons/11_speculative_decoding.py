@@ -39,11 +39,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from common import make_parser, ms, plt, print_table, run, save_plot, start, ticks_at, write_results
+from common import make_parser, ms, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 
 from minillm.kv_cache import KVCache, Segment, generate
-from minillm.metrics import decode_step
+from minillm.metrics import decode_step, step_cost
 from minillm.model import GPT2, Conv1D
 from minillm.sampling import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
@@ -280,6 +280,12 @@ def main(argv=None) -> dict:
     alpha_sampled = timed(target, draft, prompt, sampled, LOOKUP_GAMMA)().stats.alpha   # the exercise's rule, first
     ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
     context = min(CONTEXT, cfg.n_ctx - max(ks))
+    one, five = (step_cost(cfg, [k], [context], lesson.dtype, lm_head_rows=k) for k in (1, PREMISE_K))
+    predict(lesson, f"a pass over {PREMISE_K} new tokens after {context} cached reads the same "
+            f"{si(one.weight_bytes, 'B')} of weights as a one-token step and does {five.flops / one.flops:.1f}× its "
+            f"FLOPs, at {five.intensity:.1f} FLOP/B: below the device's ridge (lesson 01) it should cost about one "
+            f"step (the line: {PREMISE_LINE}×), and speculation then pays about its tokens per pass, "
+            f"(1 − α^(γ+1)) / (1 − α), less the draft's cost")
     premise = lambda r: Check("premise", summarise_costs(r, ks)["rounds"][PREMISE_K], PREMISE_LINE,  # noqa: E731
                               "<=").outcome() != INCONCLUSIVE
     costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
