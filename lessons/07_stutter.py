@@ -196,8 +196,9 @@ def main(argv=None) -> dict:
     timeline(axes[0, 0], base[k], f"each request's tokens, unchunked (budget {modes['unchunked'][1]}; {shown})")
     timeline(axes[0, 1], chosen[k], f"each request's tokens, chunked at {B} ({shown})")
     right = max(max(r["tokens"][-1] for r in run["requests"]) for run in (base[k], chosen[k]))
+    left = min(r["arrival"] for r in base[k]["requests"])
     for ax in axes[0]:
-        ax.set_xlim(min(r["arrival"] for r in base[k]["requests"]) - 0.05, right + 0.05)
+        ax.set_xlim(left - 0.05 * (right - left), right + 0.05 * (right - left))
     for mode, color in (("unchunked", "C3"), (f"chunked {B}", "C0")):
         run = runs[mode][k]
         itls = [(b, b - a) for r in run["requests"][:-1] for a, b in zip(r["tokens"], r["tokens"][1:])]
@@ -215,7 +216,7 @@ def main(argv=None) -> dict:
     axes[1, 1].bar(names[1:], mid, yerr=[[m - min(r) for m, r in zip(mid, ratios)],
                                          [max(r) - m for m, r in zip(mid, ratios)]], capsize=4, color="C0")
     axes[1, 1].axhline(STUTTER_FACTOR, color="k", ls=":", label=f"the claim's line: {STUTTER_FACTOR:g}× shorter")
-    axes[1, 1].set(ylabel="unchunked max ITL ÷ chunked (medians; bars: range of the rounds)",
+    axes[1, 1].set(ylabel="unchunked max ITL ÷ chunked\n(median; bars: range of the rounds)",
                    title=f"the stall, cut by chunking ({len(stall)} rounds)")
     axes[1, 1].legend(fontsize=8, loc="upper right")
     save_plot(lesson, fig, verdict)

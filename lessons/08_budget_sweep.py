@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
                          f"{OLD_DEFAULT}, ITL p99 {ms(med(large, 'itl_p99_s'))} against {ms(med(old, 'itl_p99_s'))}")
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     chunked = [n for n, (_, c) in configs.items() if c]
     xs = [configs[n][0] for n in chunked]
     for ax, key, label in ((axes[0], "throughput", "generated tokens/s"), (axes[1], "ttft", "TTFT (ms)"),
@@ -156,11 +156,11 @@ def main(argv=None) -> dict:
         ticks_at(ax, xs + [configs[unchunked][0]])
         ax.set(xlabel="max_num_batched_tokens", ylabel=label)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room above the highest marker
-        ax.legend(fontsize=8, loc="lower left")
     line = (1 + CLAIM_GAIN - CLAIM_SLACK) * med(old, "throughput")
     axes[0].axhline(line, color="k", ls=":", label=f"the claim's line: {1 + CLAIM_GAIN - CLAIM_SLACK:g}× budget {OLD_DEFAULT}")
     axes[0].set_ylim(0, max(axes[0].get_ylim()[1], 1.25 * line))
-    axes[0].legend(fontsize=8, loc="lower right", framealpha=0.9)
+    for ax in axes:  # below the axes: never over the data
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     axes[0].set_title(f"throughput ({LARGE} ÷ {OLD_DEFAULT}: {check.median:.2f}×)\n(medians of {rounds.count} rounds; "
                       "bars: range)")
     axes[1].set_title("time to first token")

@@ -242,7 +242,7 @@ def main(argv=None) -> dict:
         verdict.notes += [] if check.outcome() == "NOT SUPPORTED" else [why]
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.6))
     ax = axes[0]
     for c, color in (("off", "C3"), ("on", "C0")):
         cols = list(zip(*sweep_rows[c]))
@@ -257,7 +257,6 @@ def main(argv=None) -> dict:
            title=f"TTFT of a hit ({checks[0].median:.2f}× lower at S = {s['sweep'][-1]})\n"
                  f"(medians of {rounds.count} rounds; bars: range)")
     ticks_at(ax, [0] + s["sweep"])
-    ax.legend(fontsize=8, loc="upper left")
     ax = axes[1]
     names = ["shared", "turns", "control"]
     for j, (c, color) in enumerate((("off", "C3"), ("on", "C0"))):
@@ -274,7 +273,6 @@ def main(argv=None) -> dict:
     ax.set_xticks(range(3), [f"{w}{' (one run)' * (w == 'turns')}\non ÷ off {on_off[w]:.2f}×" for w in names])
     ax.set(ylabel="generated tokens/s", title=f"throughput by workload\n(medians of {rounds.count} rounds; bars: range)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
-    ax.legend(fontsize=8, loc="upper right")
     ax = axes[2]
     for j, c in enumerate(("off", "on")):
         pre, dec = med(f"shared {c}", "prefill_steps_s"), med(f"shared {c}", "decode_steps_s")
@@ -282,10 +280,11 @@ def main(argv=None) -> dict:
         ax.bar(j, dec, 0.6, bottom=pre, color="C2", label="decode-only steps" if j == 0 else None)
     ax.set_xticks([0, 1], ["caching off", "caching on"])
     ax.set(ylabel="seconds of engine steps, shared workload",
-           title=f"where the time went (medians): caching prefill can gain ≤ {bound['bound']:.2f}×\n"
-                 f"(predicted before measuring: ≤ {pb['bound']:.2f}×)")
+           title=f"where the time went (medians)\ncaching prefill can gain ≤ {bound['bound']:.2f}× "
+                 f"(predicted: ≤ {pb['bound']:.2f}×)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
-    ax.legend(fontsize=8, loc="upper right")
+    for ax in axes:  # below the axes: never over the data
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     save_plot(lesson, fig, verdict)
 
     figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": ttft["off"], "ttft_on_s": ttft["on"]},

@@ -267,7 +267,7 @@ def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], l
         ax.loglog(intensity, flops, marker, label=label)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("achieved FLOP/s")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
 
 
 def plot_checks(ax, verdict: Verdict) -> None:

@@ -38,7 +38,7 @@ def test_quick_run_on_tiny_writes_one_verdict(tmp_path, one_thread):
     rows = doc["figures"]["sweep"]
     assert [(r["draft"], r["gamma"]) for r in rows] == [(d, g) for d in ("model draft", "prompt lookup") for g in [4]]
     for r in rows:
-        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) == 2
+        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) >= 2
     cost = doc["figures"]["verification"]
     assert cost["ratio"]["1"] == 1.0 and set(cost["ratio"]) == {"1", "5"} and cost["context"] <= 128 - 5
     assert_lesson_results(doc)
