@@ -172,3 +172,35 @@ def test_a_student_copy_stops_at_this_lessons_exercise_before_measuring(tmp_path
     result = run_lesson(copy, 11, tmp_path / "out")
     assert_stops_at_a_stub(result, stubbed)
     assert "greedy, a" not in result.stdout   # stopped before the sweep's table, not after a minute of measuring
+
+
+def test_the_draft_is_the_classic_pair_when_its_weights_are_present_else_the_shallow_one(target, monkeypatch):
+    loaded = []
+
+    def fake_load(name, device, dtype):
+        loaded.append(name)
+        m = context_model()
+        m.weights_source = f"weights/{name}"
+        return m
+    monkeypatch.setattr(lesson, "load_model", fake_load)
+    monkeypatch.setattr(lesson, "has_weights", lambda name: False)
+    draft, why = lesson.choose_draft(target, "gpt2", "auto", "cpu", torch.float32)
+    assert not loaded and "first 1 block" in why and "no weights for the classic draft distilgpt2 of gpt2" in why
+    assert lesson.choose_draft(target, "tiny", "auto", "cpu", torch.float32)[1].endswith("(tiny has no classic draft)")
+    monkeypatch.setattr(lesson, "has_weights", lambda name: name == "distilgpt2")
+    draft, why = lesson.choose_draft(target, "gpt2", "auto", "cpu", torch.float32)
+    assert loaded == ["distilgpt2"] and why == "distilgpt2 (weights/distilgpt2, the classic pair)"
+    draft, why = lesson.choose_draft(target, "gpt2-xl", "shallow", "cpu", torch.float32)
+    assert "asked for (--draft shallow)" in why and loaded == ["distilgpt2"]
+    draft, why = lesson.choose_draft(target, "gpt2-xl", "some/checkpoint", "cpu", torch.float32)
+    assert loaded[-1] == "some/checkpoint" and why == "some/checkpoint (weights/some/checkpoint)"
+
+
+def test_a_draft_of_another_vocabulary_is_refused_with_the_fix(target, monkeypatch):
+    small = lesson.shallow_draft(target, 1)
+    small.config = target.config.with_(vocab_size=target.config.vocab_size + 7)
+    small.weights_source = "weights/other"
+    monkeypatch.setattr(lesson, "load_model", lambda name, device, dtype: small)
+    with pytest.raises(SystemExit, match=r"--draft other: its vocabulary has \d+ tokens and the target's \d+.*"
+                                         r"--draft shallow"):
+        lesson.choose_draft(target, "gpt2", "other", "cpu", torch.float32)
