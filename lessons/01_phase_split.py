@@ -178,6 +178,7 @@ def main(argv=None) -> dict:
                       f"{pre_cost.intensity:.0f}: this device's matmul units outrun its memory by more than a "
                       f"{T}-token prompt can feed; about {T * r / pre_cost.intensity:.0f} tokens would cross it"),
             Check(f"prefill of {T} tokens: share of the matmul ceiling", mm_share, ROOF_SHARE, ">=", fmt="{:.0%}",
+                  of_ceiling=True,
                   why=f"at the matmul ceiling its {si(pre_cost.flops, 'FLOP')} would take {ms(at_roof)}; it took "
                       f"{ms(t_pre)}: the other {ms(max(0.0, t_pre - at_roof))} went to what is not a large matmul "
                       "(attention, layer norms, per-op overhead) or to a matmul shape the library runs slowly"),
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
                       f"{dec_cost.intensity:.2f}: on this device even one token per weight read keeps the "
                       "matmul units busier than the memory"),
             Check(f"decode after {s['prompt']} tokens: share of the copy bandwidth", bw_share, ROOF_SHARE, ">=",
-                  fmt="{:.0%}",
+                  fmt="{:.0%}", of_ceiling=True,
                   why=f"its {si(dec_cost.bytes, 'B')} would move in {ms(floor)} at the copy bandwidth; the step "
                       f"took {ms(t_dec)}, so {ms(max(0.0, t_dec - floor))} went to something else than memory: "
                       "per-step overhead (Python, many small kernels) or a matrix-vector kernel that streams "

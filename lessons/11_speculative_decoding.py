@@ -55,7 +55,7 @@ PREMISE_K, PREMISE_LINE = 5, 1.3   # a pass over 5 new tokens costs at most 1.3�
 FREE_LINE = 1.2                    # the verdict says up to which k a pass stays under 1.2× a step
 FIT = 0.15                         # measured speedup within ±15% of S
 LOOKUP_GAMMA, LOOKUP_LINE = 4, 1.5  # prompt lookup at γ = 4 (fixed beforehand) gives at least 1.5×
-PAYS = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (spread too wide)"}
+PAYS = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (its interval straddles 1×)"}
 SIZES = {"quick": dict(gammas=[LOOKUP_GAMMA], passage=16, quoted=10, max_tokens=10, repeats=2, cost_repeats=3, ks=[]),
          "full": dict(gammas=[1, 2, 4, 8], passage=64, quoted=24, max_tokens=24, repeats=3, cost_repeats=7, ks=[16])}
 

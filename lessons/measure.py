@@ -259,7 +259,8 @@ class Check:
     values: one per round (a counted quantity: one value); holds_if: ">=" or "<=";
     timed: False for counts (tokens, bytes), which have no spread; fmt formats a value;
     why: what the run's own numbers say about a value on the wrong side of the line (printed when the
-    check is NOT SUPPORTED; every lesson gives one for every check).
+    check is NOT SUPPORTED; every lesson gives one for every check);
+    of_ceiling: the values are shares of a ceiling, so one above 1 is flagged (*), never shown as a share.
     """
     name: str
     values: list[float]
@@ -268,6 +269,7 @@ class Check:
     timed: bool = True
     fmt: str = "{:.3g}"
     why: str = ""
+    of_ceiling: bool = False
 
     def __post_init__(self):
         if self.holds_if not in (">=", "<="):
@@ -305,18 +307,24 @@ class Check:
             return NOT_SUPPORTED
         return INCONCLUSIVE
 
+    def _f(self, x: float) -> str:
+        return self.fmt.format(x) + ("*" if self.of_ceiling and x > 1 else "")
+
     def relation(self) -> str:
         return f"{self.holds_if.replace('>=', '≥').replace('<=', '≤')} {self.fmt.format(self.line)}"
 
     def interval_text(self) -> str:
-        f, (lo, hi), n = self.fmt.format, self.interval(), len(self.values)
+        f, (lo, hi), n = self._f, self.interval(), len(self.values)
         return f"{f(lo)}–{f(hi)}: the {self.coverage:.0%} interval of the median of {n} round{'s' * (n != 1)}"
 
     def describe(self) -> str:
-        text = f"{self.name} {self.relation()}: {self.fmt.format(self.median)}"
+        text = f"{self.name} {self.relation()}: {self._f(self.median)}"
         if self.timed:
             text += f" ({self.interval_text()})"
-        return text + f" → {self.outcome()}"
+        text += f" → {self.outcome()}"
+        if self.of_ceiling and max(self.values) > 1:
+            text += " (* over 100%: faster than the ceiling kernel of its round, which is then not its limit)"
+        return text
 
 
 def settled(make_checks: Callable[[Rounds], list[Check]]) -> Callable[[Rounds], bool]:
@@ -348,7 +356,7 @@ class Verdict:
             if c.outcome() == INCONCLUSIVE:
                 ran = "; ".join(r.describe() for r in self.rounds) or f"{len(c.values)} rounds"
                 lo, hi = c.interval()
-                lines.append(f"INCONCLUSIVE on “{c.name}”: its interval {c.fmt.format(lo)}–{c.fmt.format(hi)} "
+                lines.append(f"INCONCLUSIVE on “{c.name}”: its interval {c._f(lo)}–{c._f(hi)} "
                              f"({c.coverage:.0%} interval of the median) straddles the line {c.relation()} after "
                              f"{ran}; rerun, ideally on a quieter machine, for a verdict")
         lines.append(self.load.describe())

@@ -65,6 +65,12 @@ def test_the_load_never_widens_an_interval():
         assert judge("claim", [c], load(share)).outcome == HOLDS
 
 
+def test_a_share_of_a_ceiling_over_100_percent_is_flagged():
+    c = Check("share of the matmul ceiling", [0.04, 0.5, 4.68], 0.2, ">=", fmt="{:.0%}", of_ceiling=True)
+    assert "4%–468%*" in c.describe() and "* over 100%" in c.describe()
+    assert "*" not in Check("share", [0.4, 0.5, 0.6], 0.2, ">=", fmt="{:.0%}", of_ceiling=True).describe()
+
+
 def test_a_counted_check_has_no_spread():
     c = Check("waste", [0.039], 0.04, "<=", timed=False)
     assert c.interval() == (0.039, 0.039) and c.outcome() == HOLDS
