@@ -354,7 +354,8 @@ class Verdict:
         lines = [c.describe() for c in self.checks] + self.explanations() + self.notes
         for c in self.checks:
             if c.outcome() == INCONCLUSIVE:
-                ran = "; ".join(r.describe() for r in self.rounds) or f"{len(c.values)} rounds"
+                mine = [r for r in self.rounds if r.count == len(c.values)]  # the rounds this check came from
+                ran = mine[0].describe() if mine else f"{len(c.values)} rounds"
                 lo, hi = c.interval()
                 lines.append(f"INCONCLUSIVE on “{c.name}”: its interval {c._f(lo)}–{c._f(hi)} "
                              f"({c.coverage:.0%} interval of the median) straddles the line {c.relation()} after "
