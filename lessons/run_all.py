@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every lesson (default: each counts the cores free as it starts)")
     parser.add_argument("--only", default=None, help="comma-separated lesson numbers, e.g. 01,03")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
@@ -80,6 +82,7 @@ def main(argv=None) -> int:
                              + ", ".join(p.name[:2] for p in discover()))
     flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--out", args.out]
     flags += ["--quick"] if args.quick else []
+    flags += ["--threads", str(args.threads)] if args.threads else []
     if args.dry_run:
         for path in lessons:
             print("$ " + " ".join(lesson_command(path, flags)))

@@ -162,6 +162,9 @@ def test_run_all_dry_run_passes_flags(capsys):
     assert run_all.main(["--quick", "--model", "tiny", "--dry-run", "--only", "2"]) == 0
     out = capsys.readouterr().out
     assert "02_kv_cache.py" in out and "--quick" in out and "--model tiny" in out and "01_" not in out
+    assert "--threads" not in out  # each lesson counts its free cores unless told
+    assert run_all.main(["--threads", "1", "--dry-run", "--only", "2"]) == 0
+    assert "--threads 1" in capsys.readouterr().out
 
 
 def test_run_all_reports_each_lessons_verdict_or_why_there_is_none(tmp_path):
