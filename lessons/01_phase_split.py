@@ -242,7 +242,7 @@ def main(argv=None) -> dict:
     axes[1].plot([s["prompt"] + i for i in range(len(itl))], [t * 1e3 for t in itl], ".", label="ITL, one request")
     axes[1].set(xlabel="tokens already in context", ylabel="step time (ms)", title="decode step time vs context",
                 xlim=(0, None), ylim=(0, None))
-    axes[1].legend(loc="lower right")
+    axes[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     plot_roofline(axes[2], ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),
                                   "decode": ([d["intensity"] for d in decode], [d["flops_per_s"] for d in decode])})
     grid = sorted({*axes[2].get_xlim(), ceil.ridge})

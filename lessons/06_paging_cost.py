@@ -178,7 +178,7 @@ def main(argv=None) -> dict:
     sweeps = [(by_context, "context", "context (tokens)", f"by context, block {BLOCK_SIZE}"),
               (by_block, "block_size", "block size (tokens)", f"by block size, context {s['judged']}")]
     sweeps = [sw for sw in sweeps if len(sw[0]) > 1]  # a quick run times one context: no sweep to draw
-    fig, axes = plt.subplots(1, 1 + len(sweeps), figsize=(5.5 * (1 + len(sweeps)), 4.5))
+    fig, axes = plt.subplots(1, 1 + len(sweeps), figsize=(5.5 * (1 + len(sweeps)), 5.2))
     bars = {"contiguous": (point["contiguous_step_s"], point["contiguous_attention_s"], 0.0),
             "paged": (point["paged_step_s"], point["paged_attention_s"], point["gather_s"])}
     for i, (name, (step, attention, gather)) in enumerate(bars.items()):
@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
                     label=f"the claim's line: {STEP_COST_LIMIT}× contiguous")
     axes[0].set(ylabel="ms per decode step", title=f"one step, batch {BATCH}, context {s['judged']}\n"
                                                    f"(medians of {point['rounds'].count} rounds)")
-    axes[0].legend(fontsize=8, loc="lower center")
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     for ax, (rows, key, label, title) in zip(axes[1:], sweeps):
         xs = [r[key] for r in rows]
         for ratio, name, color in (("step_ratio", "whole step", "C0"), ("attention_ratio", "attention alone", "C3")):
@@ -204,9 +204,10 @@ def main(argv=None) -> dict:
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set_xscale("log", base=2)
         ticks_at(ax, xs)
-        ax.set(xlabel=label, ylabel="paged ÷ contiguous (medians; bars: range of the rounds)",
-               ylim=(0, max(1.15 * STEP_COST_LIMIT, *(max(r["step_ratio"]) * 1.1 for r in rows))), title=title)
-        ax.legend(fontsize=8, loc="lower right")
+        top = max(1.15 * STEP_COST_LIMIT, *(max(max(r["step_ratio"]), max(r["attention_ratio"])) * 1.1 for r in rows))
+        ax.set(xlabel=label, ylabel="paged ÷ contiguous\n(medians; bars: range of the rounds)", ylim=(0, top),
+               title=title)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     save_plot(lesson, fig, verdict)
 
     for r in by_context + by_block:
