@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
     axes[0].plot(positions, [t * 1e3 for t in cached_s], ".-", label="KV cache (first token: the prefill)")
     axes[0].set(xlabel="tokens in context when the token is emitted", ylabel="latency (ms)",
                 title=f"per-token latency (medians of {rounds.count} rounds)", ylim=(0, None))
-    axes[0].legend(loc="upper left")
+    axes[0].legend(loc="center right")  # between the two curves: naive above, cached below
     cum = lambda xs: [sum(xs[:i + 1]) * 1e3 for i in range(len(xs))]  # noqa: E731
     mid = sorted(range(len(speedup)), key=speedup.__getitem__)[(len(speedup) - 1) // 2]  # the round of the median
     axes[1].plot(range(1, N + 1), cum(naive_runs[mid][1]), label="naive")
