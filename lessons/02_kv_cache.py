@@ -179,19 +179,19 @@ def main(argv=None) -> dict:
                     checks, lesson.load(), [rounds, steps])
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
     axes[0].plot(positions, [t * 1e3 for t in naive_s], ".-", label="naive (recompute all)")
     axes[0].plot(positions, [t * 1e3 for t in cached_s], ".-", label="KV cache (first token: the prefill)")
     axes[0].set(xlabel="tokens in context when the token is emitted", ylabel="latency (ms)",
                 title=f"per-token latency (medians of {rounds.count} rounds)", ylim=(0, None))
-    axes[0].legend(loc="center right")  # between the two curves: naive above, cached below
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     cum = lambda xs: [sum(xs[:i + 1]) * 1e3 for i in range(len(xs))]  # noqa: E731
     mid = sorted(range(len(speedup)), key=speedup.__getitem__)[(len(speedup) - 1) // 2]  # the round of the median
     axes[1].plot(range(1, N + 1), cum(naive_runs[mid][1]), label="naive")
     axes[1].plot(range(1, N + 1), cum(cached_runs[mid][1]), label="KV cache")
     axes[1].set(xlabel="tokens generated", ylabel="total time (ms)", ylim=(0, None),
                 title=f"total time, round {mid + 1} of {len(speedup)}\n(the median round: speedup {speedup[mid]:.2f}×)")
-    axes[1].legend(loc="upper left")
+    axes[1].legend(fontsize=8, loc="upper left")
     plot_checks(axes[2], verdict)
     save_plot(lesson, fig, verdict)
 
