@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
                              f"{ms(large['graph_removes_s'])} of its {ms(large['step_s']['static'])}")
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     wb = [p["weight_bytes"] for p in points]
     styles = {"eager": "o-", "static": "s--", "graph": "^-", "twin": "x:"}
     for m in modes:
@@ -223,16 +223,16 @@ def main(argv=None) -> dict:
     hi = 2 * max(wb + [even or 0])
     grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
     axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
-    for p in points:  # names below the eager marker, clear of it and of the lines above
-        axes[0].annotate(p["name"], (p["weight_bytes"], p["step_s"]["eager"] * 1e3), textcoords="offset points",
-                         xytext=(0, -14), ha="center", va="top", fontsize=8,
+    for p in points:  # names above the highest marker of each shape, clear of every marker
+        axes[0].annotate(p["name"], (p["weight_bytes"], max(p["step_s"].values()) * 1e3), textcoords="offset points",
+                         xytext=(0, 8), ha="center", va="bottom", fontsize=8,
                          bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
     if even is not None:
         axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
     top = max(p["step_s"][m] for p in points for m in modes) * 1e3
     axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title=f"step time against weight bytes (medians of {s['rounds']} rounds)",
                 ylim=(None, top * 6))
-    axes[0].legend(fontsize=8, loc="upper left")
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     xs = range(len(points))
     axes[1].bar(xs, [p["share_median"] for p in points], color="C0", label="overhead share (median)",
                 yerr=[[p["share_median"] - min(p["share"]) for p in points],
