@@ -66,7 +66,7 @@ def serve(model, trace, budget: int, chunked: bool):
 def sizes(n_ctx: int, quick: bool, on_gpu: bool) -> dict:
     if quick:
         return {"requests": 6, "rate": 8.0, "prompt_median": n_ctx / 4, "output_median": 6,
-                "budgets": [OLD_DEFAULT, LARGE], "repeats": 3}
+                "budgets": [OLD_DEFAULT, LARGE], "repeats": 2}
     return {"requests": 64 if on_gpu else 12, "rate": 200.0 if on_gpu else 8.0, "prompt_median": n_ctx / 4,
             "output_median": 16, "budgets": [256, 512, 1024, 2048, 4096], "repeats": 3}
 

@@ -174,7 +174,7 @@ def test_lesson_08_quick_judges_a_fixed_large_budget_against_the_old_default(tmp
     f, v = doc["figures"], doc["verdict"]
     assert set(f["configs"]) == {"chunked 512", "chunked 4096", "unchunked 2048"}
     for c in f["configs"].values():
-        assert len(c["runs"]) >= 3 and all(r["preemptions"] == 0 and r["generated_tokens"] > 0 for r in c["runs"])
+        assert len(c["runs"]) >= 2 and all(r["preemptions"] == 0 and r["generated_tokens"] > 0 for r in c["runs"])
     gains = [a["throughput"] / b["throughput"] for a, b in zip(f["configs"]["chunked 4096"]["runs"],
                                                                f["configs"]["chunked 512"]["runs"])]
     assert f["gain_per_round"] == pytest.approx(gains) and v["checks"][0]["values"] == pytest.approx(gains)
