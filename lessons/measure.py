@@ -299,7 +299,12 @@ class Check:
     def _holds(self, x: float) -> bool:
         return x >= self.line if self.holds_if == ">=" else x <= self.line
 
-    def outcome(self) -> str:
+    def spread(self, share: float | None = None) -> tuple[float, float]:
+        """The former name of `interval`, kept for lessons written against it; the load no longer widens it."""
+        return self.interval()
+
+    def outcome(self, share: float | None = None) -> str:
+        """HOLDS, NOT SUPPORTED or INCONCLUSIVE from the interval (`share`, the load, is accepted and ignored)."""
         lo, hi = self.interval()
         if self._holds(lo) and self._holds(hi):
             return HOLDS
@@ -317,7 +322,7 @@ class Check:
         f, (lo, hi), n = self._f, self.interval(), len(self.values)
         return f"{f(lo)}–{f(hi)}: the {self.coverage:.0%} interval of the median of {n} round{'s' * (n != 1)}"
 
-    def describe(self) -> str:
+    def describe(self, share: float | None = None) -> str:
         text = f"{self.name} {self.relation()}: {self._f(self.median)}"
         if self.timed:
             text += f" ({self.interval_text()})"

@@ -63,6 +63,7 @@ def test_the_load_never_widens_an_interval():
     c = Check("speedup", [2.30, 2.34, 2.31], 1.0, ">=")
     for share in (0.0, 0.5, 0.95):
         assert judge("claim", [c], load(share)).outcome == HOLDS
+        assert c.spread(share) == c.interval() and c.outcome(share) == HOLDS  # the old names, for older lessons
 
 
 def test_a_share_of_a_ceiling_over_100_percent_is_flagged():
