@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
             for p in later))
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.3))
     tps = [p["batch"] / p["seconds"] for p in points]
     axes[0].plot(batches, tps, "o-", label=f"measured (medians of {rounds.count} rounds)")
     axes[0].plot(batches, [tps[0] * b for b in batches], "k:", label="linear from batch 1")
@@ -174,7 +174,7 @@ def main(argv=None) -> dict:
     axes[0].axvline(b_star, color="grey", ls="--", label=f"predicted nearly free up to {b_star}")
     axes[0].set(xlabel="batch", ylabel="tokens/s (log)",
                 title=f"throughput: batch {b_star} at {check.median:.2f} of linear (median)")
-    axes[0].legend(fontsize=8, loc="upper left")
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     axes[1].errorbar(batches, [p["seconds"] * 1e3 for p in points], capsize=3, fmt="o-",
                      yerr=[[(p["seconds"] - min(p["times_s"])) * 1e3 for p in points],
                            [(max(p["times_s"]) - p["seconds"]) * 1e3 for p in points]])
