@@ -72,8 +72,8 @@ from measure import Check, interleave, judge, print_verdict, settled
 from workloads import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload, serve,
                        shared_prefix_workload)
 
+from minillm.cost import decode_cost, prefill_cost
 from minillm.engine import LLMEngine
-from minillm.metrics import decode_cost, prefill_cost
 from minillm.scheduler import SchedulerConfig
 
 NAME = "10_prompt_caching"

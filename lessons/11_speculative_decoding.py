@@ -42,8 +42,9 @@ import torch
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 
+from minillm.cost import step_cost
 from minillm.kv_cache import KVCache, Segment, generate
-from minillm.metrics import decode_step, step_cost
+from minillm.steps import decode_step
 from minillm.model import GPT2, Conv1D
 from minillm.sampling import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
