@@ -4,30 +4,22 @@
     python -m minillm bench-serve --base-url http://127.0.0.1:8000 --workload lognormal \\
         --num-prompts 50 --request-rate 4 --goodput ttft:500 itl:100 --save-result
 
-Modelled on vLLM's `vllm bench serve`, with its flag and metric names: the
-same command measures a vLLM server (`vllm serve gpt2`, then
-`--base-url http://HOST:8000`), since it only speaks the OpenAI API.
-
-What it does: draw a seeded workload (prompts as token ids, output lengths),
-send each request at its arrival time (Poisson arrivals at `--request-rate`
-requests/s, or all at once with `inf`), stream every completion, and time it
-on the client with `time.perf_counter`:
+Modelled on vLLM's `vllm bench serve`, with its flag and metric names; it only
+speaks the OpenAI API, so it measures a vLLM server too. It draws a seeded
+workload (`serve_workloads.py`), sends each request at its arrival time, streams
+every completion, and times it on the client with `time.perf_counter`:
 
     TTFT   send → the first token's event
     ITL    every gap between two token events (the server sends one event per token)
     TPOT   (E2E − TTFT) / (output tokens − 1), a request's mean time per output token
     E2E    send → the last event
 
-It reports mean, median, p50, p90, p99 of each (milliseconds), request and
-token throughput over the run's duration, and goodput: the requests per
-second that met every target given to `--goodput` (`ttft:MS`, `tpot:MS`,
-`e2el:MS`, and `itl:MS`, which a request meets when *every* one of its gaps
-is within MS: a stall is what a user sees), and the share of requests that met
-them. A request that failed meets no target.
-
-The workloads (`--workload`: random, lognormal, stutter, shared-prefix) are
-`serve_workloads.py`'s. Every request asks for greedy decoding with `ignore_eos`
-(vLLM's field), so each generates exactly its drawn number of tokens.
+It reports mean, median, p50, p90, p99 of each (ms), request and token
+throughput, and goodput: the requests per second that met every `--goodput`
+target (`ttft:MS`, `tpot:MS`, `e2el:MS`, and `itl:MS`, met when *every* gap is
+within MS: a stall is what a user sees), and the share that met them; a failed
+request meets none. Every request is greedy with `ignore_eos` (vLLM's field),
+so each generates exactly its drawn number of tokens.
 """
 from __future__ import annotations
 
@@ -142,7 +134,7 @@ async def benchmark(base_url: str, requests: list[BenchRequest], model: str | No
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
-        model = model or await served_model(client, base_url)
+        model = model or (await served_model(client, base_url))["id"]
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not show_progress, leave=False)
         start = time.perf_counter()
@@ -163,11 +155,11 @@ async def benchmark(base_url: str, requests: list[BenchRequest], model: str | No
         return list(results), (max(ends) if ends else time.perf_counter()) - start
 
 
-async def served_model(client, base_url: str) -> str:
-    """The first model the server lists at /v1/models."""
+async def served_model(client, base_url: str) -> dict:
+    """The first model the server lists at /v1/models (its "id", and vLLM's "max_model_len")."""
     response = await client.get(base_url + "/v1/models")
     response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    return response.json()["data"][0]
 
 
 # ---- the numbers ------------------------------------------------------------------------------------
@@ -275,9 +267,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _max_model_len(base_url: str) -> int | None:
     import httpx
     async with httpx.AsyncClient(timeout=10.0) as client:
-        response = await client.get(base_url.rstrip("/") + "/v1/models")
-        response.raise_for_status()
-        return response.json()["data"][0].get("max_model_len")
+        return (await served_model(client, base_url.rstrip("/"))).get("max_model_len")
 
 
 def run(args: argparse.Namespace) -> int:
