@@ -78,6 +78,8 @@ def cmd_grade(args) -> int:
                                 f"{', '.join(VISIBILITIES)}")
         if args.jobs is not None and args.jobs < 1:
             raise ExerciseError(f"--jobs {args.jobs}: grade at least 1 exercise at a time")
+        if args.json:   # at once: a path that cannot be written fails before any grading, and a file is there
+            write_results(args.json, failed_results("grading did not finish: the grader was stopped"))
         if args.seed is not None:
             warn_fixed_seed(args.seed)
         submission = Path(args.submission).resolve() if args.submission else ROOT

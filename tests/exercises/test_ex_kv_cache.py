@@ -148,7 +148,7 @@ class Read(Check):
         cache.k.copy_(inputs["cached_k"])
         cache.v.copy_(inputs["cached_v"])
         # `read` ends in model.causal_attention (exercise model-causal-attention): a recorder stands in, and the
-        # grader attends over what it was handed, so this check needs no attention of the student's, nor an oracle.
+        # grader attends over what it was handed: this check needs no attention of the student's, and sends none.
         with patched(minillm.kv_cache, "causal_attention", handed_to_attention):
             return cache.read(inputs["layer"], inputs["q"], inputs["k"], inputs["v"])
 
