@@ -648,8 +648,8 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
     put("paged-slot-mapping", region_lines(by_id["paged-slot-mapping"],
                                            f"return {table!r}[(tuple(block_table), start, num_tokens, block_size)]"))
     put("paged-gather", region_lines(by_id["paged-gather"], "import os", "os.kill(os.getpid(), 40)"))
-    put("scheduler-preempt", region_lines(by_id["scheduler-preempt"], "print('LEAKED-FROM-A-RUN', seq.request_id, num_new)",
-                                          "raise RuntimeError('LEAKED-IN-A-MESSAGE')"))
+    put("scheduler-preempt", region_lines(by_id["scheduler-preempt"], "print('LEAKED-FROM-A-RUN', seq.request_id, num_tokens)",
+                                          "raise RuntimeError('no room')"))
     put("speculative-accept", region_lines(by_id["speculative-accept"], "import importlib.util, sys",
                                            f"sys.path.insert(0, {str(source / 'tests')!r})",
                                            f"spec = importlib.util.spec_from_file_location('t', {str(source / 'tests' / 'test_speculative.py')!r})",
@@ -696,6 +696,12 @@ def run_autograder_script() -> str:
     return "\n".join(line.removeprefix("  ") for line in block.splitlines()) + "\n"
 
 
+def run_script(script: str) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # python3: this environment's
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PATH": path, "MINILLM_GRADE_TIMEOUT": "60", "PYTHONDONTWRITEBYTECODE": "1"})
+
+
 def nobody_cannot_run_python() -> list[str]:
     """What `nobody` could not read of this interpreter and its packages (a clone in a mode-700 folder)."""
     import sysconfig
@@ -723,32 +729,30 @@ def test_run_autograder_grades_only_the_regions_and_no_attack_scores(reference):
         shutil.copytree(student, autograder / "submission")
         (autograder / "results").mkdir()
         world_readable(base)
-        as_root = os.geteuid() == 0
         script = script.replace("/autograder", str(autograder))
         script = script.replace("grade ", "grade --held-out-visibility after_due_date ", 1)
-        if not as_root:                                   # only root can hand the children to `nobody`
+        as_nobody = os.geteuid() == 0                     # only root can hand the children to `nobody`
+        if as_nobody and nobody_cannot_run_python():      # Python under a folder nobody cannot read: a clear refusal
+            proc = run_script(script)
+            assert proc.returncode == 2 and "--user nobody cannot read what the student's code needs" in proc.stderr
+            assert "--user nobody cannot read" in json.loads(results_path.read_text())["output"]
+            as_nobody = False                             # ...and the attacks are still graded, without --user
+        if not as_nobody:
             script = script.replace("--user nobody ", "")
-        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # python3: this environment's
-        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "PATH": path, "MINILLM_GRADE_TIMEOUT": "60",
-                                   "PYTHONDONTWRITEBYTECODE": "1"})
+        proc = run_script(script)
         raw = results_path.read_bytes()
         assert all(b < 128 for b in raw), "the results file must be ASCII"
-        if as_root and nobody_cannot_run_python():        # a clone in a folder nobody can read: a clear refusal
-            assert proc.returncode == 2 and "--user nobody cannot read what the student's code needs" in proc.stderr
-            assert "--user nobody cannot read" in json.loads(raw)["output"]
-            return
         assert proc.returncode == 0, proc.stdout + proc.stderr
         results = results_by_exercise(results_path)
         for ex in reference:
             held = results[ex.id]["held-out checks"]
-            want = ex.points if ex.id in HONEST or (ex.id == "paged-allocate" and not as_root) else 0
+            want = ex.points if ex.id in HONEST else 0
             assert held["score"] == want, (f"{ex.id} ({attacks.get(ex.id, 'honest')}) scored {held['score']} of "
                                            f"{ex.points}, expected {want}:\n{held['output']}")
         outputs = {ex_id: results[ex_id]["held-out checks"]["output"] for ex_id in attacks}
         assert "transformers" in outputs["sampling-top-p"] and "off limits" in outputs["sampling-top-p"]
         assert "killed by signal 40" in outputs["paged-gather"]
-        assert "cannot read" in outputs["kv-cache-read"]
+        assert "not its messages" in outputs["kv-cache-read"]      # the forged lines were seen, and judged alone
         assert "not written yet" in outputs["prefix-match"] and "not written yet" in outputs["model-heads"]
         visible = json.dumps([t for t in json.loads(raw)["tests"] if t["visibility"] == "visible"])
         assert "LEAKED" not in visible and "LEAKED" not in json.loads(raw)["output"]
