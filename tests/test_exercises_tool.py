@@ -199,6 +199,12 @@ def test_make_copies_exactly_what_git_tracks_and_the_copys_line_numbers(tiny_pro
     assert "minillm/pool.py~" in copies.untracked_files(tiny_project)   # make tells the instructor what it left out
 
 
+def test_the_catalogue_of_wrong_versions_stays_with_the_instructor():
+    files = copies.tracked_files(ROOT)
+    assert "tests/exercises/wrong.py" not in files and "tests/test_exercise_catalogue.py" not in files
+    assert (ROOT / "tests/exercises/wrong.py").is_file()
+
+
 def test_make_only_stubs_the_chosen_and_the_manifest_says_so(tiny_project, tmp_path):
     chosen = make_copy(tmp_path / "s", only="pool-give", root=tiny_project)
     assert [ex.id for ex in chosen] == ["pool-give"]

@@ -11,6 +11,9 @@ from .leaks import find_leaks
 from .manifest import MANIFEST, MANIFEST_FORMAT, read_manifest
 from .regions import PACKAGE, ROOT, Exercise, ExerciseError, find_exercises, replace_region, select
 
+# The catalogue of wrong versions is one step from the right ones: it stays with the instructor.
+INSTRUCTOR_ONLY = ("tests/exercises/wrong.py", "tests/test_exercise_catalogue.py")
+
 
 def tracked_files(root: Path) -> list[str]:
     """The files git tracks under `root` (and that exist): exactly what a copy may hold."""
@@ -23,7 +26,8 @@ def tracked_files(root: Path) -> list[str]:
     if proc.returncode != 0:
         raise ExerciseError(f"`make` copies exactly the files git tracks, but {root} is not a git checkout "
                             f"({proc.stderr.strip()}); run make from a clone of the project")
-    return sorted(f for f in proc.stdout.split("\0") if f and f != MANIFEST and (root / f).is_file())
+    return sorted(f for f in proc.stdout.split("\0")
+                  if f and f != MANIFEST and f not in INSTRUCTOR_ONLY and (root / f).is_file())
 
 
 def untracked_files(root: Path) -> list[str]:
