@@ -838,3 +838,83 @@ def test_the_whole_suite_in_a_stubbed_copy_reports_in_a_few_lines(stubbed_copy, 
     assert proc.returncode == 1 and " failed" not in out and " error" not in out, out[-5000:]
     assert f"{len(reference)} exercises still to write" in out and "Traceback" not in out, out[-5000:]
     assert len(out.splitlines()) < 60, out
+
+
+# ------------------------------------------------------------------ splicing, off-limits calls, a child's worst
+
+SUBMITTED = TWO_REGIONS.replace("        taken = self.free[-n:]\n        del self.free[-n:]\n        return taken\n",
+                                "        return [self.free.pop() for _ in range(n)]\n")
+
+
+def test_only_the_regions_of_a_submission_are_taken():
+    mine = parse(TWO_REGIONS)
+    bodies = splice.regions_of_submission("import os\nos.system('x')\n" + SUBMITTED + "EVIL = 1\n", "minillm/pool.py", mine)
+    assert bodies == {"pool-take": ["        return [self.free.pop() for _ in range(n)]"],
+                      "pool-give": list(mine[1].body)}
+
+
+@pytest.mark.parametrize("submitted, message", [
+    (SUBMITTED.replace("        # >>> exercise pool-give (lesson 05, 1 pts): give blocks back\n", ""),
+     r"minillm/pool.py: the marker of exercise pool-give .* appears 0 times"),
+    (SUBMITTED + "        # >>> exercise pool-take (lesson 05, 2 pts): again\n",
+     r"minillm/pool.py: the marker of exercise pool-take .* appears 2 times"),
+    (SUBMITTED.replace("pool-take", "POOL").replace("pool-give", "pool-take").replace("POOL", "pool-give"),
+     r"minillm/pool.py: the exercise markers are out of order \(pool-give, pool-take\)"),
+    (SUBMITTED.replace("        return [self.free.pop() for _ in range(n)]\n        # <<< exercise\n", "        x = 1\n", 1),
+     r"minillm/pool.py:4: exercise pool-take has no end marker"),
+    (SUBMITTED.replace("        return [self", '        x = """\n        return [self').replace(
+        "            self.free.append(block)\n", '            self.free.append(block)\n        """\n'),
+     r"minillm/pool.py:\d+: the code of exercise pool-take is not valid Python on its own"),
+])
+def test_a_submission_with_broken_markers_is_refused_naming_file_and_marker(submitted, message):
+    with pytest.raises(ExerciseError, match=message):
+        splice.regions_of_submission(submitted, "minillm/pool.py", parse(TWO_REGIONS))
+
+
+def test_off_limits_names_are_found_in_the_code_not_in_its_comments():
+    (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: heapq, sorted."))
+    assert ex.off_limits == ("heapq", "sorted")
+    assert judging.forbidden_calls(ex, ["# sorted and heapq are banned", "x = 'heapq'", "return 1"]) == []
+    assert judging.forbidden_calls(ex, ["import heapq", "return sorted(self.free)"]) == ["heapq", "sorted"]
+    assert judging.forbidden_calls(ex, ["from transformers import TopKLogitsWarper", "return 1"]) == ["transformers"]
+    assert judging.forbidden_calls(ex, ["import test_ex_pool", "return 1"]) == ["test_ex_pool"]
+
+
+def test_what_a_child_sends_costs_its_own_cases_only():
+    forged = {"tensor": {"dtype": "int8", "shape": [1], "data": [100000]}}   # torch raises on decoding it
+    score = judged([{"case": i, "output": forged if i == 3 else i} for i in range(6)])
+    assert [r.passed for r in score.results] == [True, True, True, False, True, True]
+    assert "cannot read" in score.results[3].message
+
+    class Exploding:
+        def verify(self, inputs, output):
+            raise RecursionError("a structure too deep to compare")   # a check's own error stays in its exercise
+
+    (ex,) = parse(REGION)
+    cases = [judging.Case("c", {}, True)]
+    broken = judging.judge(ex, Exploding(), cases, runner.ChildRun([{"case": 0, "output": 1}], 0, "", ""))
+    assert "could not be checked (RecursionError" in broken.results[0].message
+    exploding_run = runner.ChildRun([{"case": 0, "output": 1}], 0, "", "")
+    exploding_run.messages = None   # whatever goes wrong in judging itself: this exercise fails, with a reason
+    broken = judging.judge(ex, Exploding(), cases, exploding_run)
+    assert broken.score == 0 and not broken.results[0].passed
+    assert runner.signal_name(11) == "SIGSEGV" and runner.signal_name(40) == "signal 40"
+
+
+def test_the_results_file_is_ascii_and_written_whole_whatever_the_code_said(tmp_path):
+    score = judged([{"case": i, "raised": {"type": "ValueError", "message": "\udcff é"}} for i in range(6)])
+    path = tmp_path / "out" / "results.json"
+    report.write_results(path, report.gradescope_results([score], seed=1))
+    raw = path.read_bytes()
+    assert all(b < 128 for b in raw) and "\udcff" in json.loads(raw)["tests"][1]["output"]
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]   # no partial file left behind
+
+
+def test_hidden_held_out_checks_keep_the_runs_output_out_of_sight():
+    score = judged([{"case": i, "output": -1} for i in range(6)], ended="it ran past the time limit (during case c5)")
+    hidden = report.gradescope_results([score], seed=1, held_out_visibility="after_due_date")
+    visible_entry = next(t for t in hidden["tests"] if t["visibility"] == "visible")
+    assert "printed this" not in visible_entry["output"] and "c5" not in visible_entry["output"]
+    assert "points (the held-out checks are shown after due date)" in hidden["output"]
+    shown = report.gradescope_results([score], seed=1)
+    assert "printed this" in shown["tests"][0]["output"] and "0 / 2 points" in shown["output"]
