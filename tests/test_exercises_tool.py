@@ -621,17 +621,17 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
     init.write_text(init.read_text() + FORGERY.format(path=str(results_path)))
     reference_prefix_match = (ROOT / "minillm" / "prefix_caching.py").read_text()
     block = reference_prefix_match[reference_prefix_match.index("def prefix_match("):]
-    block = block[:block.index("\\n\\n\\n")] if "\\n\\n\\n" in block else block
-    block = "\\n".join(line for line in block.splitlines() if "# >>>" not in line and "# <<<" not in line
+    block = block[:block.index("\n\n\n")] if "\n\n\n" in block else block
+    block = "\n".join(line for line in block.splitlines() if "# >>>" not in line and "# <<<" not in line
                       and "# hint:" not in line)
     caching = student / "minillm" / "prefix_caching.py"
-    caching.write_text(caching.read_text() + "\\n\\n# rebinding the stub, outside its region\\n" + block + "\\n")
+    caching.write_text(caching.read_text() + "\n\n# rebinding the stub, outside its region\n" + block + "\n")
     tests = student / "tests" / "exercises" / "test_ex_sampling.py"   # the student's own judging, changed
-    tests.write_text(tests.read_text() + "\\nTopK.verify = lambda self, inputs, output: None\\n")
+    tests.write_text(tests.read_text() + "\nTopK.verify = lambda self, inputs, output: None\n")
     put("sampling-top-p", region_lines(by_id["sampling-top-p"], "from transformers import TopPLogitsWarper",
                                        "return TopPLogitsWarper(p)(None, logits)"))
     put("kv-cache-write", region_lines(by_id["kv-cache-write"], 'raise ValueError("\\\\udcff")'))
-    forged = '{"case": %d, "output": {"tensor": {"dtype": "int8", "shape": [1], "data": [100000]}}}\\n'
+    forged = '{"case": %d, "output": {"tensor": {"dtype": "int8", "shape": [1], "data": [100000]}}}\n'
     put("kv-cache-read", region_lines(by_id["kv-cache-read"], "import os",
                                       "for fd in range(3, 64):",
                                       "    try:",
@@ -758,7 +758,7 @@ def test_run_autograder_grades_only_the_regions_and_no_attack_scores(reference):
         outputs = {ex_id: results[ex_id]["held-out checks"]["output"] for ex_id in attacks}
         assert "transformers" in outputs["sampling-top-p"] and "off limits" in outputs["sampling-top-p"]
         assert "killed by signal 40" in outputs["paged-gather"]
-        assert "not its messages" in outputs["kv-cache-read"]      # the forged lines were seen, and judged alone
+        assert "cannot read" in outputs["kv-cache-read"]           # the forged tensors were judged, alone
         assert "not written yet" in outputs["prefix-match"] and "not written yet" in outputs["model-heads"]
         visible = json.dumps([t for t in json.loads(raw)["tests"] if t["visibility"] == "visible"])
         assert "LEAKED" not in visible and "LEAKED" not in json.loads(raw)["output"]
