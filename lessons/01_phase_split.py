@@ -54,7 +54,9 @@ from measure import Check, interleave, judge, print_verdict
 import torch
 
 from minillm.config import dtype_bytes
-from minillm.metrics import Stopwatch, achieved, ceiling_kernels, decode_cost, prefill_cost
+from minillm.cost import decode_cost, prefill_cost
+from minillm.roofline import achieved, ceiling_kernels
+from minillm.timing import Stopwatch
 from minillm.model import causal_attention
 from minillm.sampling import SamplingParams, sample
 

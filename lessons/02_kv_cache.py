@@ -45,7 +45,9 @@ from measure import Check, interleave, judge, print_verdict
 import torch
 
 from minillm import kv_cache, naive_decode
-from minillm.metrics import Stopwatch, decode_cost, decode_step, prefill_cost, prefill_step
+from minillm.cost import decode_cost, prefill_cost
+from minillm.steps import decode_step, prefill_step
+from minillm.timing import Stopwatch
 from minillm.sampling import SamplingParams
 
 NAME = "02_kv_cache"

@@ -50,7 +50,9 @@ import torch
 
 from minillm.config import HF_CHECKPOINTS, PRESETS
 from minillm.kv_cache import KVCache
-from minillm.metrics import decode_cost, memory_budget, resident_bytes, synchronize
+from minillm.cost import decode_cost
+from minillm.memory import memory_budget, resident_bytes
+from minillm.timing import synchronize
 
 NAME = "03_kv_memory"
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's knob: the share of device memory the engine may use

@@ -44,7 +44,10 @@ from common import (make_parser, ms, plot_roofline, plt, print_table, run, save_
                     write_results)
 from measure import Check, interleave, judge, print_verdict
 
-from minillm.metrics import achieved, ceiling_kernels, decode_cost, decode_step, memory_budget
+from minillm.cost import decode_cost
+from minillm.memory import memory_budget
+from minillm.roofline import achieved, ceiling_kernels
+from minillm.steps import decode_step
 
 NAME = "04_memory_bound_decode"
 LINEAR_EFFICIENCY = 0.75       # "nearly free": tokens/s at B ≥ 0.75 · B · tokens/s at batch 1

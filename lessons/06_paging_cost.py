@@ -47,7 +47,7 @@ import torch
 
 from minillm.block_manager import BlockManager
 from minillm.kv_cache import KVCache, Segment
-from minillm.metrics import decode_cost
+from minillm.cost import decode_cost
 from minillm.paged_attention import PagedKVCache, gather_kv
 
 NAME = "06_paging_cost"

@@ -57,7 +57,9 @@ from common import make_parser, ms, one_thread, plt, print_table, run, save_plot
 from measure import Check, interleave, judge, print_verdict
 
 from minillm.config import PRESETS
-from minillm.metrics import count_ops, decode_step, time_fn, weight_read_floor
+from minillm.cost import weight_read_floor
+from minillm.steps import count_ops, decode_step
+from minillm.timing import time_fn
 from minillm.weights import random_model
 
 NAME = "09_launch_overhead"

@@ -43,7 +43,7 @@ from common import make_parser, ms, plt, print_table, run, save_plot, start, tic
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict
 
 from minillm.kv_cache import KVCache, Segment, generate
-from minillm.metrics import decode_step
+from minillm.steps import decode_step
 from minillm.model import GPT2, Conv1D
 from minillm.sampling import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass

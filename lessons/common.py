@@ -41,7 +41,9 @@ from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 from measure import MachineLoad, Verdict, read_load  # noqa: E402
 from minillm.classroom.regions import stub_of  # noqa: E402  (the one stub detector)
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
-from minillm.metrics import Ceilings, environment, measure_ceilings, si  # noqa: E402
+from minillm.cli_flags import add_model_arguments  # noqa: E402
+from minillm.roofline import Ceilings, measure_ceilings  # noqa: E402
+from minillm.timing import environment, si  # noqa: E402
 from minillm.weights import load_model, locate, random_model, resolve_device, resolve_dtype  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
@@ -51,10 +53,7 @@ STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be
 def make_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every lesson takes; `--help` shows the lesson's whole docstring."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2",
-                        help="preset name or checkpoint folder (default gpt2; random init when weights are absent)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    add_model_arguments(parser, weights_dir=False)
     parser.add_argument("--quick", action="store_true", help="small sizes that finish in seconds on a CPU")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
     return parser

@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from minillm.metrics import synchronize
+from minillm.timing import synchronize
 
 HOLDS, NOT_SUPPORTED, INCONCLUSIVE = "HOLDS", "NOT SUPPORTED", "INCONCLUSIVE"
 

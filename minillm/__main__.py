@@ -21,21 +21,12 @@ import argparse
 import sys
 import time
 
+from .cli_flags import add_model_arguments
 from .kv_cache import generate as cached_generate
-from .metrics import synchronize
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_prompt
+from .timing import synchronize
 from .tokenizer import load_tokenizer
 from .weights import load_model, resolve_device, resolve_dtype
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype, --weights-dir: shared by every command that loads a model."""
-    parser.add_argument("--model", default="gpt2",
-                        help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, mini) or a checkpoint folder")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
-    parser.add_argument("--weights-dir", default=None,
-                        help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -57,7 +48,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(args.model, device, dtype, args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     prompt_ids = tokenizer.encode(args.prompt)
-    model.config.check_prompt(prompt_ids, params.max_tokens)
+    check_prompt(model.config, prompt_ids, params.max_tokens)
     # Untimed warm-up: a first call pays one-off costs (allocation, kernel choice) that are not the request's.
     cached_generate(model, [prompt_ids], SamplingParams(temperature=0.0, max_tokens=min(2, params.max_tokens)))
 

@@ -3,7 +3,7 @@
     python -m minillm bench --model gpt2 --device cpu --dtype fp32 [--prompt-len 512 --batch 1 --context-len 512]
 
 It measures the device's ceilings first (matmul FLOP/s in the working dtype,
-copy bandwidth; see `metrics.py`), then times one prefill of `--prompt-len`
+copy bandwidth; see `roofline.py`), then times one prefill of `--prompt-len`
 tokens per sequence and one decode step after `--context-len` cached tokens,
 both through the contiguous KV cache, and prints for each phase:
 
@@ -37,9 +37,12 @@ from pathlib import Path
 
 import torch
 
+from .cli_flags import add_model_arguments
 from .config import dtype_bytes
-from .metrics import (achieved, decode_cost, environment, measure_ceilings, prefill_cost, si, time_decode,
-                      time_fn, time_prefill)
+from .cost import decode_cost, prefill_cost
+from .roofline import achieved, measure_ceilings
+from .steps import time_decode, time_prefill
+from .timing import environment, si, time_fn
 from .weights import load_model, resolve_device, resolve_dtype
 
 # minillm's speed goals (benchmarks, not tests), for batch 1 and 512-token prompts.
@@ -51,10 +54,7 @@ EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="gpt2", help="preset or checkpoint folder (random init when absent)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
-    parser.add_argument("--weights-dir", default=None, help="where preset folders live")
+    add_model_arguments(parser)
     parser.add_argument("--prompt-len", type=int, default=GOAL_PROMPT_LEN, help="prefill tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--context-len", type=int, default=None,

@@ -102,7 +102,8 @@ class BlockAllocator:
         # <<< exercise
 
     def check_invariants(self, block_tables: dict[int, list[int]]) -> None:
-        """Every block is either free or referenced exactly as often as the tables say."""
+        """Every block is referenced exactly as often as the tables say, and in exactly one state of
+        `block_states`: here free or referenced (a subclass adds its own states and checks)."""
         expected = [0] * self.num_blocks
         for table in block_tables.values():
             for block in table:
@@ -112,8 +113,12 @@ class BlockAllocator:
         for block in range(self.num_blocks):
             assert self.ref_counts[block] == expected[block], \
                 f"block {block}: ref count {self.ref_counts[block]} but {expected[block]} tables hold it"
-            assert (block in free) == (expected[block] == 0), \
-                f"block {block} is {'free' if block in free else 'not free'} with {expected[block]} references"
+            states = [name for name, holds in self.block_states(block, free).items() if holds]
+            assert len(states) == 1, f"block {block} is {' and '.join(states) or 'nowhere'}"
+
+    def block_states(self, block: int, free: set[int]) -> dict[str, bool]:
+        """Which states `block` is in, by name; `free` is the free list as a set."""
+        return {"free": block in free, "referenced": self.ref_counts[block] > 0}
 
 
 class BlockManager:
@@ -138,7 +143,7 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
-    def num_cached_tokens(self, seq: HoldsKV) -> int:
+    def match_prefix(self, seq: HoldsKV) -> int:
         """Leading tokens of a sequence about to be admitted whose KV the pool already holds. None here:
         without prefix caching (`prefix_caching.py`) every admitted sequence starts from its first token."""
         return 0

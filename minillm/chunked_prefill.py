@@ -63,7 +63,7 @@ class ChunkedPrefillScheduler(Scheduler):
     def _plan(self, out: SchedulerOutput) -> None:
         """Decode-first: running decodes, then chunks of partial prefills, then of waiting prompts."""
         # >>> exercise scheduler-budget-fill (lesson 07, 3 pts): fill one step's token budget, decodes first
-        # hint: self._schedule_decodes(out) plans the decodes and returns the budget they used; each sequence then takes as many tokens as it still needs, capped by what is left of the budget (self._reserve gets the room for a running one; self._first_waiting() is the next waiting one, started after its cached prefix, and self._admit takes it); waiting prompts join in arrival order, never in a step that preempted, never past max_num_seqs, and a prompt without room is not overtaken
+        # hint: self._schedule_decodes(out) plans the decodes and returns the budget they used; each sequence then takes as many tokens as it still needs, capped by what is left of the budget (self._reserve gets the room for a running one; self._start_first_waiting() is the next waiting one, started after its cached prefix, and self._admit takes it); waiting prompts join in arrival order, never in a step that preempted, never past max_num_seqs, and a prompt without room is not overtaken
         budget = self.config.max_num_batched_tokens - self._schedule_decodes(out)
         for seq in list(self.running):
             if budget == 0:
@@ -76,7 +76,7 @@ class ChunkedPrefillScheduler(Scheduler):
         if out.preempted:  # memory is short: a newcomer would only be preempted in turn
             return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self._first_waiting()
+            seq = self._start_first_waiting()
             n = min(seq.num_remaining, budget)
             if not self.blocks.can_append(seq, n):
                 return

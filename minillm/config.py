@@ -20,18 +20,15 @@ enough that a CPU runs them in milliseconds.
 Invariants held by the tests: `num_params` equals the published parameter
 count of each checkpoint and the parameters of a built model; a config holds
 only positive integer shapes with n_embd divisible by n_head, whether made in
-code or read from a `config.json`; a prompt that `check_prompt` accepts is a
-list of ints that fits the context with its whole output.
+code or read from a `config.json`.
 """
 from __future__ import annotations
 
 import math
 import numbers
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 EOS_TOKEN_ID = 50256  # "<|endoftext|>" in GPT-2's vocabulary
@@ -163,54 +160,6 @@ class GPT2Config:
         attn = 4 * self.n_layer * C * context_len
         head = 2 * self.vocab_size * C if lm_head else 0
         return proj + attn + head
-
-    def check_prompt(self, token_ids, max_tokens: int = 0) -> list[int]:
-        """The prompt as a list of Python ints, or a ValueError naming the value, the limit and the fix.
-
-        A prompt is a sequence of token ids: a list or tuple of integers (NumPy's
-        and torch's included), or a 1-D integer array or tensor. A sequence holds
-        at most len(prompt) + max_tokens − 1 tokens of KV, since the last sampled
-        token is never fed back, so that is what must fit in n_ctx. Cheap enough
-        to call once per request; the model's forward pass itself does not check,
-        so the hot path stays lean.
-        """
-        kind = type(token_ids).__name__
-        if isinstance(token_ids, (torch.Tensor, np.ndarray)):
-            if token_ids.ndim != 1:
-                raise ValueError(f"the prompt is a {token_ids.ndim}-D {kind} of shape {tuple(token_ids.shape)}; a "
-                                 "prompt is one sequence of token ids (pass one request per prompt)")
-            token_ids = token_ids.tolist()
-        elif isinstance(token_ids, (str, bytes, bytearray)):
-            raise ValueError(f"the prompt has type {kind}, not a sequence of token ids; encode text with the "
-                             "tokenizer")
-        elif not isinstance(token_ids, Sequence):
-            raise ValueError(f"the prompt has type {kind}, not a sequence of token ids (a list of ints); a call that "
-                             "takes several prompts wants a list of such lists")
-        ids = []
-        for i, t in enumerate(token_ids):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                t = operator.index(t)
-            except TypeError:
-                raise ValueError(f"token id {t!r} at position {i} is a {type(t).__name__}, not an integer; "
-                                 "a prompt is a sequence of token ids (encode text with the tokenizer)") from None
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size}); "
-                                 "was the prompt encoded with a different tokenizer?")
-            ids.append(t)
-        n = len(ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: a GPT-2 needs at least one token to condition on "
-                             "(encode some text, or start from the end-of-text token)")
-        if n > self.n_ctx:
-            raise ValueError(f"the prompt has {n} tokens but the context holds n_ctx={self.n_ctx}; "
-                             f"truncate the prompt to at most {self.n_ctx} tokens")
-        if max_tokens and n + max_tokens - 1 > self.n_ctx:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) − 1 = {n + max_tokens - 1} tokens of KV "
-                             f"exceed the context n_ctx={self.n_ctx}; lower max_tokens to at most "
-                             f"{self.n_ctx - n + 1} or shorten the prompt")
-        return ids
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

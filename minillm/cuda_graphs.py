@@ -8,12 +8,12 @@ kernel launch, a few µs each. The device waits for the host:
 
     step time ≈ max(device time, ops per step · host time per op)
 
-`gpt2` in bf16 reads 0.25 GB of weights per step, 0.05 ms at an H200's
-4.8 TB/s, but one engine step dispatches about 400 ops (`metrics.count_ops`):
-1–2 ms of host time at 2–5 µs each.
-Such a step is bound by launch overhead, not by memory; the larger the model,
-the more work each launch carries, until memory binds again (lesson 09
-finds the crossover). `metrics.count_ops` counts a step's ops.
+`gpt2` in bf16 reads 0.25 GB of weights per step (`cost.decode_cost`), 0.05
+ms at an H200's 4.8 TB/s datasheet bandwidth, but one engine step dispatches
+hundreds of ops (`steps.count_ops` counts them; lesson 09 prints the count):
+at a few µs each, milliseconds of host time. Such a step is bound by launch
+overhead, not by memory; the larger the model, the more work each launch
+carries, until memory binds again (lesson 09 finds the crossover).
 
 The fix: CUDA graphs
 --------------------
@@ -28,7 +28,7 @@ may change. So a step that can be captured must be
                        blocks, up to a whole context
     static in address  its integers (token ids, positions, slot mapping, block
                        tables, context lengths) in buffers allocated once and
-                       refilled in place (`kv_cache.StaticBuffer`), its
+                       refilled in place (`StaticBuffer`), its
                        metadata made once per shape and reused
     free of syncs      nothing in the forward pass reads a value back to the host
 
@@ -40,8 +40,9 @@ the whole padded width (paged_attention.py), so a short context must not pay
 for the longest one.
 
 What padding costs: a batch of n runs as bucket(n) rows (< 2n), and a decode
-reads up to 2× the keys its longest context needs; at batch 8 and ~270-token
-contexts that made a CPU step about a quarter slower. Padding pays off only
+reads up to 2× the keys its longest context needs (`python -m minillm bench`
+times a decode step; lesson 09 sets eager, static and graph side by side).
+Padding pays off only
 where a shape is replayed. So the runner has three modes for one and the same code:
 
     eager    exact shapes on the static buffers: the CPU's decode, and CUDA's
@@ -63,7 +64,7 @@ import bisect
 
 import torch
 
-from .kv_cache import Segment, StaticBuffer
+from .kv_cache import Segment
 from .model import GPT2
 
 MODES = ("eager", "static", "graph")
@@ -84,12 +85,90 @@ def bucket(n: int, sizes: list[int]) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
+class StaticBuffer:
+    """Integers allocated once on the device, refilled from the host every step, in place.
+
+    Write through `host` (a NumPy view: filling it from Python lists dispatches
+    no torch op), then `upload(n)` the first n entries. On the CPU the host and
+    the device tensor are one, and `upload` does nothing. On CUDA the host side
+    is pinned and the copy non_blocking; `host` waits for the last copy out of
+    it to finish first, so a refill never races an upload still in flight.
+    """
+
+    def __init__(self, size: int, device: torch.device):
+        self.tensor = torch.zeros(size, dtype=torch.long, device=device)
+        self._pinned = None
+        if device.type != "cpu":
+            self._pinned = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+            self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._host = (self.tensor if self._pinned is None else self._pinned).numpy()
+
+    @property
+    def host(self):
+        if self._pinned is not None and self._copied is not None:
+            self._copied.synchronize()  # the previous upload has read the buffer (returns at once if it has)
+        return self._host
+
+    def upload(self, n: int) -> None:
+        if self._pinned is not None:
+            self.tensor[:n].copy_(self._pinned[:n], non_blocking=self._copied is not None)
+            if self._copied is not None:
+                self._copied.record()
+
+
+class StaticInputs:
+    """The integer inputs of a cache's static decode steps, in buffers allocated once.
+
+    Laid out as positions | context lengths | the cache's own (its rows, or its
+    slot mapping and block tables). `prepare(segments, batch, width)` writes a
+    step padded to `batch` rows that read `width` units of keys, and returns
+    the cache's metadata for that (batch, width), made the first time the shape
+    is used and then reused, so a graph captured on it reads each step's values
+    from the same addresses. Padding rows feed position 0 and see one key; the
+    cache says where they write. The cache offers `width_unit`,
+    `max_decode_width`, `decode_keys`, `decode_inputs_size`,
+    `fill_decode_inputs` and `decode_metadata`.
+    """
+
+    def __init__(self, cache, max_batch: int, device: torch.device):
+        self.cache, self.max_batch = cache, max_batch
+        self._own = cache.decode_inputs_size(max_batch)
+        self.buffer = StaticBuffer(2 * max_batch + self._own, device)
+        L = cache.decode_keys(cache.max_decode_width)
+        self._mask = torch.zeros(max_batch * L, dtype=torch.bool, device=device)
+        self._keys = torch.arange(L, device=device)
+        self._steps: dict[tuple[int, int], tuple] = {}  # (batch, width) → (metadata, key positions, context lens, mask)
+
+    def prepare(self, segments: list[Segment], batch: int, width: int):
+        """Fill the step's integers, upload them in one copy, and return its metadata (also `cache.metadata`)."""
+        n, B, cache = len(segments), self.max_batch, self.cache
+        L = cache.decode_keys(width)
+        if not 0 < batch <= B or n > batch or not 0 < width <= cache.max_decode_width or \
+                any(s.num_new != 1 or s.start + 1 > L for s in segments):
+            raise ValueError(f"a static decode step of {batch} rows × {L} keys (at most {B} rows × "
+                             f"{cache.max_decode_width} units of {cache.width_unit}) cannot hold segments "
+                             f"{segments}: each feeds one token, and start + 1 ≤ {L}")
+        host = self.buffer.host
+        host[:batch] = [s.start for s in segments] + [0] * (batch - n)             # positions
+        host[B:B + batch] = [s.start + 1 for s in segments] + [1] * (batch - n)    # context lengths
+        used = cache.fill_decode_inputs(host[2 * B:], segments, batch, width)
+        self.buffer.upload(2 * B + used)
+        if (batch, width) not in self._steps:
+            buf = self.buffer.tensor
+            mask = self._mask[:batch * L].view(batch, L)
+            meta = cache.decode_metadata(buf[:batch], buf[2 * B:], mask.view(batch, 1, 1, L), batch, width)
+            self._steps[(batch, width)] = meta, self._keys[:L], buf[B:B + batch].view(batch, 1), mask
+        meta, keys, context_lens, mask = self._steps[(batch, width)]
+        torch.lt(keys, context_lens, out=mask)  # key j is visible to a row iff j < its context length
+        cache.metadata = meta
+        return meta
+
+
 class DecodeRunner:
     """Runs the decode-only steps of `model` over `cache` on buffers allocated once.
 
-    The cache is a `KVCache` or a `PagedKVCache`: anything with
-    `allocate_decode_buffers`, `prepare_decode`, `width_unit` and
-    `max_decode_width`. `run(segments, tokens)` returns the step's logits.
+    The cache is a `KVCache` or a `PagedKVCache`: anything `StaticInputs`
+    can fill. `run(segments, tokens)` returns the step's logits.
     """
 
     def __init__(self, model: GPT2, cache, max_num_seqs: int, mode: str = "eager"):
@@ -101,7 +180,7 @@ class DecodeRunner:
         self.model, self.cache, self.mode = model, cache, mode
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.widths = width_buckets(cache.max_decode_width)
-        cache.allocate_decode_buffers(max_num_seqs)
+        self.inputs = StaticInputs(cache, max_num_seqs, model.device)
         self.input_ids = StaticBuffer(max_num_seqs, model.device)
         self._ids: dict[int, torch.Tensor] = {}  # per batch size: the ids buffer shaped like the cache's positions
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -130,7 +209,7 @@ class DecodeRunner:
         host[:n] = tokens
         host[n:batch] = 0  # padding rows feed token 0; nobody samples them
         self.input_ids.upload(batch)
-        self.cache.prepare_decode(segments, batch, width)
+        self.inputs.prepare(segments, batch, width)
         if self.mode == "graph":
             self.graphs[(batch, width)].replay()
             return self.logits[:n]
@@ -140,7 +219,7 @@ class DecodeRunner:
     def run_largest(self) -> torch.Tensor:
         """The largest step this runner can take, eagerly, on padding rows only: what a profile run measures."""
         batch, width = self.batch_sizes[-1], self.widths[-1]
-        self.cache.prepare_decode([], batch, width)
+        self.inputs.prepare([], batch, width)
         return self.forward(self._input_ids(batch))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -164,7 +243,7 @@ class DecodeRunner:
             self.logits = torch.empty(self.batch_sizes[-1], cfg.vocab_size, device=device, dtype=self.model.dtype)
         pool = None
         for batch, width in shapes:
-            self.cache.prepare_decode([], batch, width)  # padding rows only: the addresses every step fills
+            self.inputs.prepare([], batch, width)  # padding rows only: the addresses every step fills
             ids = self._input_ids(batch)
             self.logits[:batch] = self.forward(ids).view(batch, -1)  # warm-up: lazy initialisation stays outside
             graph = torch.cuda.CUDAGraph()

@@ -10,7 +10,7 @@ One step, data flowing one way:
     scheduler.schedule()      → a plan: which sequences feed how many tokens, decodes
                                 first (and which were preempted to make room); the
                                 block manager has given every planned token a slot
-    cache.prepare(segments)   → the step's AttentionMetadata: positions, slot mapping,
+    cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping,
                                 block tables, context lengths, built once (decodes
                                 only: written into buffers allocated once, below)
     model(ids, positions)     → one forward pass over the flattened ragged batch,
@@ -18,21 +18,14 @@ One step, data flowing one way:
     sample, update, record    → new tokens, finished requests free their blocks,
                                 per-request times and a per-step timeline
 
-The pieces, each in its own file: `scheduler.py` (queues, admission,
-preemption) or `chunked_prefill.py` (its decode-first policy),
-`block_manager.py` (which blocks each sequence owns), `paged_attention.py`
-(the pool and attention through block tables), `cuda_graphs.py` (decode on
-static buffers, as CUDA graphs), `sampling.py`.
-
-Names follow vLLM: `add_request`, `abort_request`, `step`, `has_unfinished_requests`,
-`SamplingParams`, `RequestOutput`, `max_num_batched_tokens`, `max_num_seqs`,
-`block_size`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, `enforce_eager`,
-`enable_prefix_caching`, `num_cached_tokens`.
-
-Decode-only steps run on buffers allocated once (`cuda_graphs.DecodeRunner`):
-on CUDA each is the replay of a CUDA graph captured at start, one per batch and
-width bucket; with `enforce_eager=True` (vLLM's name), or on the CPU, they run
-eagerly at their exact shapes. Prefill and mixed steps always run eagerly.
+The pieces, each in its own file: `scheduler.py` or `chunked_prefill.py` (the
+policy), `block_manager.py` (which blocks each sequence owns),
+`paged_attention.py` (the pool), `cuda_graphs.py` (decode-only steps on buffers
+allocated once: on CUDA the replay of a graph per batch and width bucket,
+eager at exact shapes with `enforce_eager=True` or on the CPU; prefill and
+mixed steps always run eagerly), `sampling.py`, and `kv_pool.py` (the pool's
+size). Names follow vLLM's (`add_request`, `abort_request`, `step`,
+`has_unfinished_requests`, `RequestOutput`, and every knob).
 
 Prefix caching (`enable_prefix_caching=True`, off by default): full blocks are
 kept by the hash of their whole prefix and shared by every request that
@@ -40,19 +33,10 @@ starts alike (`prefix_caching.py`). Each output carries `num_cached_tokens`,
 the prompt tokens its request found cached; `prefix_cache_hit_rate` is the
 share of all admitted prompt tokens that were.
 
-Sizing the pool: give `num_blocks` directly; or a byte budget
-`kv_cache_memory_bytes`; or, on CUDA, `gpu_memory_utilization`, the share of
-the GPU's memory the engine may fill. As vLLM does, the engine then profiles:
-it runs its largest prefill and decode steps on a throwaway pool and reads the
-allocator's peak, captures its largest graph and reads what that holds, and
-gives the pool what is left of its share:
-
-    pool = total · utilization − memory outside torch (CUDA context, other processes)
-           − live tensors (the weights) − activation peak − graph memory
-
-Memory the caching allocator keeps after an earlier engine let go of it is not
-subtracted: the new pool reuses it. `close()` frees the pool and the graphs
-and empties the cache for other processes. On the CPU the default budget is 1 GiB.
+Sizing the pool: `num_blocks`, or a byte budget `kv_cache_memory_bytes`, or
+on CUDA `gpu_memory_utilization`, from which a profile run takes what the
+engine's largest steps need (`kv_pool.py`). `close()` frees the pool and the
+graphs and empties the cache for other processes.
 
 What it costs: per step, one forward pass over Σ tokens planned, plus Python
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
@@ -79,82 +63,22 @@ Python heap stays flat.
 """
 from __future__ import annotations
 
-import math
-import os
 import time
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Callable
 
 import torch
 
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
-from .config import check_int, check_real
 from .cuda_graphs import DecodeRunner
-from .kv_cache import Segment, to_device
+from .kv_cache import Segment
+from .kv_pool import size_pool
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
-from .sampling import FINISH_ABORT, NonFiniteLogitsError, SamplingParams, finish_reason, make_generator, sample
+from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, check_prompt, finish_reason,
+                       make_generator, sample, to_device)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, Sequence, SequenceStatus
-
-CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> None:
-    """Each sizing knob's type and range, whatever the device: a knob that does nothing here is still checked."""
-    check_int("block_size", block_size, 1)
-    if num_blocks is not None:
-        check_int("num_blocks", num_blocks, 1, hint=": the pool needs at least one block")
-    if kv_cache_memory_bytes is not None:
-        check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
-    if not 0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]: it is the share of "
-                         "the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
-
-
-def available_memory(device: torch.device) -> float:
-    """Bytes a new pool could take: CUDA's free memory; on the CPU, what Linux calls MemAvailable, else the
-    total RAM (inf where the OS tells neither)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return math.inf
-
-
-@dataclass
-class RequestOutput:
-    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: list[int]  # everything generated so far
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    num_preemptions: int = 0
-    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
-
-
-@dataclass
-class StepStats:
-    """One row of the engine's timeline."""
-    start: float
-    duration: float          # schedule + forward + sample, synchronised
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    num_preempted: int
-    num_free_blocks: int     # after the step
-
+from .sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus, StepStats
 
 class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
@@ -165,13 +89,10 @@ class LLMEngine:
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        _check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
-        self.memory: dict[str, int] = {}  # how the pool was sized: budget, activation peak, graph bytes
-        if num_blocks is None:
-            num_blocks = self._num_blocks_for_budget(block_size, kv_cache_memory_bytes, gpu_memory_utilization,
-                                                     use_graphs)
-        self._check_pool_fits(num_blocks, block_size)
+        # how the pool was sized: budget, activation peak, graph bytes
+        num_blocks, self.memory = size_pool(model, self.scheduler_config, block_size, num_blocks,
+                                            kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
         blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
         self.block_manager = blocks(num_blocks, block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
@@ -184,60 +105,6 @@ class LLMEngine:
         self.record_timeline = record_timeline
         self._aborted: list[Sequence] = []
         self._next_id = 0
-
-    # ---- memory ---------------------------------------------------------------
-
-    def _num_blocks_for_budget(self, block_size: int, budget: int | None, utilization: float,
-                               use_graphs: bool) -> int:
-        block_bytes = block_size * self.config.kv_bytes_per_token(self.model.dtype)
-        self.memory["block_bytes"] = block_bytes
-        if budget is None and self.model.device.type == "cuda":
-            activation_peak, graph_bytes = self._profile(block_size, use_graphs)
-            budget = gpu_kv_budget(self.model.device, utilization, activation_peak, graph_bytes)
-            self.memory.update(activation_peak=activation_peak, graph_bytes=graph_bytes)
-        elif budget is None:
-            budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes - 1  # the pool holds one block more: the pad block (paged_attention.py)
-        self.memory.update(kv_budget=budget)
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget of {budget / 2**20:.1f} MiB holds no block of {block_bytes / 2**20:.2f} "
-                             f"MiB ({block_size} tokens) besides the pad block; raise kv_cache_memory_bytes or "
-                             "gpu_memory_utilization, or use a smaller model")
-        return num_blocks
-
-    def _check_pool_fits(self, num_blocks: int, block_size: int) -> None:
-        """Refuse a pool larger than the memory there is, before allocating it: on the CPU an oversized
-        allocation is not an error but a process the kernel kills later, without a word."""
-        device = self.model.device
-        pool = (num_blocks + 1) * block_size * self.config.kv_bytes_per_token(self.model.dtype)  # + the pad block
-        have = available_memory(device)
-        if pool > have:
-            raise ValueError(f"num_blocks={num_blocks} blocks of {block_size} tokens need {pool / 2**30:,.1f} GiB of "
-                             f"KV cache, but {device} has {have / 2**30:,.1f} GiB available; lower num_blocks, or "
-                             "leave it out and size the pool with kv_cache_memory_bytes")
-
-    @torch.inference_mode()
-    def _profile(self, block_size: int, use_graphs: bool) -> tuple[int, int]:
-        """vLLM's profile run, on a throwaway pool: the allocator's peak over this engine's largest prefill
-        (max_num_batched_tokens, sampled) and largest decode step (max_num_seqs rows over whole-context tables),
-        and the memory that the largest CUDA graph holds (0 without graphs)."""
-        device, sc = self.model.device, self.scheduler_config
-        prefill, decoder = profile_steps(self.model, sc.max_num_batched_tokens, sc.max_num_seqs, block_size)
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)  # the throwaway pool is not an activation: measure above it
-        torch.cuda.reset_peak_memory_stats(device)
-        prefill()
-        decoder.run_largest()
-        torch.cuda.synchronize(device)
-        activation_peak = torch.cuda.max_memory_allocated(device) - base
-        graph_bytes = 0
-        if use_graphs:
-            before = torch.cuda.memory_reserved(device)
-            decoder.capture([(decoder.batch_sizes[-1], decoder.widths[-1])])
-            graph_bytes = torch.cuda.memory_reserved(device) - before + decoder.logits.nbytes
-        del prefill, decoder
-        torch.cuda.empty_cache()
-        return activation_peak, graph_bytes
 
     def close(self) -> None:
         """Free the KV pool and the CUDA graphs now and, on CUDA, hand the allocator's cached memory back
@@ -269,7 +136,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params is a {type(params).__name__}; pass a SamplingParams (or None for the defaults)")
-        prompt_token_ids = tuple(self.config.check_prompt(prompt_token_ids, params.max_tokens))
+        prompt_token_ids = tuple(check_prompt(self.config, prompt_token_ids, params.max_tokens))
         if request_id is None:
             while str(self._next_id) in self.requests:  # taken by a caller's own choice
                 self._next_id += 1
@@ -327,8 +194,7 @@ class LLMEngine:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
-        s = self.scheduler
-        return s.num_cached_prompt_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
+        return getattr(self.block_manager, "hit_rate", 0.0)  # 0 without prefix caching
 
     # ---- one step -----------------------------------------------------------
 
@@ -432,52 +298,3 @@ class LLMEngine:
         return [finals[i] for i in ids]
 
 
-# ---- sizing the pool on a GPU ----------------------------------------------------------
-
-
-def gpu_kv_budget(device: torch.device, utilization: float, activation_peak: int, graph_bytes: int) -> int:
-    """Bytes for the KV pool: the engine's share of the GPU, less what is spoken for.
-
-    The share is total · utilization. Spoken for: memory used outside this
-    process's torch allocator (the CUDA context, other processes: used − reserved),
-    the live tensors (allocated: the weights, anything still held), the activation
-    peak of the largest step, and the graphs' memory. What the caching allocator
-    has reserved but no tensor uses, say the pool of an engine deleted before, is
-    free for this one: counting it as used (total − free) left a second engine with
-    no room at all.
-    """
-    free, total = torch.cuda.mem_get_info(device)
-    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
-    live = torch.cuda.memory_allocated(device)
-    return int(total * utilization) - outside_torch - live - activation_peak - graph_bytes
-
-
-def profile_steps(model: GPT2, max_num_batched_tokens: int, max_num_seqs: int,
-                  block_size: int) -> tuple[Callable[[], list[int]], DecodeRunner]:
-    """The largest steps an engine of these limits can take, on a throwaway pool, for a profile run.
-
-    Returns a function that runs the largest prefill (max_num_batched_tokens
-    tokens in prompts of at most n_ctx, then the LM head and a top-k/top-p
-    sampler on max_num_seqs rows), and a static `DecodeRunner` whose
-    `run_largest` takes max_num_seqs rows over whole-context tables. Runs on
-    any device, so the CPU tests check its shapes.
-    """
-    cfg, device = model.config, model.device
-    lens = [min(cfg.n_ctx, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens, cfg.n_ctx)]
-    blocks = BlockManager(sum(-(-n // block_size) for n in lens), block_size)
-    cache = PagedKVCache(cfg, blocks, device, model.dtype)
-    segments = []
-    for i, n in enumerate(lens):
-        blocks.append_slots(SimpleNamespace(seq_id=i, num_computed_tokens=0), n)
-        segments.append(Segment(i, 0, n))
-    rows = min(max_num_seqs, sum(lens))
-    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows
-
-    @torch.inference_mode()
-    def prefill():
-        meta = cache.prepare(segments)
-        logits = model(torch.zeros(1, sum(lens), dtype=torch.long, device=device), meta.positions, cache=cache,
-                       logits_indices=torch.arange(rows, device=device))
-        return sample(logits, params)
-
-    return prefill, DecodeRunner(model, cache, max_num_seqs, "static")

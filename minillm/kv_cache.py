@@ -41,17 +41,14 @@ Before each forward pass the cache's owner says what the step holds: a list of
 `Segment`s, one per sequence, each "sequence s already has `start` tokens
 cached and feeds `num_new` more". The owner keeps each sequence's length (the
 cache keeps none: one source of truth), and `prepare` turns the segments into
-an `AttentionMetadata`, positions, masks and where every token goes, built once
-and then read, unchanged, by every layer's `attend`. The paged cache answers
-the same `prepare` with the same metadata type, adding its slot mapping and
-block tables.
+a `KVCacheMetadata`, positions, masks and the rows every token goes to, built
+once and then read, unchanged, by every layer's `attend`. The model reads only
+its positions; each cache declares the metadata it reads (the paged cache's
+is `PagedMetadata`).
 
-A decode step can also be described without allocating anything:
-`prepare_decode(segments, batch, width)` writes the step's integers into
-buffers allocated once (`StaticBuffer`: one upload from pinned memory on CUDA)
-and returns metadata made once per shape. That is what a CUDA graph needs
-(`cuda_graphs.py`); host lists reach the device through `to_device`, which
-never makes the host wait.
+A decode step can also run on buffers allocated once, as a CUDA graph needs:
+`cuda_graphs.StaticInputs` owns them, and asks the cache only to fill in its
+rows (`fill_decode_inputs`) and to describe a shape once (`decode_metadata`).
 
 Invariants held by the tests: greedy tokens are identical to naive decode, and
 the logits of a cached step equal the logits of recomputing the whole sequence;
@@ -66,7 +63,7 @@ import torch
 
 from .config import GPT2Config
 from .model import GPT2, causal_attention, causal_mask
-from .sampling import SamplingParams, finish_reason, make_generator, sample
+from .sampling import SamplingParams, check_prompt, finish_reason, make_generator, sample, to_device
 
 
 class Segment(NamedTuple):
@@ -78,89 +75,14 @@ class Segment(NamedTuple):
 
 
 @dataclass
-class AttentionMetadata:
-    """Everything attention needs to know about one forward pass, built once by a cache's `prepare`.
-
-    The segments come decodes first, then prefill chunks, and their new tokens
-    are laid side by side in that order (the "flattened step"). A static decode
-    step (`prepare_decode`) has no segments: its shape and its tensors say all.
-    """
-    positions: torch.Tensor            # every new token's position, shaped like the model's input ids
-    num_decodes: int                   # the first num_decodes rows (segments) are decodes
+class KVCacheMetadata:
+    """What the contiguous cache reads in one forward pass, built once by `prepare`."""
+    positions: torch.Tensor            # every new token's position, (B, T) like the model's input ids
+    rows: slice | torch.Tensor         # the cache rows of the step: a slice when consecutive, else an index
     max_context_len: int               # keys the longest row attends over; a static step's padded width
     is_fresh_prefill: bool = False     # nothing cached before this pass: the new keys are the whole context
     mask: torch.Tensor | None = None   # for a ragged batched call (causal_mask); None where rows end together
-    segments: list[Segment] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)  # per segment: start + num_new, the keys its last query sees
-    query_starts: list[int] = field(default_factory=list)  # per segment: where its tokens begin in the step; then the total
-    rows: slice | torch.Tensor | None = None       # contiguous cache: the rows of the step, a slice when consecutive
-    slot_mapping: torch.Tensor | None = None       # paged cache: the pool slot of every new token
-    block_tables: torch.Tensor | None = None       # paged cache: (segments, width) block ids, padded with a valid id
-    decode_tables: torch.Tensor | None = None      # paged cache: (num_decodes, blocks) the decodes' tables, cut to what they read
-    decode_len: int = 0                            # paged cache: keys each decode row reads (then masked to its own)
-
-
-# ---- getting a step's integers to the device ----------------------------------------
-
-
-def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host list as a tensor on `device`, without making the host wait.
-
-    `torch.tensor(values, device="cuda")` copies from pageable memory, and such
-    a copy waits for the GPU to finish everything queued before it: one hidden
-    sync per tensor. Copied from pinned (page-locked) memory with
-    non_blocking=True, it is queued behind that work instead, and the host goes on.
-    """
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-class StaticBuffer:
-    """Integers allocated once on the device, refilled from the host every step, in place.
-
-    Write through `host` (a NumPy view: filling it from Python lists dispatches
-    no torch op), then `upload(n)` the first n entries. On the CPU the host and
-    the device tensor are one, and `upload` does nothing. On CUDA the host side
-    is pinned and the copy non_blocking; `host` waits for the last copy out of
-    it to finish first, so a refill never races an upload still in flight.
-    """
-
-    def __init__(self, size: int, device: torch.device):
-        self.tensor = torch.zeros(size, dtype=torch.long, device=device)
-        self._pinned = None
-        if device.type != "cpu":
-            self._pinned = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
-            self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._host = (self.tensor if self._pinned is None else self._pinned).numpy()
-
-    @property
-    def host(self):
-        if self._pinned is not None and self._copied is not None:
-            self._copied.synchronize()  # the previous upload has read the buffer (returns at once if it has)
-        return self._host
-
-    def upload(self, n: int) -> None:
-        if self._pinned is not None:
-            self.tensor[:n].copy_(self._pinned[:n], non_blocking=self._copied is not None)
-            if self._copied is not None:
-                self._copied.record()
-
-
-@dataclass
-class StaticStep:
-    """One static decode shape (rows, key width) of a cache: its metadata, whose tensors are views of buffers
-    allocated once, made the first time the shape is used and then reused, so a CUDA graph captured on it
-    reads each step's values from the same addresses."""
-    metadata: AttentionMetadata
-    key_positions: torch.Tensor   # (L,) 0 .. L-1
-    context_lens: torch.Tensor    # (rows, 1) each row's context length, from the buffer
-    mask: torch.Tensor            # (rows, L) bool; the metadata's (rows, 1, 1, L) mask is a view of it
-
-    def update_mask(self) -> None:
-        """Key j is visible to a row iff j < its context length: one op, written in place."""
-        torch.lt(self.key_positions, self.context_lens, out=self.mask)
+    segments: list[Segment] = field(default_factory=list)  # empty for a static decode step (cuda_graphs.py)
 
 
 class KVCache:
@@ -170,7 +92,6 @@ class KVCache:
         meta = cache.prepare([Segment(row, start, num_new), ...])   # every row feeds the same num_new
         logits = model(input_ids, meta.positions, cache=cache)
     `attend` then runs per layer, reading `cache.metadata` and nothing else.
-    A decode step can instead run on buffers allocated once (`prepare_decode`).
     """
 
     width_unit = 16  # a static decode step reads a multiple of this many key slots per row
@@ -184,8 +105,7 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
-        self.metadata: AttentionMetadata | None = None
-        self._buffers: StaticBuffer | None = None  # allocate_decode_buffers makes them
+        self.metadata: KVCacheMetadata | None = None
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +117,7 @@ class KVCache:
         """The widest a decode step reads, in `width_unit`s."""
         return -(-self.max_seq_len // self.width_unit)
 
-    def prepare(self, segments: list[Segment]) -> AttentionMetadata:
+    def prepare(self, segments: list[Segment]) -> KVCacheMetadata:
         """Describe a forward pass in which row `seq_id` of each segment appends `num_new` tokens after `start`.
 
         Every row feeds the same number of tokens (the batch is (B, T)). Returns
@@ -221,65 +141,41 @@ class KVCache:
             row_index: slice | torch.Tensor = slice(rows[0], rows[0] + len(rows))
         else:
             row_index = to_device(rows, device)
-        context_lens = [s + T for s in starts]
-        self.metadata = AttentionMetadata(
-            positions=positions, num_decodes=sum(s.is_decode for s in segments),
-            max_context_len=max(context_lens), is_fresh_prefill=all(s == 0 for s in starts),
-            mask=causal_mask(positions, max(context_lens)) if ragged else None,  # (B, 1, T, L)
-            segments=list(segments), context_lens=context_lens,
-            query_starts=[i * T for i in range(len(segments) + 1)], rows=row_index)
+        longest_context = max(starts) + T
+        self.metadata = KVCacheMetadata(
+            positions=positions, rows=row_index, max_context_len=longest_context,
+            is_fresh_prefill=all(s == 0 for s in starts),
+            mask=causal_mask(positions, longest_context) if ragged else None,  # (B, 1, T, L)
+            segments=list(segments))
         return self.metadata
 
-    # ---- a decode step on buffers allocated once ------------------------------------
+    # ---- a static decode step (cuda_graphs.StaticInputs owns its buffers) -------------
 
-    def allocate_decode_buffers(self, max_batch: int) -> None:
-        """Room for static decode steps (`prepare_decode`) of up to `max_batch` rows, allocated once."""
+    def decode_keys(self, width: int) -> int:
+        """Key slots each row of a static decode step `width` units wide reads."""
+        return min(width * self.width_unit, self.max_seq_len)
+
+    def decode_inputs_size(self, max_batch: int) -> int:
+        """Integers of this cache's own a static decode step needs beside positions and context lengths."""
         if max_batch > self.batch_size:
             raise ValueError(f"max_batch={max_batch} exceeds the cache's batch_size={self.batch_size} rows; "
                              "a static step pads into rows of the cache, so build it with more rows")
-        device = self.k.device
-        self._buffers = StaticBuffer(3 * self.batch_size, device)  # rows | positions | context lengths
-        self._mask = torch.zeros(self.batch_size * self.max_seq_len, dtype=torch.bool, device=device)
-        self._keys = torch.arange(self.max_seq_len, device=device)
-        self._static = {}
+        return max_batch  # the rows
 
-    def prepare_decode(self, segments: list[Segment], batch: int, width: int) -> AttentionMetadata:
-        """A decode step of `segments` (one token each) padded to `batch` rows that read `width` units of keys.
-
-        Nothing is allocated: the step's integers go into buffers allocated
-        once (`allocate_decode_buffers`), and the metadata for each (batch,
-        width) is made once and reused. Padding rows borrow rows of the cache
-        that are not in the step: they compute a token nobody samples, and
-        what they write there is scratch. A row that is parked, neither in the
-        step nor finished, must not be padded over: give the step all live rows.
-        """
-        if self._buffers is None:
-            raise RuntimeError("call allocate_decode_buffers(max_batch) once before prepare_decode")
-        n, B = len(segments), self.batch_size
-        L = min(width * self.width_unit, self.max_seq_len)
-        if not 0 < batch <= B or n > batch or any(s.num_new != 1 or s.start + 1 > L for s in segments):
-            raise ValueError(f"a static decode step of {batch} rows × {L} keys cannot hold segments {segments} "
-                             f"in a cache of {B} rows: each feeds one token, and start + 1 ≤ {L}")
+    def fill_decode_inputs(self, host, segments: list[Segment], batch: int, width: int) -> int:
+        """Write the rows of a static decode step into `host`; returns how many entries it filled. Padding rows borrow rows of the cache that are
+        not in the step: they compute a token nobody samples, and what they write there is scratch. A row
+        that is parked, neither in the step nor finished, must not be padded over: give the step all live rows."""
         taken = {s.seq_id for s in segments}
-        spare = [r for r in range(B) if r not in taken][:batch - n]
-        rows = [s.seq_id for s in segments] + spare
-        host = self._buffers.host
-        host[:batch] = rows
-        host[B:B + batch] = [s.start for s in segments] + [0] * len(spare)                # positions
-        host[2 * B:2 * B + batch] = [s.start + 1 for s in segments] + [1] * len(spare)    # context lengths
-        self._buffers.upload(3 * B)
-        step = self._static.get((batch, width)) or self._static_step(batch, L)
-        self._static[(batch, width)] = step
-        step.update_mask()
-        self.metadata = step.metadata
-        return step.metadata
+        spare = [r for r in range(self.batch_size) if r not in taken][:batch - len(segments)]
+        host[:batch] = [s.seq_id for s in segments] + spare
+        return batch
 
-    def _static_step(self, batch: int, L: int) -> StaticStep:
-        buf, B = self._buffers.tensor, self.batch_size
-        mask = self._mask[:batch * L].view(batch, L)
-        meta = AttentionMetadata(positions=buf[B:B + batch].view(batch, 1), num_decodes=batch, max_context_len=L,
-                                 mask=mask.view(batch, 1, 1, L), rows=buf[:batch])
-        return StaticStep(meta, self._keys[:L], buf[2 * B:2 * B + batch].view(batch, 1), mask)
+    def decode_metadata(self, positions: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor,
+                        batch: int, width: int) -> KVCacheMetadata:
+        """The metadata of one static decode shape, on views of the buffers `fill_decode_inputs` fills."""
+        return KVCacheMetadata(positions=positions.view(batch, 1), rows=inputs[:batch],
+                               max_context_len=self.decode_keys(width), mask=mask)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The model's seam: store the new k, v, then attend the new queries over the sequence so far."""
@@ -326,7 +222,7 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
     """
     params = params or SamplingParams(temperature=0.0)
     cfg, device = model.config, model.device
-    prompts = [cfg.check_prompt(p, params.max_tokens) for p in prompts]
+    prompts = [check_prompt(cfg, p, params.max_tokens) for p in prompts]
     if not prompts:
         return []
     B = len(prompts)

@@ -101,9 +101,10 @@ class Conv1D(nn.Module):
     (The name is historical: OpenAI's code called this projection a 1-wide
     convolution.) Why not nn.Linear, which stores [out, in]? A decode step has
     one token per sequence, so every projection is a matrix-vector product that
-    streams W from memory once. On the CPU this engine was measured on, MKL
-    streams the [in, out] layout ~1.7× faster (21 vs 12.6 GB/s), and on a GPU
-    either layout is fine; for prefill the two are equally fast.
+    streams W from memory once, and keeping the checkpoint's layout means
+    loading is a copy, never a transpose. Which layout a CPU's BLAS streams
+    faster depends on the library and the machine; time both with
+    `timing.time_fn` before preferring one.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -206,7 +207,7 @@ class GPT2(nn.Module):
 
         `positions` (B, T) defaults to 0..T-1; a cache's owner passes the real
         positions of the new tokens. Inputs are trusted here: validate prompts
-        once per request with `GPT2Config.check_prompt`, not once per step.
+        once per request with `sampling.check_prompt`, not once per step.
         """
         B, T = input_ids.shape
         if positions is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .model import GPT2
-from .sampling import SamplingParams, finish_reason, make_generator, sample
+from .sampling import SamplingParams, check_prompt, finish_reason, make_generator, sample
 
 
 @torch.inference_mode()
@@ -33,7 +33,7 @@ def generate(model: GPT2, prompt_token_ids: list[int], params: SamplingParams | 
     """
     params = params or SamplingParams(temperature=0.0)
     cfg = model.config
-    tokens = cfg.check_prompt(prompt_token_ids, params.max_tokens)
+    tokens = check_prompt(cfg, prompt_token_ids, params.max_tokens)
     generator = make_generator(params, model.device)
     out: list[int] = []
     while True:

@@ -16,7 +16,7 @@ A forward pass writes each new token's K and V to its slot, one copy for
 the whole ragged batch; the list of slots is the step's *slot mapping*. The
 pool holds one block more than the block manager hands out, the *pad block*:
 padded block-table entries name it, and the padding rows of a static decode
-step (`prepare_decode`, for CUDA graphs) write into it. Nothing reads it
+step (for CUDA graphs, `fill_decode_inputs`) write into it. Nothing reads it
 unmasked.
 
 What paging costs the attention kernel
@@ -36,8 +36,8 @@ gathered K and V are free views, never copied a second time.
 One step
 --------
 The engine lists the step's segments, decodes first, then prefill chunks, and
-calls `prepare` once (the same call, and the same `AttentionMetadata`, as the
-contiguous cache). Every layer's `attend` then reads that metadata only:
+calls `prepare` once (the same call as the contiguous cache's, returning this
+cache's own `PagedMetadata`). Every layer's `attend` then reads that metadata only:
 
     decodes        one batched call: each query attends over its own gathered
                    context, a mask hiding the padding of shorter ones (a
@@ -52,12 +52,35 @@ the pad block.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .block_manager import BlockManager
 from .config import GPT2Config
-from .kv_cache import AttentionMetadata, Segment, StaticBuffer, StaticStep, to_device
+from .kv_cache import Segment
 from .model import causal_attention, causal_mask
+from .sampling import to_device
+
+
+@dataclass
+class PagedMetadata:
+    """What the paged cache reads in one forward pass, built once by `prepare`.
+
+    The segments come decodes first, then prefill chunks, and their new tokens
+    lie side by side in that order (the "flattened step"). A static decode step
+    (cuda_graphs.py) has no segments: its shape and its tensors say all.
+    """
+    positions: torch.Tensor          # (1, N) every new token's position, like the flattened input ids
+    slot_mapping: torch.Tensor       # (N,) the pool slot of every new token
+    block_tables: torch.Tensor       # (segments, width) block ids, padded with the pad block
+    num_decodes: int                 # the first num_decodes segments (and tokens) are decodes
+    decode_tables: torch.Tensor | None = None  # (num_decodes, blocks) the decodes' tables, cut to what they read
+    decode_len: int = 0              # keys each decode row reads (then masked to its own)
+    mask: torch.Tensor | None = None  # (num_decodes, 1, 1, decode_len) where decode contexts differ
+    segments: list[Segment] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)  # per segment: start + num_new, the keys its last query sees
+    query_starts: list[int] = field(default_factory=list)  # per segment: where its tokens begin in the step; then N
 
 
 def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
@@ -95,8 +118,7 @@ class PagedKVCache:
     """The pool of KV blocks whose tables `blocks` keeps, and attention through them.
 
     Once per step: `meta = cache.prepare(segments)`, then the model's forward
-    over the flattened (1, N) batch calls `attend` per layer. A decode-only
-    step can instead run on buffers allocated once (`prepare_decode`).
+    over the flattened (1, N) batch calls `attend` per layer.
     """
 
     def __init__(self, config: GPT2Config, blocks: BlockManager,
@@ -113,8 +135,7 @@ class PagedKVCache:
         # Each layer's slots seen as (K|V, 1, H, slot, D): the shape of torch.stack((k, v)) with the step's
         # tokens on the slot axis, so one index_copy_ stores a whole step's keys and values.
         self.slots = [layer.view(-1, 2, H, D).permute(1, 2, 0, 3).unsqueeze(1) for layer in self.layers]
-        self.metadata: AttentionMetadata | None = None
-        self._buffers: StaticBuffer | None = None  # allocate_decode_buffers makes them
+        self.metadata: PagedMetadata | None = None
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +151,7 @@ class PagedKVCache:
         """The most blocks a sequence can hold: its table's width in a static step."""
         return self.blocks.blocks_for(self.config.n_ctx)
 
-    def prepare(self, segments: list[Segment]) -> AttentionMetadata:
+    def prepare(self, segments: list[Segment]) -> PagedMetadata:
         """Describe one forward pass over `segments`, decodes first; their blocks must be there already.
 
         Returns the metadata, whose `positions` (1, N) the model takes beside the flattened ids.
@@ -156,71 +177,46 @@ class PagedKVCache:
         mask = None
         if num_decodes and min(decode_lens) != decode_len:  # ragged decodes: hide each row's padding
             mask = causal_mask(to_device(decode_lens, device)[:, None] - 1, decode_len)  # (n, 1, 1, L)
-        self.metadata = AttentionMetadata(
-            positions=to_device([positions], device), num_decodes=num_decodes, max_context_len=max(context_lens),
-            is_fresh_prefill=all(s.start == 0 for s in segments), mask=mask, segments=list(segments),
-            context_lens=context_lens, query_starts=query_starts, slot_mapping=to_device(slots, device),
-            block_tables=block_tables, decode_len=decode_len,
-            decode_tables=block_tables[:num_decodes, :self.blocks.blocks_for(decode_len)] if num_decodes else None)
+        self.metadata = PagedMetadata(
+            positions=to_device([positions], device), slot_mapping=to_device(slots, device),
+            block_tables=block_tables, num_decodes=num_decodes, decode_len=decode_len, mask=mask,
+            decode_tables=block_tables[:num_decodes, :self.blocks.blocks_for(decode_len)] if num_decodes else None,
+            segments=list(segments), context_lens=context_lens, query_starts=query_starts)
         return self.metadata
 
-    # ---- a decode step on buffers allocated once ------------------------------------
+    # ---- a static decode step (cuda_graphs.StaticInputs owns its buffers) -------------
 
-    def allocate_decode_buffers(self, max_batch: int) -> None:
-        """Room for static decode steps (`prepare_decode`) of up to `max_batch` rows, allocated once."""
-        device, W = self.pool.device, self.max_decode_width
-        # positions | slot mapping | context lengths | block tables, packed at each step's own width
-        self._buffers = StaticBuffer(3 * max_batch + max_batch * W, device)
-        self._mask = torch.zeros(max_batch * W * self.block_size, dtype=torch.bool, device=device)
-        self._keys = torch.arange(W * self.block_size, device=device)
-        self._max_batch = max_batch
-        self._static: dict[tuple[int, int], StaticStep] = {}
+    def decode_keys(self, width: int) -> int:
+        """Key slots each row of a static decode step reads: its `width` blocks whole."""
+        return width * self.block_size
 
-    def prepare_decode(self, segments: list[Segment], batch: int, width: int) -> AttentionMetadata:
-        """A decode step of `segments` (one token each) padded to `batch` rows whose tables are `width` blocks.
+    def decode_inputs_size(self, max_batch: int) -> int:
+        """Integers of this cache's own a static decode step needs beside positions and context lengths:
+        a slot per row, then the rows' tables, packed at each step's own width."""
+        return max_batch + max_batch * self.max_decode_width
 
-        Nothing is allocated: the step's integers are written into buffers
-        allocated once and uploaded in one copy, and the metadata of each
-        (batch, width) is made once and reused, so its tensors never move.
-        Padding rows feed position 0, write to the pad block, and read it
-        (context length 1); padded table entries name the pad block too.
-        """
-        if self._buffers is None:
-            raise RuntimeError("call allocate_decode_buffers(max_batch) once before prepare_decode")
-        n, B, bs, pad = len(segments), self._max_batch, self.block_size, self.pad_block
-        if not 0 < batch <= B or n > batch or not 0 < width <= self.max_decode_width or \
-                any(s.num_new != 1 or self.blocks.blocks_for(s.start + 1) > width for s in segments):
-            raise ValueError(f"a static decode step of {batch} rows × {width} blocks (at most {B} rows × "
-                             f"{self.max_decode_width} blocks) cannot hold segments {segments}: each feeds one "
-                             "token, and its context must fit in the width")
-        host, T = self._buffers.host, 3 * B  # the tables start at T
-        slots = []
+    def fill_decode_inputs(self, host, segments: list[Segment], batch: int, width: int) -> int:
+        """Write the slot mapping and block tables of a static decode step into `host`; returns how many
+        entries it filled. Padding rows write
+        to the pad block, and padded table entries name it: nothing reads it unmasked."""
+        bs, pad, T = self.block_size, self.pad_block, len(host) // (1 + self.max_decode_width)  # tables start at T
         for i, s in enumerate(segments):
             table = self.blocks.block_tables[s.seq_id]
             used = self.blocks.blocks_for(s.start + 1)
             host[T + i * width:T + i * width + used] = table[:used]
             host[T + i * width + used:T + (i + 1) * width] = pad
-            slots.extend(slot_mapping(table, s.start, 1, bs))
-        host[T + n * width:T + batch * width] = pad
-        fill = batch - n
-        host[:batch] = [s.start for s in segments] + [0] * fill                 # positions
-        host[B:B + batch] = slots + [pad * bs] * fill                           # slot mapping
-        host[2 * B:2 * B + batch] = [s.start + 1 for s in segments] + [1] * fill  # context lengths
-        self._buffers.upload(T + batch * width)
-        step = self._static.get((batch, width)) or self._static_step(batch, width)
-        self._static[(batch, width)] = step
-        step.update_mask()
-        self.metadata = step.metadata
-        return step.metadata
+            host[i] = slot_mapping(table, s.start, 1, bs)[0]
+        host[T + len(segments) * width:T + batch * width] = pad
+        host[len(segments):batch] = pad * bs
+        return T + batch * width
 
-    def _static_step(self, batch: int, width: int) -> StaticStep:
-        buf, B, L = self._buffers.tensor, self._max_batch, width * self.block_size
-        tables = buf[3 * B:3 * B + batch * width].view(batch, width)
-        mask = self._mask[:batch * L].view(batch, L)
-        meta = AttentionMetadata(positions=buf[:batch].view(1, batch), num_decodes=batch, max_context_len=L,
-                                 mask=mask.view(batch, 1, 1, L), slot_mapping=buf[B:B + batch], block_tables=tables,
-                                 decode_tables=tables, decode_len=L)
-        return StaticStep(meta, self._keys[:L], buf[2 * B:2 * B + batch].view(batch, 1), mask)
+    def decode_metadata(self, positions: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor,
+                        batch: int, width: int) -> PagedMetadata:
+        """The metadata of one static decode shape, on views of the buffers `fill_decode_inputs` fills."""
+        T = len(inputs) // (1 + self.max_decode_width)
+        tables = inputs[T:T + batch * width].view(batch, width)
+        return PagedMetadata(positions=positions.view(1, batch), slot_mapping=inputs[:batch], block_tables=tables,
+                             num_decodes=batch, decode_tables=tables, decode_len=self.decode_keys(width), mask=mask)
 
     # ---- attention ----------------------------------------------------------------
 

@@ -85,6 +85,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import takewhile
 from typing import Protocol
 
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockAllocator, BlockManager
@@ -97,6 +98,8 @@ class HoldsTokens(Protocol):
     seq_id: int
     num_computed_tokens: int
     token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
+    num_cached_tokens: int | None  # None until its first admission
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
@@ -169,23 +172,18 @@ class CachingAllocator(BlockAllocator):
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
 
+    def block_states(self, block: int, free: set[int]) -> dict[str, bool]:
+        """The base states and `evictable`; a free block has no hash, an evictable one has one."""
+        states = {**super().block_states(block, free), "evictable": block in self.evictable}
+        if not states["referenced"]:
+            assert (block in self.block_hash) == states["evictable"], \
+                f"block {block} is {'evictable' if states['evictable'] else 'free'} " \
+                f"{'with' if block in self.block_hash else 'without'} a hash"
+        return states
+
     def check_invariants(self, block_tables: dict[int, list[int]]) -> None:
-        """Each block is free, evictable or referenced as often as the tables say; hashes and blocks match."""
-        expected = [0] * self.num_blocks
-        for table in block_tables.values():
-            for block in table:
-                expected[block] += 1
-        free, evictable = set(self.free_blocks), set(self.evictable)
-        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
-        for block in range(self.num_blocks):
-            assert self.ref_counts[block] == expected[block], \
-                f"block {block}: ref count {self.ref_counts[block]} but {expected[block]} tables hold it"
-            states = [name for name, holds in (("free", block in free), ("evictable", block in evictable),
-                                               ("referenced", expected[block] > 0)) if holds]
-            assert len(states) == 1, f"block {block} is {' and '.join(states) or 'nowhere'}"
-            if states[0] != "referenced":
-                assert (block in self.block_hash) == (states[0] == "evictable"), \
-                    f"block {block} is {states[0]} {'with' if block in self.block_hash else 'without'} a hash"
+        """The base checks, with the evictable state; and hashes and blocks match."""
+        super().check_invariants(block_tables)
         assert len(self.cached) == len(self.block_hash) and \
             all(self.cached.get(h) == b for b, h in self.block_hash.items()), "hashes and blocks do not match"
 
@@ -193,29 +191,42 @@ class CachingAllocator(BlockAllocator):
 class PrefixCachingBlockManager(BlockManager):
     """Block tables whose full blocks are cached by their hash chain and shared by whoever starts alike.
 
-    `num_cached_tokens(seq)` tells the scheduler how much of a sequence it is about to admit is cached; the
-    scheduler starts the sequence there, and `append_slots` hands it those blocks before any new one.
+    `match_prefix(seq)` walks the hash chain of a sequence about to be admitted, once, keeps the blocks it
+    found and tells the scheduler how many tokens they hold; the scheduler starts the sequence there, and
+    `append_slots` hands it those blocks before any new one.
     """
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         super().__init__(num_blocks, block_size)
         self.allocator = CachingAllocator(num_blocks)
         self.chains: dict[int, list[bytes]] = {}  # seq_id → the hashes of its full blocks so far, in order
+        self.matched: dict[int, list[tuple[int, bytes]]] = {}  # seq_id → (block, hash) match_prefix found
+        self.num_prompt_tokens = 0         # of every request admitted so far
+        self.num_cached_prompt_tokens = 0  # of those, found cached at its first admission
 
-    def num_cached_tokens(self, seq: HoldsTokens) -> int:
-        """Leading tokens of a sequence about to be admitted whose KV the pool holds: whole blocks, never
-        its last token."""
-        return len(prefix_match(seq.token_ids, self.block_size, self.allocator.cached)) * self.block_size
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found cached ÷ prompt tokens of every request admitted so far."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def match_prefix(self, seq: HoldsTokens) -> int:
+        """Leading tokens of a sequence about to be admitted whose KV the pool holds (whole blocks, never its
+        last token); the blocks that hold them are kept for its admission."""
+        blocks = prefix_match(seq.token_ids, self.block_size, self.allocator.cached)
+        self.matched[seq.seq_id] = [(block, self.allocator.block_hash[block]) for block in blocks]
+        return len(blocks) * self.block_size
 
     def _hits(self, seq: HoldsTokens) -> list[int]:
-        """The cached blocks that a sequence admitted at num_computed_tokens > 0 starts from."""
-        blocks = prefix_match(seq.token_ids, self.block_size, self.allocator.cached)
+        """The cached blocks that a sequence admitted at num_computed_tokens > 0 starts from: those that
+        `match_prefix` found, each still cached (no hash is recomputed)."""
+        matched = self.matched.get(seq.seq_id, [])[:seq.num_computed_tokens // self.block_size]
+        blocks = [block for block, _ in takewhile(lambda m: self.allocator.block_hash.get(m[0]) == m[1], matched)]
         want, rest = divmod(seq.num_computed_tokens, self.block_size)
         if rest or len(blocks) < want:
             raise RuntimeError(f"sequence {seq.seq_id} is admitted at {seq.num_computed_tokens} cached tokens, but "
-                               f"the pool holds {len(blocks) * self.block_size} of them; ask num_cached_tokens "
+                               f"the pool holds {len(blocks) * self.block_size} of them; ask match_prefix "
                                "right before admitting it")
-        return blocks[:want]
+        return blocks
 
     def blocks_needed(self, seq: HoldsTokens, num_new: int) -> int:
         """Blocks `append_slots(seq, num_new)` takes from the free count: new ones, and, at admission, the
@@ -228,7 +239,9 @@ class PrefixCachingBlockManager(BlockManager):
 
     def append_slots(self, seq: HoldsTokens, num_new: int) -> None:
         """Room for `num_new` more tokens after the computed ones; a sequence admitted after a cache hit first
-        shares its cached blocks. Blocks these tokens fill are cached by their hash."""
+        shares its cached blocks. Blocks these tokens fill are cached by their hash. A request's first
+        admission counts its prompt tokens, and those it found cached, in the hit rate."""
+        first_admission = seq.seq_id not in self.block_tables and seq.num_cached_tokens is None
         if seq.seq_id not in self.block_tables and seq.num_computed_tokens:
             needed = self.blocks_needed(seq, num_new)
             if needed > self.num_free_blocks:
@@ -239,8 +252,12 @@ class PrefixCachingBlockManager(BlockManager):
                 self.allocator.share(block)
             self.block_tables[seq.seq_id] = hits
             self.chains[seq.seq_id] = [self.allocator.block_hash[block] for block in hits]
+        self.matched.pop(seq.seq_id, None)
         super().append_slots(seq, num_new)
         self._cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        if first_admission:
+            self.num_prompt_tokens += len(seq.prompt_token_ids)
+            self.num_cached_prompt_tokens += seq.num_computed_tokens
 
     def _cache_full_blocks(self, seq: HoldsTokens, num_tokens: int) -> None:
         """Hash every block that the first `num_tokens` tokens fill and that is not hashed yet."""
@@ -256,6 +273,7 @@ class PrefixCachingBlockManager(BlockManager):
     def free(self, seq: HoldsTokens) -> None:
         """Release a sequence's blocks tail first, so that its last blocks are evicted before its first."""
         self.chains.pop(seq.seq_id, None)
+        self.matched.pop(seq.seq_id, None)
         for block in reversed(self.block_tables.pop(seq.seq_id, ())):
             self.allocator.free(block)
 

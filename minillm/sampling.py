@@ -33,11 +33,14 @@ row with NaN or ±inf never becomes a token.
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .config import check_int, check_real
+from .config import GPT2Config, check_int, check_real
 
 FINISH_STOP = "stop"        # an end-of-text or stop token was generated
 FINISH_LENGTH = "length"    # max_tokens reached, or the context is full
@@ -201,11 +204,72 @@ def _on_rows(x: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
     return x
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list as a tensor on `device`, without making the host wait.
+
+    `torch.tensor(values, device="cuda")` copies from pageable memory, and such
+    a copy waits for the GPU to finish everything queued before it: one hidden
+    sync per tensor. Copied from pinned (page-locked) memory with
+    non_blocking=True, it is queued behind that work instead, and the host goes on.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Per-row values as an (N, 1) tensor on `device`; on CUDA through pinned memory with non_blocking=True,
-    so the host does not wait for the GPU (see kv_cache.to_device)."""
-    host = torch.tensor(values, dtype=dtype)[:, None]
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    """Per-row values as an (N, 1) tensor on `device`, uploaded by `to_device`."""
+    return to_device(values, device, dtype)[:, None]
+
+
+def check_prompt(config: GPT2Config, token_ids, max_tokens: int = 0) -> list[int]:
+    """The prompt as a list of Python ints, or a ValueError naming the value, the limit and the fix.
+
+    A prompt is a sequence of token ids: a list or tuple of integers (NumPy's
+    and torch's included), or a 1-D integer array or tensor. A sequence holds
+    at most len(prompt) + max_tokens − 1 tokens of KV, since the last sampled
+    token is never fed back, so that is what must fit in n_ctx. Cheap enough
+    to call once per request; the model's forward pass itself does not check,
+    so the hot path stays lean.
+    """
+    kind = type(token_ids).__name__
+    if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+        if token_ids.ndim != 1:
+            raise ValueError(f"the prompt is a {token_ids.ndim}-D {kind} of shape {tuple(token_ids.shape)}; a "
+                             "prompt is one sequence of token ids (pass one request per prompt)")
+        token_ids = token_ids.tolist()
+    elif isinstance(token_ids, (str, bytes, bytearray)):
+        raise ValueError(f"the prompt has type {kind}, not a sequence of token ids; encode text with the "
+                         "tokenizer")
+    elif not isinstance(token_ids, Sequence):
+        raise ValueError(f"the prompt has type {kind}, not a sequence of token ids (a list of ints); a call that "
+                         "takes several prompts wants a list of such lists")
+    ids = []
+    for i, t in enumerate(token_ids):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)
+        except TypeError:
+            raise ValueError(f"token id {t!r} at position {i} is a {type(t).__name__}, not an integer; "
+                             "a prompt is a sequence of token ids (encode text with the tokenizer)") from None
+        if not 0 <= t < config.vocab_size:
+            raise ValueError(f"token id {t} at position {i} is outside the vocabulary [0, {config.vocab_size}); "
+                             "was the prompt encoded with a different tokenizer?")
+        ids.append(t)
+    n = len(ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: a GPT-2 needs at least one token to condition on "
+                         "(encode some text, or start from the end-of-text token)")
+    if n > config.n_ctx:
+        raise ValueError(f"the prompt has {n} tokens but the context holds n_ctx={config.n_ctx}; "
+                         f"truncate the prompt to at most {config.n_ctx} tokens")
+    if max_tokens and n + max_tokens - 1 > config.n_ctx:
+        raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) − 1 = {n + max_tokens - 1} tokens of KV "
+                         f"exceed the context n_ctx={config.n_ctx}; lower max_tokens to at most "
+                         f"{config.n_ctx - n + 1} or shorten the prompt")
+    return ids
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,

@@ -85,7 +85,7 @@ class SchedulerConfig:
 class BlockSpace(Protocol):
     """What the scheduler asks of KV memory: what it holds of a sequence yet to be admitted, and room for a
     sequence's next tokens, in blocks."""
-    def num_cached_tokens(self, seq: Sequence) -> int: ...
+    def match_prefix(self, seq: Sequence) -> int: ...
     def can_append(self, seq: Sequence, num_new: int) -> bool: ...
     def append_slots(self, seq: Sequence, num_new: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
@@ -126,8 +126,6 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences rejoin at the front
         self.running: list[Sequence] = []        # arrival order
-        self.num_prompt_tokens = 0         # of every request admitted so far
-        self.num_cached_prompt_tokens = 0  # of those, found in the prefix cache at its first admission
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -153,7 +151,7 @@ class Scheduler:
         """Prefill-first: whole prompts, in a step of their own, before any decode resumes."""
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self._first_waiting()
+            seq = self._start_first_waiting()
             if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
                 break
             budget -= seq.num_remaining
@@ -172,24 +170,22 @@ class Scheduler:
                 n += 1
         return n
 
-    def _first_waiting(self) -> Sequence:
+    def _start_first_waiting(self) -> Sequence:
         """The next sequence to admit, starting after the tokens whose KV the pool already holds (a prefix
         cache hit); ask right before admitting it, as the cache changes whenever a block is allocated."""
         seq = self.waiting[0]
-        seq.num_computed_tokens = self.blocks.num_cached_tokens(seq)
+        seq.num_computed_tokens = self.blocks.match_prefix(seq)
         return seq
 
     def _admit(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
         """Move the first waiting sequence to running with `num_tokens` planned after its cached ones; room
         was checked."""
         self.waiting.popleft()
-        if seq.num_cached_tokens is None:  # its first admission: count what the prefix cache saved its prompt
-            seq.num_cached_tokens = seq.num_computed_tokens
-            self.num_prompt_tokens += len(seq.prompt_token_ids)
-            self.num_cached_prompt_tokens += seq.num_computed_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.blocks.append_slots(seq, num_tokens)
+        if seq.num_cached_tokens is None:  # its first admission: the prompt tokens it found cached
+            seq.num_cached_tokens = seq.num_computed_tokens
         out.chunks.append(ScheduledChunk(seq, num_tokens, is_decode=False))
 
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:

@@ -115,3 +115,28 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """The most tokens whose KV this request can ever hold: its last sampled token is never fed."""
         return len(self.prompt_token_ids) + self.params.max_tokens - 1
+
+
+@dataclass
+class RequestOutput:
+    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: list[int]  # everything generated so far
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
+
+
+@dataclass
+class StepStats:
+    """One row of the engine's timeline."""
+    start: float
+    duration: float          # schedule + forward + sample, synchronised
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+    num_free_blocks: int     # after the step

@@ -93,7 +93,8 @@ import torch.nn.functional as F
 
 from .kv_cache import KVCache, Segment
 from .model import GPT2
-from .sampling import SamplingParams, apply_top_k, apply_top_p, finish_reason, make_generator, sample
+from .sampling import (SamplingParams, apply_top_k, apply_top_p, check_prompt, finish_reason, make_generator,
+                       sample)
 
 
 @dataclass
@@ -263,7 +264,7 @@ class SpeculativeDecoder:
     def __init__(self, target: GPT2, draft: GPT2 | NgramProposer, prompt_token_ids, params: SamplingParams,
                  num_speculative_tokens: int):
         cfg = target.config
-        self.prompt = cfg.check_prompt(prompt_token_ids, params.max_tokens)
+        self.prompt = check_prompt(cfg, prompt_token_ids, params.max_tokens)
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an integer ≥ 1 (the "

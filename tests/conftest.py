@@ -120,9 +120,8 @@ def context_model():
 
 @pytest.fixture
 def one_thread():
-    """Run on one torch thread: tiny models gain nothing from more, and on shared cores extra threads only stall."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    """The test runs inside lessons/common.py's `one_thread()`: tiny models on one torch thread."""
+    import lessons_support  # noqa: F401  (puts lessons/ on sys.path)
+    from common import one_thread as on_one_thread
+    with on_one_thread():
+        yield

@@ -111,7 +111,7 @@ def test_every_prefill_keeps_making_progress():
 def test_scheduler_needs_no_model():
     """The policy alone, over a stand-in for the block space: a plan per step from queue state."""
     class Unlimited:
-        def num_cached_tokens(self, seq): return 0
+        def match_prefix(self, seq): return 0
         def can_append(self, seq, n): return True
         def append_slots(self, seq, n): pass
         def free(self, seq): pass

@@ -192,7 +192,7 @@ def test_compiles_are_bounded_by_the_buckets_visited(model):
 def test_profile_steps_run_on_the_cpu(model):
     """The profile run's largest prefill (a budget above n_ctx: several prompts) and largest decode step
     (every row, whole-context tables) have valid shapes; on CUDA the engine measures their peak."""
-    from minillm.engine import profile_steps
+    from minillm.kv_pool import profile_steps
     prefill, decoder = profile_steps(model, max_num_batched_tokens=300, max_num_seqs=6, block_size=16)
     assert len(prefill()) == 6
     logits = decoder.run_largest()
@@ -229,7 +229,7 @@ def test_a_second_engine_gets_the_memory_the_first_one_freed(monkeypatch):
     """The GPU check's failure, replayed: weights loaded, a first engine sized from gpu_memory_utilization takes
     its pool and is deleted, and the caching allocator keeps that pool reserved. Sized as total·u − (total −
     free), the second engine found no room ("holds no block"); sized as vLLM does, it gets what the first got."""
-    from minillm.engine import gpu_kv_budget
+    from minillm.kv_pool import gpu_kv_budget
     gpu = FakeCachingAllocator()
     gpu.install(monkeypatch)
     device = torch.device("cuda")

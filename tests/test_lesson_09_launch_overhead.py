@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm.metrics import count_ops, decode_step
+from minillm.steps import count_ops, decode_step
 from minillm.weights import random_model
 
 from lessons_support import load_lesson  # also puts lessons/ on sys.path

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm.metrics import decode_cost, prefill_cost, resident_bytes, step_cost
+from minillm.cost import decode_cost, prefill_cost, step_cost
+from minillm.memory import resident_bytes
 from models import random_prompts
 
 from lessons_support import LESSONS, load_lesson  # also puts lessons/ on sys.path

@@ -5,10 +5,11 @@ import time
 import pytest
 import torch
 
-from minillm import bench, metrics
+from minillm import bench, cost, memory, roofline, steps, timing
 from minillm.config import PRESETS
 from minillm.kv_cache import KVCache
-from minillm.metrics import Ceilings, StepCost, decode_cost, prefill_cost, step_cost
+from minillm.cost import StepCost, decode_cost, prefill_cost, step_cost
+from minillm.roofline import Ceilings
 from minillm.weights import random_model
 
 TINY = PRESETS["tiny"]  # L=2, C=64, V=512, n_ctx=128
@@ -83,7 +84,7 @@ def test_achieved_fractions():
     c = Ceilings("x", "float32", matmul_flops=100e9, bandwidth=20e9, matmul_size=1, copy_bytes=1)
     cost = StepCost(flops=10e9, weight_bytes=4e9, kv_read_bytes=0, kv_write_bytes=0, other_bytes=0,
                     tokens=1, lm_head_rows=1)
-    a = metrics.achieved(cost, 0.5, c)
+    a = roofline.achieved(cost, 0.5, c)
     assert a["flops_per_s"] == 20e9 and a["bytes_per_s"] == 8e9
     assert a["frac_matmul_flops"] == pytest.approx(0.2) and a["frac_bandwidth"] == pytest.approx(0.4)
     assert a["bound"] == "memory"  # intensity 2.5 < ridge 5
@@ -91,10 +92,10 @@ def test_achieved_fractions():
 
 
 def test_measure_ceilings_on_cpu_is_positive_and_cached():
-    c = metrics.measure_ceilings("cpu", torch.float32, quick=True)
+    c = roofline.measure_ceilings("cpu", torch.float32, quick=True)
     assert c.matmul_flops > 1e8 and c.bandwidth > 1e8 and c.ridge > 0
     assert c.copy_bytes >= 64 << 20  # far beyond any L2, so it measures memory
-    assert metrics.measure_ceilings("cpu", torch.float32, quick=True) is c
+    assert roofline.measure_ceilings("cpu", torch.float32, quick=True) is c
     assert c.datasheet == {}  # no vendor figures for a CPU
 
 
@@ -108,16 +109,16 @@ def test_time_fn_runs_warmup_and_repeats_and_reports_median():
         calls.append(1)
         time.sleep(0.01)
 
-    t = metrics.time_fn(sleepy, "cpu", warmup=2, repeats=3)
+    t = timing.time_fn(sleepy, "cpu", warmup=2, repeats=3)
     assert len(calls) == 5 and len(t.times_s) == 3 and t.method == "perf_counter"
     assert 0.01 <= t.median_s < 0.2
     assert sorted(t.times_s)[1] == t.median_s
     with pytest.raises(ValueError):
-        metrics.time_fn(sleepy, "cpu", repeats=0)
+        timing.time_fn(sleepy, "cpu", repeats=0)
 
 
 def test_stopwatch_laps():
-    w = metrics.Stopwatch("cpu")
+    w = timing.Stopwatch("cpu")
     with pytest.raises(RuntimeError):
         w.lap()
     w.start()
@@ -130,10 +131,10 @@ def test_stopwatch_laps():
 
 def test_timed_steps_on_tiny_model():
     model = random_model(TINY, "cpu", torch.float32)
-    assert metrics.time_prefill(model, 16, batch=2, repeats=2).median_s > 0
-    assert metrics.time_decode(model, 100, batch=3, repeats=3).median_s > 0  # rewinds each repeat
+    assert steps.time_prefill(model, 16, batch=2, repeats=2).median_s > 0
+    assert steps.time_decode(model, 100, batch=3, repeats=3).median_s > 0  # rewinds each repeat
     with pytest.raises(ValueError):
-        metrics.time_decode(model, TINY.n_ctx, 1)
+        steps.time_decode(model, TINY.n_ctx, 1)
 
 
 # ---- memory ------------------------------------------------------------------------------
@@ -142,19 +143,19 @@ def test_timed_steps_on_tiny_model():
 def test_accounted_memory_counts_weights_and_caches():
     model = random_model(TINY, "cpu", torch.float32)
     cache = KVCache(TINY, 2, 32, "cpu", torch.float32)
-    m = metrics.accounted_memory(model, [cache])
+    m = memory.accounted_memory(model, [cache])
     assert m["kind"] == "accounted"
     assert m["weights"] == TINY.num_params() * 4
     assert m["kv_cache"] == 2 * 32 * TINY.kv_bytes_per_token()
 
 
 def test_cpu_memory_budget_is_labelled():
-    b = metrics.memory_budget("cpu")
+    b = memory.memory_budget("cpu")
     assert b["bytes"] > 1 << 28 and "stated budget" in b["source"]
 
 
 def test_environment_names_device_and_torch():
-    env = metrics.environment("cpu", torch.float32)
+    env = timing.environment("cpu", torch.float32)
     assert env["torch"] == torch.__version__ and env["dtype"] == "float32" and env["device_name"]
 
 
@@ -163,7 +164,7 @@ def test_cuda_events_and_memory_stats():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     a = torch.randn(1024, 1024, device="cuda")
-    assert metrics.time_fn(lambda: a @ a, "cuda").method == "cuda-events"
+    assert timing.time_fn(lambda: a @ a, "cuda").method == "cuda-events"
     before = torch.cuda.memory_allocated()
     cache = KVCache(TINY, 1, 64, "cuda", torch.bfloat16)
     assert torch.cuda.memory_allocated() - before == cache.nbytes
@@ -173,7 +174,7 @@ def test_cuda_events_and_memory_stats():
 
 
 def test_bench_reports_both_phases_against_ceilings(monkeypatch):
-    monkeypatch.setattr(metrics, "_CEILINGS", {})  # measured afresh, so its progress is said
+    monkeypatch.setattr(roofline, "_CEILINGS", {})  # measured afresh, so its progress is said
     model = random_model(TINY, "cpu", torch.float32)
     said = []
     r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2, progress=said.append)
@@ -229,10 +230,10 @@ def test_emulation_slowdown_is_measured():
 
 def test_count_ops_counts_each_dispatched_op_once_and_tells_views_apart():
     x = torch.ones(4, 4)
-    count = metrics.count_ops(lambda: (x + 1).t().relu().reshape(16))
+    count = steps.count_ops(lambda: (x + 1).t().relu().reshape(16))
     assert (count.total, count.views, count.kernels) == (4, 2, 2)
     assert count.by_op == {"add.Tensor": 1, "t.default": 1, "relu.default": 1, "reshape.default": 1}
-    assert metrics.count_ops(lambda: torch.nn.functional.linear(x, x)).total == 1  # as Python called it
+    assert steps.count_ops(lambda: torch.nn.functional.linear(x, x)).total == 1  # as Python called it
 
 
 def test_a_static_decode_step_dispatches_fewer_ops_than_a_fresh_one():
@@ -252,21 +253,21 @@ def test_a_static_decode_step_dispatches_fewer_ops_than_a_fresh_one():
     runner = DecodeRunner(model, cache, 2, "static")
     ids = torch.tensor([[5, 7]])
     with torch.inference_mode():
-        fresh = metrics.count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache))
-        static = metrics.count_ops(lambda: runner.run(step, [5, 7]))
+        fresh = steps.count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache))
+        static = steps.count_ops(lambda: runner.run(step, [5, 7]))
     assert static.total < fresh.total and static.by_op.get("lift_fresh.default", 0) == 0, (static, fresh)
 
 
 def test_weight_read_floor_is_weight_bytes_over_bandwidth():
     cfg = PRESETS["gpt2"]
-    floor = metrics.weight_read_floor(cfg, torch.bfloat16, 1e12)
+    floor = cost.weight_read_floor(cfg, torch.bfloat16, 1e12)
     assert floor == pytest.approx((cfg.num_params() - cfg.n_ctx * cfg.n_embd) * 2 / 1e12)  # wpe is gathered, not read
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])
 def test_time_decode_in_each_mode(mode):
     model = random_model(TINY, "cpu", "fp32")
-    t = metrics.time_decode(model, cached_len=20, batch=3, warmup=1, repeats=2, mode=mode)
+    t = steps.time_decode(model, cached_len=20, batch=3, warmup=1, repeats=2, mode=mode)
     assert t.median_s > 0 and len(t.times_s) == 2
 
 
@@ -274,4 +275,4 @@ def test_time_decode_refuses_graphs_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        metrics.time_decode(random_model(TINY, "cpu", "fp32"), cached_len=5, mode="graph")
+        steps.time_decode(random_model(TINY, "cpu", "fp32"), cached_len=5, mode="graph")

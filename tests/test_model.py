@@ -46,30 +46,6 @@ def test_unknown_preset_names_the_choices():
         GPT2Config.from_preset("gpt3")
 
 
-@pytest.mark.parametrize("prompt, max_tokens, match", [
-    ([], 0, "prompt is empty"),
-    ([1] * 129, 0, "129 tokens but the context holds n_ctx=128"),
-    ([1] * 100, 40, "lower max_tokens to at most 29"),
-    ([1] * 128, 2, "lower max_tokens to at most 1"),
-    ([1, 512], 0, "token id 512 at position 1 is outside the vocabulary \\[0, 512\\)"),
-    ([1, -3], 0, "token id -3"),
-])
-def test_bad_prompts_get_clear_errors(prompt, max_tokens, match):
-    with pytest.raises(ValueError, match=match):
-        CFG.check_prompt(prompt, max_tokens)
-
-
-def test_the_context_limit_counts_the_kv_a_sequence_holds():
-    """prompt + max_tokens − 1 tokens of KV must fit: the last sampled token is never fed."""
-    CFG.check_prompt([1] * 128, 1)
-    CFG.check_prompt([1] * 100, 29)
-
-
-def test_any_integer_type_is_a_token_id():
-    assert CFG.check_prompt([np.int32(5), torch.tensor(7), True + 0]) == [5, 7, 1]
-    assert all(type(t) is int for t in CFG.check_prompt(np.array([1, 2], dtype=np.uint16)))
-
-
 def test_naive_decode_rejects_bad_prompts_before_running(model):
     with pytest.raises(ValueError, match="prompt is empty"):
         naive_decode.generate(model, [], SamplingParams(temperature=0, max_tokens=1))

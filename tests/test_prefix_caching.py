@@ -24,7 +24,8 @@ CFG = PRESETS["tiny"]
 
 
 def seq(seq_id: int, tokens: list[int], computed: int = 0):
-    return SimpleNamespace(seq_id=seq_id, token_ids=list(tokens), num_computed_tokens=computed)
+    return SimpleNamespace(seq_id=seq_id, token_ids=list(tokens), num_computed_tokens=computed,
+                           prompt_token_ids=tuple(tokens), num_cached_tokens=None)
 
 
 def compute(blocks: PrefixCachingBlockManager, s, n: int) -> None:
@@ -35,7 +36,7 @@ def compute(blocks: PrefixCachingBlockManager, s, n: int) -> None:
 
 def admit(blocks: PrefixCachingBlockManager, s) -> None:
     """What the scheduler does to a waiting sequence: start after its cached prefix, compute the rest."""
-    s.num_computed_tokens = blocks.num_cached_tokens(s)
+    s.num_computed_tokens = blocks.match_prefix(s)
     compute(blocks, s, len(s.token_ids) - s.num_computed_tokens)
 
 
@@ -55,15 +56,15 @@ def test_a_hit_shares_whole_blocks_and_counts_references():
     a = seq(0, [1, 2, 3, 4, 5])
     admit(blocks, a)                                   # blocks [1, 2] and [3, 4] are full and cached
     b = seq(1, [1, 2, 3, 4, 9, 9])
-    assert blocks.num_cached_tokens(b) == 4
+    assert blocks.match_prefix(b) == 4
     admit(blocks, b)
     shared = blocks.block_tables[0][:2]
     assert blocks.block_tables[1][:2] == shared and [blocks.allocator.ref_counts[x] for x in shared] == [2, 2]
     assert blocks.block_tables[1][2] not in blocks.block_tables[0], "the first uncached token starts a block of its own"
     blocks.check_invariants([a, b])
     c = seq(2, [1, 2, 7, 4, 5])                        # differs in the second block: only the first is reused
-    assert blocks.num_cached_tokens(c) == 2
-    assert blocks.num_cached_tokens(seq(3, [7, 2, 3, 4, 5])) == 0, "a miss in the first block ends the match"
+    assert blocks.match_prefix(c) == 2
+    assert blocks.match_prefix(seq(3, [7, 2, 3, 4, 5])) == 0, "a miss in the first block ends the match"
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3])
@@ -77,7 +78,7 @@ def test_the_last_token_is_always_computed(block_size):
         admit(blocks, a)
         b = seq(1, tokens)
         want = (length - 1) // block_size * block_size
-        assert blocks.num_cached_tokens(b) == want, f"a prompt of {length} tokens, blocks of {block_size}"
+        assert blocks.match_prefix(b) == want, f"a prompt of {length} tokens, blocks of {block_size}"
         admit(blocks, b)
         assert len(set(blocks.block_tables[0]) & set(blocks.block_tables[1])) == want // block_size
         blocks.check_invariants([a, b])
@@ -94,12 +95,12 @@ def test_freed_blocks_stay_cached_and_allocation_takes_free_blocks_first():
     other = seq(1, [8, 8, 8])
     admit(blocks, other)                               # two blocks: the truly free ones
     assert set(blocks.block_tables[1]).isdisjoint({head, tail}) and len(blocks.allocator.cached) == 3
-    assert blocks.num_cached_tokens(seq(2, [1, 2, 3, 4, 5])) == 4, "nothing was evicted while free blocks were left"
+    assert blocks.match_prefix(seq(2, [1, 2, 3, 4, 5])) == 4, "nothing was evicted while free blocks were left"
     blocks.free(other)
     third = seq(3, [5, 6, 7, 8, 9, 10, 11])           # four blocks: the free ones, then the evicted
     admit(blocks, third)
     assert blocks.allocator.evictable == {} and head in blocks.block_tables[3] and tail in blocks.block_tables[3]
-    assert blocks.num_cached_tokens(seq(4, [1, 2, 3, 4, 5])) == 0
+    assert blocks.match_prefix(seq(4, [1, 2, 3, 4, 5])) == 0
     blocks.check_invariants([third])
 
 
@@ -115,7 +116,7 @@ def test_eviction_is_least_recently_used_and_a_hit_renews_a_block():
     newcomer = seq(3, [7, 7, 7, 7])
     compute(blocks, newcomer, 2)                       # the one free block
     compute(blocks, newcomer, 2)                       # then the least recently used: [3, 4], not the renewed [1, 2]
-    assert blocks.num_cached_tokens(seq(4, [1, 2, 0])) == 2 and blocks.num_cached_tokens(seq(5, [3, 4, 0])) == 0
+    assert blocks.match_prefix(seq(4, [1, 2, 0])) == 2 and blocks.match_prefix(seq(5, [3, 4, 0])) == 0
 
 
 def test_a_reused_block_loses_its_old_hash_and_the_check_sees_a_stale_one():
@@ -158,7 +159,7 @@ def test_a_shared_evictable_block_no_longer_counts_as_free():
     blocks.free(a)                                     # both blocks evictable, [1, 2] and [3, 4]
     fits, too_long = seq(1, [1, 2, 6]), seq(2, [1, 2, 6, 6, 6])
     for s in (fits, too_long):
-        s.num_computed_tokens = blocks.num_cached_tokens(s)
+        s.num_computed_tokens = blocks.match_prefix(s)
     assert fits.num_computed_tokens == too_long.num_computed_tokens == 2
     assert blocks.blocks_needed(fits, 1) == 2 and blocks.can_append(fits, 1)
     assert not blocks.can_append(too_long, 3), "the shared block cannot also be evicted for the new ones"
@@ -169,8 +170,8 @@ def test_a_shared_evictable_block_no_longer_counts_as_free():
 
 def test_admitting_at_more_than_is_cached_is_an_error():
     blocks = PrefixCachingBlockManager(num_blocks=4, block_size=2)
-    assert blocks.num_cached_tokens(seq(0, [1, 2, 3])) == 0
-    with pytest.raises(RuntimeError, match="holds 0 of them; ask num_cached_tokens"):
+    assert blocks.match_prefix(seq(0, [1, 2, 3])) == 0
+    with pytest.raises(RuntimeError, match="holds 0 of them; ask match_prefix"):
         blocks.append_slots(seq(0, [1, 2, 3], computed=2), 1)
 
 
@@ -179,7 +180,7 @@ def test_without_prefix_caching_nothing_is_cached():
     a = seq(0, [1, 2, 3])
     blocks.append_slots(a, 3)
     a.num_computed_tokens = 3
-    assert blocks.num_cached_tokens(seq(1, [1, 2, 3])) == 0
+    assert blocks.match_prefix(seq(1, [1, 2, 3])) == 0
 
 
 # ---- the engine ----------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ The draw is the exponential race, argmax(p / E) with E ~ Exp(1) per token; these
 tests hold it to the distribution it claims, to each row's own top-k and top-p,
 and to a seeded row's independence from whatever shares its batch.
 """
+import numpy as np
 import pytest
 import torch
 
-from minillm.sampling import SamplingParams, sample
+from minillm.config import PRESETS
+from minillm.sampling import SamplingParams, check_prompt, sample
 
 
 def logits_rows(n, vocab=40, seed=0):
@@ -107,3 +109,32 @@ def test_on_cuda_a_seeded_row_is_independent_of_its_batch_and_the_step_syncs_onc
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= 1, [str(w.message) for w in syncs]
+
+
+# ---- a prompt is checked once per request ------------------------------------------
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.mark.parametrize("prompt, max_tokens, match", [
+    ([], 0, "prompt is empty"),
+    ([1] * 129, 0, "129 tokens but the context holds n_ctx=128"),
+    ([1] * 100, 40, "lower max_tokens to at most 29"),
+    ([1] * 128, 2, "lower max_tokens to at most 1"),
+    ([1, 512], 0, "token id 512 at position 1 is outside the vocabulary \\[0, 512\\)"),
+    ([1, -3], 0, "token id -3"),
+])
+def test_bad_prompts_get_clear_errors(prompt, max_tokens, match):
+    with pytest.raises(ValueError, match=match):
+        check_prompt(CFG, prompt, max_tokens)
+
+
+def test_the_context_limit_counts_the_kv_a_sequence_holds():
+    """prompt + max_tokens − 1 tokens of KV must fit: the last sampled token is never fed."""
+    check_prompt(CFG, [1] * 128, 1)
+    check_prompt(CFG, [1] * 100, 29)
+
+
+def test_any_integer_type_is_a_token_id():
+    assert check_prompt(CFG, [np.int32(5), torch.tensor(7), True + 0]) == [5, 7, 1]
+    assert all(type(t) is int for t in check_prompt(CFG, np.array([1, 2], dtype=np.uint16)))

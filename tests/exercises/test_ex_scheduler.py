@@ -16,7 +16,7 @@ class TokenCountingBlocks:
         self.capacity = capacity
         self.held: dict[int, int] = {}
 
-    def num_cached_tokens(self, seq) -> int:
+    def match_prefix(self, seq) -> int:
         return 0  # no prefix cache
 
     def can_append(self, seq, num_new: int) -> bool:

@@ -1,0 +1,156 @@
+"""Sizing the engine's KV pool: how many blocks fit, and, on a GPU, a profile run to find out.
+
+Give `num_blocks` directly; or a byte budget `kv_cache_memory_bytes`; or, on
+CUDA, `gpu_memory_utilization`, the share of the GPU's memory the engine may
+fill. As vLLM does, the engine then profiles: it runs its largest prefill and
+decode steps on a throwaway pool and reads the allocator's peak, captures its
+largest graph and reads what that holds, and gives the pool what is left of
+its share:
+
+    pool = total · utilization − memory outside torch (CUDA context, other processes)
+           − live tensors (the weights) − activation peak − graph memory
+
+Memory the caching allocator keeps after an earlier engine let go of it is not
+subtracted: the new pool reuses it. On the CPU the default budget is 1 GiB, and
+a pool larger than the memory there is is refused before it is allocated.
+
+One call, `size_pool`, answers the engine: the number of blocks, and how it
+was reached (block bytes, budget, activation peak, graph bytes).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from .block_manager import BlockManager
+from .config import check_int, check_real
+from .cuda_graphs import DecodeRunner
+from .kv_cache import Segment
+from .memory import available_memory
+from .model import GPT2
+from .paged_attention import PagedKVCache
+from .sampling import SamplingParams, sample
+from .scheduler import SchedulerConfig
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> None:
+    """Each sizing knob's type and range, whatever the device: a knob that does nothing here is still checked."""
+    check_int("block_size", block_size, 1)
+    if num_blocks is not None:
+        check_int("num_blocks", num_blocks, 1, hint=": the pool needs at least one block")
+    if kv_cache_memory_bytes is not None:
+        check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
+    if not 0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]: it is the share of "
+                         "the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
+
+
+def size_pool(model: GPT2, scheduler_config: SchedulerConfig, block_size: int, num_blocks: int | None,
+              kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
+              use_graphs: bool) -> tuple[int, dict[str, int]]:
+    """The engine's pool in blocks, each knob checked, and how it was sized (empty when `num_blocks` is given)."""
+    check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+    memory: dict[str, int] = {}
+    kv_bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
+    if num_blocks is None:
+        block_bytes = block_size * kv_bytes_per_token
+        memory["block_bytes"] = block_bytes
+        budget = kv_cache_memory_bytes
+        if budget is None and model.device.type == "cuda":
+            activation_peak, graph_bytes = _profile(model, scheduler_config, block_size, use_graphs)
+            budget = gpu_kv_budget(model.device, gpu_memory_utilization, activation_peak, graph_bytes)
+            memory.update(activation_peak=activation_peak, graph_bytes=graph_bytes)
+        elif budget is None:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes - 1  # the pool holds one block more: the pad block (paged_attention.py)
+        memory.update(kv_budget=budget)
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget of {budget / 2**20:.1f} MiB holds no block of {block_bytes / 2**20:.2f} "
+                             f"MiB ({block_size} tokens) besides the pad block; raise kv_cache_memory_bytes or "
+                             "gpu_memory_utilization, or use a smaller model")
+    # Refuse a pool larger than the memory there is, before allocating it: on the CPU an oversized
+    # allocation is not an error but a process the kernel kills later, without a word.
+    device = model.device
+    pool = (num_blocks + 1) * block_size * kv_bytes_per_token  # + the pad block
+    have = available_memory(device)
+    if pool > have:
+        raise ValueError(f"num_blocks={num_blocks} blocks of {block_size} tokens need {pool / 2**30:,.1f} GiB of "
+                         f"KV cache, but {device} has {have / 2**30:,.1f} GiB available; lower num_blocks, or "
+                         "leave it out and size the pool with kv_cache_memory_bytes")
+    return num_blocks, memory
+
+
+@torch.inference_mode()
+def _profile(model: GPT2, sc: SchedulerConfig, block_size: int, use_graphs: bool) -> tuple[int, int]:
+    """vLLM's profile run, on a throwaway pool: the allocator's peak over the engine's largest prefill
+    (max_num_batched_tokens, sampled) and largest decode step (max_num_seqs rows over whole-context tables),
+    and the memory that the largest CUDA graph holds (0 without graphs)."""
+    device = model.device
+    prefill, decoder = profile_steps(model, sc.max_num_batched_tokens, sc.max_num_seqs, block_size)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)  # the throwaway pool is not an activation: measure above it
+    torch.cuda.reset_peak_memory_stats(device)
+    prefill()
+    decoder.run_largest()
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - base
+    graph_bytes = 0
+    if use_graphs:
+        before = torch.cuda.memory_reserved(device)
+        decoder.capture([(decoder.batch_sizes[-1], decoder.widths[-1])])
+        graph_bytes = torch.cuda.memory_reserved(device) - before + decoder.logits.nbytes
+    del prefill, decoder
+    torch.cuda.empty_cache()
+    return activation_peak, graph_bytes
+
+
+def gpu_kv_budget(device: torch.device, utilization: float, activation_peak: int, graph_bytes: int) -> int:
+    """Bytes for the KV pool: the engine's share of the GPU, less what is spoken for.
+
+    The share is total · utilization. Spoken for: memory used outside this
+    process's torch allocator (the CUDA context, other processes: used − reserved),
+    the live tensors (allocated: the weights, anything still held), the activation
+    peak of the largest step, and the graphs' memory. What the caching allocator
+    has reserved but no tensor uses, say the pool of an engine deleted before, is
+    free for this one (counting it as used, total − free, would leave a second
+    engine in one process no room at all).
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+    live = torch.cuda.memory_allocated(device)
+    return int(total * utilization) - outside_torch - live - activation_peak - graph_bytes
+
+
+def profile_steps(model: GPT2, max_num_batched_tokens: int, max_num_seqs: int,
+                  block_size: int) -> tuple[Callable[[], list[int]], DecodeRunner]:
+    """The largest steps an engine of these limits can take, on a throwaway pool, for a profile run.
+
+    Returns a function that runs the largest prefill (max_num_batched_tokens
+    tokens in prompts of at most n_ctx, then the LM head and a top-k/top-p
+    sampler on max_num_seqs rows), and a static `DecodeRunner` whose
+    `run_largest` takes max_num_seqs rows over whole-context tables. Runs on
+    any device, so the CPU tests check its shapes.
+    """
+    cfg, device = model.config, model.device
+    lens = [min(cfg.n_ctx, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens, cfg.n_ctx)]
+    blocks = BlockManager(sum(-(-n // block_size) for n in lens), block_size)
+    cache = PagedKVCache(cfg, blocks, device, model.dtype)
+    segments = []
+    for i, n in enumerate(lens):
+        blocks.append_slots(SimpleNamespace(seq_id=i, num_computed_tokens=0), n)
+        segments.append(Segment(i, 0, n))
+    rows = min(max_num_seqs, sum(lens))
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows
+
+    @torch.inference_mode()
+    def prefill():
+        meta = cache.prepare(segments)
+        logits = model(torch.zeros(1, sum(lens), dtype=torch.long, device=device), meta.positions, cache=cache,
+                       logits_indices=torch.arange(rows, device=device))
+        return sample(logits, params)
+
+    return prefill, DecodeRunner(model, cache, max_num_seqs, "static")

@@ -1,0 +1,87 @@
+"""Memory: what a device holds, what it could still give, and what a process owns.
+
+On CUDA the allocator's own statistics answer (allocated now, peak since a
+reset, reserved). On the CPU there is no such allocator to ask: the OS's count
+of the pages a process holds (`resident_bytes`) is the measurement, and the
+bytes that the weights and the caches own are *accounted* bytes, labelled as
+such. `mem_available` is the one reader of Linux's MemAvailable.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+
+
+def cuda_memory(device: torch.device | str) -> dict:
+    """The CUDA allocator's statistics in bytes: allocated now, peak, reserved."""
+    device = torch.device(device)
+    return {"allocated": torch.cuda.memory_allocated(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device), "kind": "measured"}
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def tensor_bytes(module_or_tensors) -> int:
+    """Bytes owned by a module's parameters and buffers, or by a list of tensors."""
+    if isinstance(module_or_tensors, torch.nn.Module):
+        tensors = list(module_or_tensors.parameters()) + list(module_or_tensors.buffers())
+    else:
+        tensors = list(module_or_tensors)
+    return sum(t.nbytes for t in tensors)
+
+
+def accounted_memory(model: torch.nn.Module | None = None, caches: Sequence = ()) -> dict:
+    """Bytes the weights and the caches own; on the CPU this stands in for a measurement."""
+    weights = tensor_bytes(model) if model is not None else 0
+    kv = sum(c.nbytes for c in caches)
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv, "kind": "accounted"}
+
+
+def memory_budget(device: torch.device | str) -> dict:
+    """The memory a device offers: CUDA's total, or the machine's RAM on the CPU (a stated budget)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"bytes": total, "free_bytes": free, "source": "torch.cuda.mem_get_info total"}
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"bytes": total, "free_bytes": mem_available(),
+            "source": "stated budget: total RAM from os.sysconf (shared with the OS and other processes)"}
+
+
+def mem_available() -> int | None:
+    """What the OS could give this process now without swapping (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def available_memory(device: torch.device) -> float:
+    """Bytes a new allocation could take: CUDA's free memory; on the CPU, what Linux calls MemAvailable, else
+    the total RAM (inf where the OS tells neither)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = mem_available()
+    if available is not None:
+        return available
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory as the OS counts it (Linux's /proc/self/statm), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
