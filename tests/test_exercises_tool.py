@@ -1,4 +1,4 @@
-"""The classroom tool (minillm/exercises.py) and the guarantees a student copy and its grade rest on.
+"""The classroom tool (minillm/classroom/) and the guarantees a student copy and its grade rest on.
 
 Cheap checks first, in this process: the marker parser, `make` on a synthetic
 git project, the leak check, the data encoding between a child and the grader,
