@@ -97,7 +97,13 @@ def add_bench_command(subparsers) -> None:
     p.set_defaults(func=bench.run)
 
 
-COMMANDS = [add_generate_command, add_bench_command]
+def add_serve_commands(subparsers) -> None:
+    """`serve` and `bench-serve` (server.py, bench_serve.py); they need the [serve] extra only when run."""
+    from . import serve_cli
+    serve_cli.add_commands(subparsers)
+
+
+COMMANDS = [add_generate_command, add_bench_command, add_serve_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:

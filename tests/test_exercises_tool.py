@@ -918,3 +918,10 @@ def test_hidden_held_out_checks_keep_the_runs_output_out_of_sight():
     assert "points (the held-out checks are shown after due date)" in hidden["output"]
     shown = report.gradescope_results([score], seed=1)
     assert "printed this" in shown["tests"][0]["output"] and "0 / 2 points" in shown["output"]
+
+
+@reference_only
+def test_list_fits_100_columns(capsys):
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 14 and max(len(line) for line in lines) <= cli.WIDTH, max(lines, key=len)
