@@ -121,7 +121,7 @@ def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor, targ
     Returns 1 to k + 1 token ids (ints), distributed exactly as sampling from p one token at a time; every
     random number comes from `generator`, so a seeded round gives the same tokens again."""
     # >>> exercise speculative-accept (lesson 11, 3 pts): accept each guess with probability min(1, p/q), then draw one token of the target's own
-    # hint: one uniform draw per guess from `generator` decides it (p and q read at the guessed token); keep the guesses before the first refusal; the last token comes from the target's next distribution when all were kept, otherwise from the mass where the target's distribution exceeds the draft's (torch.multinomial takes unnormalised weights)
+    # hint: a guess is kept with probability min(1, p/q) at its token: how do you decide that with `generator` alone, so that a seeded round repeats? Which guesses survive the first refusal? Then one token of the target's own: from which distribution when every guess was kept, and from which when guess i was refused, so that the round's tokens are distributed exactly as p's?
     k = len(draft_token_ids)
     rows = torch.arange(k, device=target_probs.device)
     guesses = torch.tensor(draft_token_ids, dtype=torch.long, device=target_probs.device)
