@@ -24,13 +24,14 @@ openai = pytest.importorskip("openai")
 
 from models import context_model, random_prompts  # noqa: E402
 
-from minillm.bench_serve import (BenchRequest, RequestResult, arrivals, benchmark, meets, parse_goodput,  # noqa: E402
-                                 summarize, workload)
+from minillm.bench_serve import RequestResult, benchmark, meets, parse_goodput, summarize  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.scheduler import SchedulerConfig  # noqa: E402
-from minillm.server import BackgroundServer, TextStream, make_frontend  # noqa: E402
+from minillm.server import BackgroundServer, make_frontend  # noqa: E402
+from minillm.serve_workloads import BenchRequest, arrivals, workload  # noqa: E402
+from minillm.text_stream import TextStream  # noqa: E402
 from minillm.tokenizer import load_tokenizer  # noqa: E402
 
 NAME = "tiny"
