@@ -355,10 +355,11 @@ def reference_generate(torch, model, prompt, sync, ours_s_per_token: float, shor
         import transformers
     except ImportError as e:
         return {"reference": {"error": f"transformers is not installed: {e}"}}
+    from minillm.weights import config_to_hf
     out = {"transformers": transformers.__version__}
     try:
         with torch.device(model.device):  # the random init it starts from is replaced below: build it where it runs
-            hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model.config.to_hf_dict()))
+            hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(model.config)))
         hf = hf.to(model.dtype).eval()
         missing, unexpected = hf.transformer.load_state_dict(model.state_dict(), strict=False)
         if [k for k in missing if not k.endswith(("attn.bias", "masked_bias"))] or unexpected:

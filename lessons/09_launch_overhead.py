@@ -69,7 +69,7 @@ GRAPH_GAIN = 0.5      # on CUDA: the smallest shape's graph step ≤ this × its
 
 def ladder(model_name: str, params: int) -> list[str]:
     """The presets smaller than the lesson's model, then the model itself (at least two shapes, in size order)."""
-    by_size = sorted(PRESETS, key=lambda n: PRESETS[n].num_params())
+    by_size = sorted((n for n in PRESETS if n != "distilgpt2"), key=lambda n: PRESETS[n].num_params())  # half a gpt2
     names = [n for n in by_size if PRESETS[n].num_params() < params and n != model_name] + [model_name]
     if len(names) < 2:
         names.append(next(n for n in by_size if PRESETS[n].num_params() > params))

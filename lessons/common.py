@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
@@ -44,6 +43,7 @@ import torch  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
 from measure import LABELS, MachineLoad, Verdict, read_load  # noqa: E402
+from minillm.classroom.regions import stub_of  # noqa: E402  (the one stub detector)
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
 from minillm.cli_flags import add_model_arguments  # noqa: E402
 from minillm.roofline import Ceilings, measure_ceilings  # noqa: E402
@@ -53,7 +53,6 @@ from minillm.weights import load_model, locate, random_model, resolve_device, re
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
 STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written
-STUB = re.compile(r"exercise (?P<id>[a-z0-9][a-z0-9-]*) \(lesson ")
 
 
 def make_parser(doc: str) -> argparse.ArgumentParser:
@@ -298,19 +297,6 @@ def textwrap_fill(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width)[:4])
 
 
-def stub_of(exc: BaseException) -> str | None:
-    """The exercise id when `exc` (or what caused it) is an exercise stub's NotImplementedError."""
-    for _ in range(10):
-        if exc is None:
-            return None
-        if isinstance(exc, NotImplementedError) and exc.args and isinstance(exc.args[0], str):
-            m = STUB.search(exc.args[0])
-            if m:
-                return m["id"]
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def run(main) -> None:
     """Run a lesson's main(); at an exercise still to be written, stop with one line instead of a traceback."""
     try:
@@ -322,8 +308,8 @@ def run(main) -> None:
         frame = traceback.extract_tb(e.__traceback__)[-1]
         path = Path(frame.filename).resolve()
         where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-        print(f"stopped: this lesson needs exercise {exercise}, still to be written in {where}:{frame.lineno} "
-              f"({frame.name}); write it, then run `python -m minillm.exercises check {exercise}`",
+        print(f"stopped: this lesson needs exercise {exercise}, still to be written at {where}:{frame.lineno}, "
+              f"in {frame.name}; write it, then run `python -m minillm.classroom check {exercise}`",
               file=sys.stderr)
         sys.exit(STUB_EXIT)
 

@@ -48,6 +48,7 @@ import torch
 from .cli_flags import add_model_arguments
 from .config import dtype_bytes
 from .cost import decode_cost, prefill_cost
+from .memory import available_memory
 from .roofline import achieved, measure_ceilings
 from .steps import time_decode, time_prefill
 from .threads import apply_threads, choose_threads
@@ -83,6 +84,41 @@ def check_arguments(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < low:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least {low}")
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """An output file's folder exists (made now if need be) and is writable, before any work is done."""
+    if path is None:
+        return
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(21, "it is a folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise PermissionError(13, "its folder is not writable")
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror}); give a path in a writable folder") \
+            from None
+
+
+def check_memory(cfg, dtype: torch.dtype, device: torch.device, prompt_len: int, context: int, batch: int) -> None:
+    """Refuse, before measuring, a batch whose KV cache and activations cannot fit in the device's memory.
+
+    The larger of the two phases, counted from below: the prefill holds the KV of batch × prompt_len tokens
+    and, at its peak, about 8 activations of n_embd per token (the residual, the layer norm, q, k, v and the
+    MLP's 4 · n_embd); the decode step holds the KV of batch × (context + 1) tokens."""
+    per_token = cfg.kv_bytes_per_token(dtype)
+    prefill_tokens = batch * prompt_len
+    prefill = prefill_tokens * (per_token + 8 * cfg.n_embd * dtype_bytes(dtype))
+    decode = batch * (context + 1) * per_token
+    need, have = max(prefill, decode), available_memory(device)
+    if need > have:
+        phase = (f"the prefill of {batch} × {prompt_len} tokens, KV and activations" if prefill >= decode else
+                 f"the decode step's KV of {batch} × {context + 1} tokens")
+        raise ValueError(f"--batch {batch} needs at least {need / 2**30:,.1f} GiB ({phase}) but {device} has "
+                         f"{have / 2**30:,.1f} GiB available; lower --batch (at most about "
+                         f"{max(1, int(batch * have / need)):,} fits) or --prompt-len / --context-len")
 
 
 def _check(args: argparse.Namespace, n_ctx: int) -> int:
@@ -209,12 +245,14 @@ def say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
+    check_output_path("--json", args.json)
     choice = apply_threads(choose_threads(args.threads))  # the free cores, or --threads
     load_before = _loadavg()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model = load_model(args.model, device, dtype, args.weights_dir)
     context = _check(args, model.config.n_ctx)
+    check_memory(model.config, dtype, device, args.prompt_len, context, args.batch)
     slowdown, rate = emulation_slowdown(device, dtype)
     if slowdown > EMULATED_SLOWDOWN:
         name = str(dtype).removeprefix("torch.")

@@ -94,34 +94,6 @@ class GPT2Config:
             raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}")
         return PRESETS[name]
 
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "GPT2Config":
-        """Read a Hugging Face GPT-2 `config.json` (its keys are n_layer, n_head, n_embd, n_positions, ...).
-
-        Every field is checked (type, range, n_embd divisible by n_head); a ValueError names the field.
-        """
-        if not isinstance(d, dict):
-            raise ValueError(f"the top level is a JSON {type(d).__name__}, not an object with fields such as n_layer")
-        missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"missing field(s) {', '.join(missing)}; a GPT-2 config.json has n_layer, n_head, "
-                             "n_embd, n_positions and vocab_size")
-        ctx_key = "n_positions" if "n_positions" in d else "n_ctx"
-        n_ctx = check_int(ctx_key, d.get(ctx_key, 1024), 1, MAX_POSITIONS + 1)
-        vocab_size = check_int("vocab_size", d["vocab_size"], 1, MAX_VOCAB + 1)
-        return cls(n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_embd"], n_ctx=n_ctx, vocab_size=vocab_size,
-                   layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-                   eos_token_id=d.get("eos_token_id", EOS_TOKEN_ID if vocab_size > EOS_TOKEN_ID else None))
-
-    def to_hf_dict(self) -> dict:
-        """The `config.json` another GPT-2 tool expects for these shapes."""
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
-                "n_positions": self.n_ctx, "n_ctx": self.n_ctx, "vocab_size": self.vocab_size,
-                "layer_norm_epsilon": self.layer_norm_epsilon, "activation_function": "gelu_new",
-                "bos_token_id": self.eos_token_id, "eos_token_id": self.eos_token_id,
-                "n_inner": None, "scale_attn_weights": True, "tie_word_embeddings": True}
-
     def with_(self, **changes) -> "GPT2Config":
         return replace(self, **changes)
 
@@ -171,12 +143,13 @@ PRESETS: dict[str, GPT2Config] = {
     "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+    "distilgpt2": GPT2Config(n_layer=6, n_head=12, n_embd=768),  # gpt2 distilled to half its depth
     # Made-up shapes for tests and quick runs. The vocabulary of 512 is what the
     # offline byte-level fallback tokenizer needs (256 bytes + end-of-text, padded).
     "tiny": GPT2Config(n_layer=2, n_head=4, n_embd=64, n_ctx=128, vocab_size=512, eos_token_id=256),
     "mini": GPT2Config(n_layer=4, n_head=4, n_embd=128, n_ctx=256, vocab_size=512, eos_token_id=256),
 }
 
-HF_CHECKPOINTS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+HF_CHECKPOINTS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2")  # presets with real weights
 
 __all__ = ["GPT2Config", "PRESETS", "HF_CHECKPOINTS", "EOS_TOKEN_ID", "dtype_bytes", "check_int", "check_real"]

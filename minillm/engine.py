@@ -52,6 +52,36 @@ requests still running or waiting are in `scheduler.running` and
 those are aborted (the next step reports them) and `step()` raises
 NonFiniteLogitsError naming them; the rest redo the step's tokens.
 
+A step is all or nothing. If `step()` raises, wherever it does (an exception
+in the forward pass, Ctrl-C, NaN logits), nothing of it stays half done: the
+prefix cache takes back every hash the step gave (a block is trusted only once
+a step that wrote its keys and values has returned, `prefix_caching.py`);
+each unfinished request is either still running with its KV intact, to redo
+the step's tokens next step, or back at the front of the waiting queue holding
+no block, to be recomputed (one that shared a block the step was to write, or
+that the prefill-first policy cannot resume mid-prompt); a request that
+finished or was aborted is reported by the next step that returns. None
+vanishes, and the invariants below hold after the exception as after a step.
+
+One engine, one thread. Nothing here is locked, so two threads inside one
+engine would corrupt it silently; instead `step`, `add_request`,
+`abort_request`, `generate` and `close` refuse, with a RuntimeError naming this
+rule, to start while another thread is inside one of them. The safe pattern:
+one thread owns the engine and loops over `step()`; other threads hand it
+requests and aborts through a `queue.Queue`, which the owner drains between
+steps, and receive outputs the same way:
+
+    def owner(engine, inbox, outbox):                 # the only thread that touches engine
+        while True:
+            while not inbox.empty() or not engine.has_unfinished_requests():
+                kind, *args = inbox.get()             # blocks while there is nothing to do
+                if kind == "add":
+                    engine.add_request(*args)
+                else:
+                    engine.abort_request(*args)
+            for out in engine.step():
+                outbox.put(out)
+
 Invariants held by the tests: every request's greedy tokens, and the logits
 they were chosen from, are those of `kv_cache.generate` run on it alone,
 whatever the batch, arrival pattern, block size, budget, preemptions or
@@ -63,6 +93,10 @@ Python heap stays flat.
 """
 from __future__ import annotations
 
+import functools
+import math
+import numbers
+import threading
 import time
 
 import torch
@@ -80,12 +114,38 @@ from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, check
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus, StepStats
 
+
+def one_thread(method):
+    """Run an engine method holding the engine's guard, refusing a call from a second thread while one runs.
+
+    The guard is re-entrant (the NonFiniteLogitsError path of `step` aborts requests), and never waits: a
+    second thread that waited would still interleave its calls with the owner's between steps."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if not self._guard.acquire(blocking=False):
+            raise RuntimeError(f"LLMEngine.{method.__name__}() called from thread "
+                               f"{threading.current_thread().name!r} while {self._busy or 'another call'} is "
+                               "running: one engine, one thread. Let one thread own the engine and step it, and "
+                               "hand it requests through a queue.Queue (see LLMEngine's docstring)")
+        outer, self._busy = self._busy, f"{method.__name__}() in thread {threading.current_thread().name!r}"
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy = outer
+            self._guard.release()
+    return guarded
+
+
 class LLMEngine:
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, enable_prefix_caching: bool = False,
                  record_timeline: bool = True):
+        if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
+            raise ValueError(f"scheduler_config is a {type(scheduler_config).__name__}; pass a SchedulerConfig, "
+                             f"e.g. SchedulerConfig(**{scheduler_config!r}) (or None for the defaults)")
+        self._guard, self._busy = threading.RLock(), None
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -103,9 +163,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # unfinished, or finished and not yet reported
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline
-        self._aborted: list[Sequence] = []
+        self._unreported: list[Sequence] = []  # finished (aborted, or in a step that raised), not yet reported
         self._next_id = 0
 
+    @one_thread
     def close(self) -> None:
         """Free the KV pool and the CUDA graphs now and, on CUDA, hand the allocator's cached memory back
         (`torch.cuda.empty_cache`), so that a next engine, or another process, gets it. No step after this."""
@@ -130,28 +191,53 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------
 
+    @one_thread
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; it joins the running batch at a coming step. Returns its id."""
+        """Queue a request; it joins the running batch at a coming step. Returns its id.
+
+        `arrival_time` is in `time.perf_counter()` seconds (the clock of every metric), at most now; by default
+        now."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id, arrival_time)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt_token_ids, params, request_id, arrival_time) -> Sequence:
+        """A checked request, not yet queued: every argument is refused here, naming the value and the fix."""
+        if self.cache is None:
+            raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params is a {type(params).__name__}; pass a SamplingParams (or None for the defaults)")
         prompt_token_ids = tuple(check_prompt(self.config, prompt_token_ids, params.max_tokens))
+        vocab = self.config.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop token id {t} is outside the vocabulary of {vocab} tokens (ids 0 to "
+                                 f"{vocab - 1}): it could never be generated; drop it or use the model's tokenizer")
+        now = time.perf_counter()
+        if arrival_time is not None:
+            if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
+                    or not math.isfinite(arrival_time) or arrival_time > now:
+                raise ValueError(f"arrival_time={arrival_time!r} must be a time.perf_counter() reading no later "
+                                 f"than now ({now:.3f}); time.time() is another clock. Leave it out to mean now")
         if request_id is None:
             while str(self._next_id) in self.requests:  # taken by a caller's own choice
                 self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1  # never reused, though the request it named is forgotten once finished
+        elif not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} is a {type(request_id).__name__}; it must be a str "
+                             f"(str({request_id!r}) will do), or None for an automatic one")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique "
                              "(pass another, or none for an automatic one)")
         seq = Sequence(request_id, prompt_token_ids, params,
-                       RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+                       RequestMetrics(now if arrival_time is None else float(arrival_time)),
                        make_generator(params, self.model.device))
         self._check_fits(seq)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return seq
 
     def _check_fits(self, seq: Sequence) -> None:
         """Reject now a request that could never run, rather than let it wait forever."""
@@ -167,6 +253,7 @@ class LLMEngine:
                              f"reach {tokens} tokens > max_num_batched_tokens={budget}; raise the budget to at "
                              f"least {tokens} or set enable_chunked_prefill=True")
 
+    @one_thread
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; the next `step()` reports it finished ("abort").
 
@@ -178,12 +265,13 @@ class LLMEngine:
             return False
         self.scheduler.remove(seq)
         self._finish(seq, FINISH_ABORT, time.perf_counter())
-        self._aborted.append(seq)
+        self._unreported.append(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        """True while a request waits, runs, or has finished (aborted, or in a step that raised) and is not yet
+        reported by `step()`."""
+        return self.scheduler.has_unfinished() or bool(self._unreported)
 
     def check_invariants(self) -> None:
         """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
@@ -198,20 +286,32 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------
 
+    @one_thread
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; return the requests that got a token or finished."""
+        """Schedule, run one forward pass, sample; return the requests that got a token or finished.
+
+        All or nothing: if it raises, the engine is left as if the step had not run, less what it settled
+        (requests aborted, finished or sent back to recompute; see the module's docstring)."""
         if self.cache is None:
             raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
         start = time.perf_counter()
-        outputs = [self._report(s) for s in self._aborted]
-        self._aborted = []
+        try:
+            stepped = self._step(start)
+        except BaseException:  # Ctrl-C included: the next step must find the engine whole
+            self._recover()
+            raise
+        reported, self._unreported = self._unreported + stepped, []
+        return [self._report(s) for s in reported]
+
+    def _step(self, start: float) -> list[Sequence]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
-            return outputs
+            return []
         sampled = self._execute(plan)
+        self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
         for seq, token in sampled:
             seq.output_token_ids.append(token)
@@ -221,11 +321,51 @@ class LLMEngine:
             if reason:
                 self.scheduler.remove(seq)
                 self._finish(seq, reason, now)
-            outputs.append(self._report(seq))
         if self.record_timeline:
             self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
                                            len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
-        return outputs
+        return [seq for seq, _ in sampled]
+
+    def _recover(self) -> None:
+        """After a step raised, anywhere in it: make every request one the next step can run.
+
+        The block manager takes back the hashes the step gave (`rollback`). A running request is kept if its
+        table still covers its computed tokens, none of them in a block whose hash was taken back, and its
+        policy can resume it where it stands; any other unfinished one (mid-admission, mid-preemption, or
+        sharing a block the step was to write) frees its blocks and rejoins the front of the waiting queue,
+        in arrival order, to be recomputed, its admission uncounted if it was its first. A finished one not
+        yet reported is reported by the next step."""
+        s, bm, now = self.scheduler, self.block_manager, time.perf_counter()
+        lost = set(bm.rollback(s.running))
+        running, waiting, back = set(s.running), set(s.waiting), []
+        for seq in self.requests.values():
+            reason = not seq.is_finished and seq.output_token_ids and finish_reason(
+                seq.output_token_ids[-1], len(seq.output_token_ids), seq.num_tokens, seq.params,
+                self.config.eos_token_id, self.config.n_ctx)
+            if reason:  # its last token ended it, but the step raised before it was marked finished
+                self._finish(seq, reason, now)
+            if seq.is_finished:
+                bm.free(seq)  # nothing if the step's `remove` got that far
+                running.discard(seq)
+                if seq in waiting:
+                    s.waiting.remove(seq)
+                if seq not in self._unreported:
+                    self._unreported.append(seq)
+                continue
+            if seq in running and seq not in lost and seq.status is SequenceStatus.RUNNING \
+                    and seq.num_cached_tokens is not None \
+                    and len(bm.block_tables.get(seq.seq_id, ())) >= bm.blocks_for(seq.num_computed_tokens) \
+                    and seq.num_remaining >= 1 and (seq.is_decoding or s.chunked_prefill):
+                continue
+            bm.free(seq)
+            running.discard(seq)
+            if bm.forget_admission(seq):  # first admitted by the failed step: counted when admitted again
+                seq.num_cached_tokens = None
+            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+            if seq not in waiting:
+                back.append(seq)
+        s.running = [seq for seq in s.running if seq in running]
+        s.waiting.extendleft(reversed(back))
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Run the plan as one forward pass; returns (sequence, new token) for those that sample."""
@@ -282,19 +422,42 @@ class LLMEngine:
 
     # ---- convenience --------------------------------------------------------
 
+    @one_thread
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of the prompts."""
+        """Run prompts to completion; outputs in the order of the prompts.
+
+        It steps the engine until no request is left, so it refuses to start while requests added with
+        `add_request` wait or run: their outputs would be consumed here and lost to their caller. Aborts not
+        yet reported stay so: the next `step()` reports them. Every prompt is checked before any is queued, so
+        a bad one queues none."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; pass one per prompt, "
                              "or a single SamplingParams for all")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        if self.scheduler.has_unfinished():
+            pending = len(self.scheduler.waiting) + len(self.scheduler.running)
+            raise RuntimeError(f"generate() runs the engine until it is idle, but {pending} earlier request(s) still "
+                               "wait or run, and their outputs would be lost here; step() until "
+                               "has_unfinished_requests() is False first, or add these prompts with add_request too")
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                seqs.append(self._new_sequence(p, sp, None, None))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}; no prompt was queued") from None
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
         finals: dict[str, RequestOutput] = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        return [finals[i] for i in ids]
+        held, self._unreported = self._unreported, []
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        finally:
+            self._unreported = held + self._unreported
+        return [finals[seq.request_id] for seq in seqs]
 
 

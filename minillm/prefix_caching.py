@@ -52,6 +52,14 @@ admitted in the same step already shares it. When two sequences compute the
 same block side by side (one was admitted before the other had reached that
 block), the block registered second keeps no hash: one block per key.
 
+*A hash is a promise, kept only by a step that returns.* Until the engine
+`commit()`s the step, the blocks it hashed are on probation. If the step raises
+(Ctrl-C in the forward pass, NaN logits), `rollback` takes their hashes back,
+so a block whose keys and values were never written, or written by a request
+that is then aborted, is never served to the next request with that prefix;
+the sequences that shared such a block in the failed step are handed back to
+the engine, to be recomputed.
+
 *Eviction, and why its order decides the hit rate.* A block whose last
 reference goes keeps its contents and its hash on an *evictable* list, least
 recently used first. Allocation takes truly free blocks first and evicts only
@@ -166,11 +174,23 @@ class CachingAllocator(BlockAllocator):
             del self.evictable[block]
         self.ref_counts[block] += 1
 
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Make a referenced, full block findable by its hash, unless another block already holds that hash."""
-        if block_hash not in self.cached:
-            self.cached[block_hash] = block
-            self.block_hash[block] = block_hash
+    def cache(self, block: int, block_hash: bytes) -> bool:
+        """Make a referenced, full block findable by its hash, unless another block already holds that hash;
+        returns whether it did."""
+        if block_hash in self.cached:
+            return False
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+        return True
+
+    def uncache(self, block: int) -> None:
+        """Forget a block's hash, if it has one: its contents are not to be trusted. Evictable, it is free now."""
+        block_hash = self.block_hash.pop(block, None)
+        if block_hash is not None:
+            del self.cached[block_hash]
+            if block in self.evictable:
+                del self.evictable[block]
+                self.free_blocks.append(block)
 
     def block_states(self, block: int, free: set[int]) -> dict[str, bool]:
         """The base states and `evictable`; a free block has no hash, an evictable one has one."""
@@ -200,6 +220,8 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(num_blocks, block_size)
         self.allocator = CachingAllocator(num_blocks)
         self.chains: dict[int, list[bytes]] = {}  # seq_id → the hashes of its full blocks so far, in order
+        self.uncommitted: set[int] = set()  # blocks hashed since the last commit(): their KV not yet written
+        self.admitted: dict[int, int] = {}  # seq_id → cached tokens, of first admissions since the last commit()
         self.matched: dict[int, list[tuple[int, bytes]]] = {}  # seq_id → (block, hash) match_prefix found
         self.num_prompt_tokens = 0         # of every request admitted so far
         self.num_cached_prompt_tokens = 0  # of those, found cached at its first admission
@@ -258,6 +280,7 @@ class PrefixCachingBlockManager(BlockManager):
         if first_admission:
             self.num_prompt_tokens += len(seq.prompt_token_ids)
             self.num_cached_prompt_tokens += seq.num_computed_tokens
+            self.admitted[seq.seq_id] = seq.num_computed_tokens
 
     def _cache_full_blocks(self, seq: HoldsTokens, num_tokens: int) -> None:
         """Hash every block that the first `num_tokens` tokens fill and that is not hashed yet."""
@@ -268,7 +291,37 @@ class PrefixCachingBlockManager(BlockManager):
         tokens, table, bs = seq.token_ids, self.block_tables[seq.seq_id], self.block_size
         for i in range(len(chain), full):
             chain.append(hash_block(chain[-1] if chain else ROOT, tokens[i * bs:(i + 1) * bs]))
-            self.allocator.cache(table[i], chain[-1])
+            if self.allocator.cache(table[i], chain[-1]):
+                self.uncommitted.add(table[i])
+
+    def commit(self) -> None:
+        """The step planned since the last commit wrote its keys and values: the blocks it hashed stay hashed."""
+        self.uncommitted.clear()
+        self.admitted.clear()
+
+    def rollback(self, seqs: list[HoldsTokens]) -> list[HoldsTokens]:
+        """The step planned since the last commit failed: take back every hash it gave, and cut each of
+        `seqs`' chains back to its computed tokens. Returns those of `seqs` whose computed tokens lie partly in
+        a block just unhashed (they shared it in the failed step): they must be recomputed."""
+        bs, undone = self.block_size, self.uncommitted
+        for block in undone:
+            self.allocator.uncache(block)
+        lost = [seq for seq in seqs
+                if not undone.isdisjoint(self.block_tables.get(seq.seq_id, ())[:seq.num_computed_tokens // bs])]
+        for seq in seqs:
+            del self.chains.get(seq.seq_id, [])[seq.num_computed_tokens // bs:]
+        self.uncommitted = set()
+        return lost
+
+    def forget_admission(self, seq: HoldsTokens) -> bool:
+        """A sequence first admitted by a failed step goes back to wait: take its admission out of the hit rate,
+        to be counted when it is admitted again. Returns whether there was one to take out."""
+        cached = self.admitted.pop(seq.seq_id, None)
+        if cached is None:
+            return False
+        self.num_prompt_tokens -= len(seq.prompt_token_ids)
+        self.num_cached_prompt_tokens -= cached
+        return True
 
     def free(self, seq: HoldsTokens) -> None:
         """Release a sequence's blocks tail first, so that its last blocks are evicted before its first."""

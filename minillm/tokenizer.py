@@ -28,13 +28,11 @@ tokenizer and for the fallback.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
-from .weights import CONFIG_FILE, locate, read_config
-
-TOKENIZER_FILE = "tokenizer.json"
+from .checkpoint import CONFIG_FILE, TOKENIZER_FILE, read_config
+from .weights import is_complete, locate, warn_absent, warn_once
 EOS_TEXT = "<|endoftext|>"
 
 
@@ -118,22 +116,9 @@ class ByteTokenizer:
                               lambda i: EOS_TEXT if i == self.eos_token_id else f"<|{i}|>")
 
 
-_warned = False
-
-
-def _warn_fallback(where: Path) -> None:
-    global _warned
-    if not _warned:
-        print(f"WARNING: no {TOKENIZER_FILE} in {where}; using the byte fallback tokenizer "
-              "(UTF-8 bytes as ids; not GPT-2's vocabulary).", file=sys.stderr, flush=True)
-        _warned = True
-
-
-def _config(folder: Path, preset: str | None) -> GPT2Config:
+def _config(folder: Path) -> GPT2Config:
     if (folder / CONFIG_FILE).is_file():
         return read_config(folder)
-    if preset is not None:
-        return PRESETS[preset]
     raise ValueError(f"{folder} has no {CONFIG_FILE}, so the fallback tokenizer cannot know the "
                      "vocabulary size or end-of-text id; point at a checkpoint folder")
 
@@ -142,15 +127,23 @@ def load_tokenizer(name_or_path: str | Path, weights_dir: str | Path | None = No
     """The tokenizer for a preset (looked up in `<weights_dir>/<name>/`) or a checkpoint folder.
 
     Returns a BPETokenizer when `tokenizer.json` is there, else a ByteTokenizer
-    (with a one-time warning). Both offer encode, decode, eos_token_id,
-    is_fallback and name.
+    (with one warning line per folder). Both offer encode, decode, eos_token_id,
+    is_fallback and name. A preset whose folder is not a complete checkpoint is
+    treated as absent, as load_model treats it, and shares its warning line.
     """
     folder, preset = locate(name_or_path, weights_dir)
-    config = _config(folder, preset)
+    if preset is not None and not is_complete(folder):  # the model is a random init of the preset's shape
+        warn_absent(preset, folder)
+        config = PRESETS[preset]
+        if (folder / TOKENIZER_FILE).is_file():  # a verified file of the download that stopped later
+            return BPETokenizer(folder / TOKENIZER_FILE, config.eos_token_id)
+        return ByteTokenizer(config.eos_token_id, config.vocab_size)
+    config = _config(folder)
     if (folder / TOKENIZER_FILE).is_file():
         return BPETokenizer(folder / TOKENIZER_FILE, config.eos_token_id)
     if preset is None or preset in HF_CHECKPOINTS:  # tiny and mini never had a tokenizer.json to miss
-        _warn_fallback(folder)
+        warn_once(folder, f"no {TOKENIZER_FILE} in {folder}; using the byte fallback tokenizer "
+                          "(UTF-8 bytes as ids; not GPT-2's vocabulary)")
     return ByteTokenizer(config.eos_token_id, config.vocab_size)
 
 

@@ -1,24 +1,8 @@
 """Weights: the official GPT-2 checkpoints in, a ready model out, or a seeded random one.
 
-What a checkpoint is
---------------------
-A Hugging Face GPT-2 checkpoint is a folder with `config.json` (the five
-shape numbers) and `model.safetensors` (a JSON header naming every tensor, its
-dtype, shape and byte range, then the raw bytes). Our module names and layouts
-are the checkpoint's, so loading is reading tensors by name:
-
-    wte.weight, wpe.weight, h.{i}.ln_1.*, h.{i}.attn.c_attn.*, h.{i}.attn.c_proj.*,
-    h.{i}.ln_2.*, h.{i}.mlp.c_fc.*, h.{i}.mlp.c_proj.*, ln_f.*
-
-Layout variants that all load:
-    - every key prefixed with `transformer.` (what GPT2LMHeadModel writes);
-    - `lm_head.weight` present: the head is tied to `wte`, so it must have
-      wte's shape and is otherwise ignored;
-    - `h.{i}.attn.bias` / `h.{i}.attn.masked_bias`: causal-mask buffers that
-      old GPT-2 code saved with the weights; not parameters, ignored.
-
-The four projections are stored as Conv1D, [in_features, out_features], and
-the model keeps that layout (model.Conv1D says why), so nothing is transposed.
+What a checkpoint folder holds, and what its config.json may say, is checkpoint.py's;
+this file finds the folder (a path, or `<weights dir>/<preset>/`), checks it is
+complete, and places its tensors on a device in a dtype.
 
 What it costs
 -------------
@@ -33,16 +17,19 @@ Invariants held by the tests
 ----------------------------
     - logits match transformers' GPT2LMHeadModel on the same weights (≤ 1e-4, fp32);
     - save → load gives identical logits, and GPT2LMHeadModel reads what we save;
-    - a missing, unexpected or misshapen key, a truncated file or a folder with
-      missing files raises a CheckpointError naming it; no half-loaded model
-      is ever returned, because every key and shape is checked before any
-      tensor is read.
+    - a missing, unexpected, misshapen or non-floating tensor, a truncated file,
+      a config.json field the model does not implement or an explicit folder
+      with missing files raises a CheckpointError naming it; no half-loaded
+      model is ever returned, because every key, shape and dtype is checked
+      before any tensor is read;
+    - a preset whose folder lacks a file (an interrupted or failed download) is
+      treated as absent: one warning line names the folder and the missing
+      files, and the seeded random init is used.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -50,26 +37,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint import (CONFIG_FILE, REQUIRED_FILES, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointError,  # noqa: F401
+                         config_from_hf, config_to_hf, expected_shapes, plan_tensors, read_config)
 from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
 from .model import GPT2
-
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-
-_PREFIX = "transformer."
-_MASK_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
-_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or file that cannot become a model; the message says what to fix."""
 
 
 # ---- where, and in what precision -------------------------------------------
@@ -125,16 +102,6 @@ def download_command(name: str) -> str:
 
 # ---- reading a checkpoint ---------------------------------------------------
 
-def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this shape must hold, in checkpoint layout (Conv1D = [in, out])."""
-    with torch.device("meta"):
-        model = GPT2(config, seed=None)
-    shapes = {}
-    for name, p in model.state_dict().items():
-        shapes[name] = tuple(p.shape)
-    return shapes
-
-
 def check_folder(folder: Path, name: str | None = None) -> None:
     """Raise a CheckpointError listing the files a checkpoint folder lacks."""
     missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
@@ -144,61 +111,6 @@ def check_folder(folder: Path, name: str | None = None) -> None:
         partial = [p.name for p in folder.glob("*.part")]
         resume = f" (an interrupted download is there: {', '.join(partial)}; rerun to resume)" if partial else ""
         raise CheckpointError(f"the weights folder {folder} is missing {', '.join(missing)}{resume}; {fix}")
-
-
-def read_config(folder: Path) -> GPT2Config:
-    """The config.json of a checkpoint folder, every field checked; a CheckpointError names the file and field."""
-    path = folder / CONFIG_FILE
-    fix = "re-download it or rewrite it with save_pretrained"
-    try:
-        return GPT2Config.from_hf_dict(json.loads(path.read_text(encoding="utf-8")))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
-                              f"{fix}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); {fix}") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
-def _plan(file_keys: list[str], file_shapes: dict[str, tuple], config: GPT2Config, path: Path) -> dict[str, str]:
-    """Match the file's keys to the model's parameters, or raise naming every problem.
-
-    Returns {model parameter name: key in the file}. Runs before any tensor is read.
-    """
-    expected = expected_shapes(config)
-    plan: dict[str, str] = {}
-    unexpected = []
-    for key in file_keys:
-        name = key.removeprefix(_PREFIX)
-        if _MASK_BUFFER.match(name):
-            continue
-        if name == "lm_head.weight":  # tied to wte: same matrix, so it only has to fit
-            if file_shapes[key] != expected["wte.weight"]:
-                raise CheckpointError(f"{path}: {key} must be tied to wte.weight and have its shape "
-                                      f"{expected['wte.weight']}, but has {file_shapes[key]}")
-            continue
-        if name not in expected:
-            unexpected.append(key)
-            continue
-        if name in plan:
-            raise CheckpointError(f"{path}: {plan[name]!r} and {key!r} both hold {name}")
-        if file_shapes[key] != expected[name]:
-            layout = " (Conv1D layout [in, out])" if _CONV1D.match(name) else ""
-            raise CheckpointError(f"{path}: {key} has shape {file_shapes[key]} but a model with "
-                                  f"n_layer={config.n_layer}, n_embd={config.n_embd}, n_ctx={config.n_ctx}, "
-                                  f"vocab_size={config.vocab_size} expects {expected[name]}{layout}; "
-                                  "does config.json belong to this model.safetensors?")
-        plan[name] = key
-    if unexpected:
-        raise CheckpointError(f"{path}: unexpected keys {', '.join(unexpected[:8])}"
-                              f"{' …' if len(unexpected) > 8 else ''} for a {config.n_layer}-layer GPT-2; "
-                              "is this a GPT-2 checkpoint, and does config.json match it?")
-    missing = [n for n in expected if n not in plan]
-    if missing:
-        raise CheckpointError(f"{path}: missing keys {', '.join(f'{n} (expected shape {expected[n]})' for n in missing[:8])}"
-                              f"{' …' if len(missing) > 8 else ''}; the file is incomplete or for another model")
-    return plan
 
 
 def _open(path: Path, device: torch.device):
@@ -224,7 +136,9 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
     path = folder / WEIGHTS_FILE
     with _open(path, device) as f:
         keys = list(f.keys())
-        plan = _plan(keys, {k: tuple(f.get_slice(k).get_shape()) for k in keys}, config, path)
+        slices = {k: f.get_slice(k) for k in keys}
+        plan = plan_tensors(keys, {k: tuple(s.get_shape()) for k, s in slices.items()}, config, path,
+                     {k: s.get_dtype() for k, s in slices.items()})
         state = {}
         for name, key in plan.items():
             try:
@@ -273,21 +187,42 @@ def save_pretrained(model: GPT2, folder: str | Path) -> Path:
     for name, p in model.state_dict().items():
         tensors[name] = p.detach().to("cpu").contiguous()
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    (folder / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     return folder
 
 
 # ---- one call for the lessons -----------------------------------------------
 
-def _warn_random(name: str, folder: Path, seed: int) -> None:
-    bar = "=" * 78
-    print(f"\n{bar}\n"
-          f"  WARNING: no weights for {name!r} in {folder}.\n"
-          f"  Using a RANDOM init of the {name} shape (seed {seed}) instead.\n"
-          f"  Timing and memory do not depend on the weight values, so measurements hold;\n"
-          f"  the generated text will be gibberish. For the real weights run:\n"
-          f"      {download_command(name)}\n"
-          f"{bar}\n", file=sys.stderr, flush=True)
+def missing_files(folder: Path) -> list[str]:
+    """The files of a full checkpoint (config, weights, tokenizer) that `folder` lacks; all of them if no folder."""
+    return [f for f in (*REQUIRED_FILES, TOKENIZER_FILE) if not (folder / f).is_file()]
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether `folder` holds what load_checkpoint needs; a failed or interrupted download does not."""
+    return not any(f in REQUIRED_FILES for f in missing_files(folder))
+
+
+_warned: set[Path] = set()
+
+
+def warn_once(folder: Path, message: str) -> None:
+    """One warning line per folder per process, on stderr: the model and the tokenizer share it."""
+    if folder not in _warned:
+        _warned.add(folder)
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def warn_absent(preset: str, folder: Path) -> None:
+    """The line for a preset run on a random init; silent for the made-up shapes, which have no files to miss."""
+    if preset not in HF_CHECKPOINTS and not folder.is_dir():
+        return
+    missing = missing_files(folder)
+    where = f"{folder} lacks {', '.join(missing)}" if folder.is_dir() else f"no weights in {folder}"
+    tokenizer = " and the byte fallback tokenizer" if TOKENIZER_FILE in missing else ""
+    fetch = f"; `{download_command(preset)}` fetches them" if preset in HF_CHECKPOINTS else ""
+    warn_once(folder, f"{where}, so {preset} runs on a RANDOM init of its shape{tokenizer}: timing and memory "
+                      f"hold, the text is gibberish{fetch}")
 
 
 def locate(name_or_path: str | Path, weights_dir: str | Path | None = None) -> tuple[Path, str | None]:
@@ -315,19 +250,20 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
     """A GPT-2 in eval mode, from a checkpoint folder, a downloaded preset, or a random init.
 
     - a path to a folder: load that checkpoint;
-    - a preset name: load `<weights_dir>/<name>/` if it exists; if it does not,
-      fall back to a seeded random init of that shape (warning loudly for the
-      four real checkpoints; `tiny` and `mini` have no real weights to miss).
+    - a preset name: load `<weights_dir>/<name>/` if it holds a complete
+      checkpoint; if not, fall back to a seeded random init of that shape, with
+      one warning line (none for `tiny` and `mini` without a folder: they have
+      no real weights to miss).
     `weights_dir` defaults to `default_weights_dir()`. The model's
     `weights_source` says where its values came from, for lessons to record.
     """
     folder, preset = locate(name_or_path, weights_dir)
-    if preset is None or folder.is_dir():
-        return load_checkpoint(folder, device, dtype)
-    if preset in HF_CHECKPOINTS:
-        _warn_random(preset, folder, seed)
+    if preset is None or is_complete(folder):
+        return load_checkpoint(folder, device, dtype)  # an explicit folder that is incomplete: an error saying why
+    warn_absent(preset, folder)
     return random_model(PRESETS[preset], device, dtype, seed)
 
 
 __all__ = ["CheckpointError", "resolve_device", "resolve_dtype", "default_weights_dir", "load_checkpoint",
-           "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command"]
+           "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
+           "config_from_hf", "config_to_hf", "is_complete", "missing_files", "warn_absent", "warn_once"]

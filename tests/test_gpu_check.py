@@ -52,7 +52,7 @@ def test_a_run_in_process_reports_its_outcome():
     assert rc == 3
     t0 = time.perf_counter()
     rc, out = gpu_check.run_in_process(lambda: time.sleep(5), 0.2)
-    assert rc == 124 and "stopped after" in out and time.perf_counter() - t0 < 2
+    assert rc == 124 and "stopped after" in out and time.perf_counter() - t0 < 4  # well before the sleep ends, on a busy machine too
 
 
 def test_a_lesson_runs_in_process_on_a_model_built_once(tmp_path, monkeypatch):

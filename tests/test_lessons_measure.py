@@ -224,8 +224,8 @@ def test_a_stub_stops_the_lesson_with_one_line(capsys):
     assert run_to_exit(stubbed) == common.STUB_EXIT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert "exercise kv-cache-write" in err and "python -m minillm.exercises check kv-cache-write" in err
-    assert "test_lessons_measure.py:" in err and "(stubbed)" in err  # where the stub is: file, line, function
+    assert "exercise kv-cache-write" in err and "python -m minillm.classroom check kv-cache-write" in err
+    assert "test_lessons_measure.py:" in err and ", in stubbed;" in err  # where the stub is: file, line, function
 
 
 def test_a_stub_reached_through_another_error_is_still_named(capsys):

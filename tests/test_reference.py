@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from minillm import PRESETS, GPT2
-from minillm.weights import CheckpointError, load_checkpoint, random_model, save_pretrained
+from minillm.weights import CheckpointError, config_to_hf, load_checkpoint, random_model, save_pretrained
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4  # fp32
@@ -22,7 +22,7 @@ TOL = 1e-4  # fp32
 
 def hf_model(config, seed=0):
     torch.manual_seed(seed)
-    hf_config = transformers.GPT2Config(**config.to_hf_dict())
+    hf_config = transformers.GPT2Config(**config_to_hf(config))
     return transformers.GPT2LMHeadModel(hf_config).eval()
 
 
@@ -82,7 +82,7 @@ def checkpoint_tensors(model: GPT2) -> dict[str, torch.Tensor]:
 def write(folder, config, tensors):
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    (folder / "config.json").write_text(json.dumps(config_to_hf(config)))
     return folder
 
 
@@ -169,7 +169,7 @@ def test_untied_lm_head_of_the_wrong_shape_is_rejected(good, tmp_path):
 def test_config_that_does_not_match_the_weights(good, tmp_path):
     config, t = good
     write(tmp_path, config, t)
-    (tmp_path / "config.json").write_text(json.dumps(config.with_(n_layer=3).to_hf_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(config.with_(n_layer=3))))
     with pytest.raises(CheckpointError, match=r"missing keys h\.2\."):
         load_checkpoint(tmp_path, "cpu")
 

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer
 
 from minillm import PRESETS
-from minillm import tokenizer as tok_module
 from minillm.tokenizer import ByteTokenizer, load_tokenizer
+from minillm.weights import config_to_hf
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -32,7 +32,7 @@ def bpe_folder(tmp_path_factory):
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
     bpe.save(str(folder / "tokenizer.json"))
-    (folder / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_dict()))
+    (folder / "config.json").write_text(json.dumps(config_to_hf(PRESETS["tiny"])))
     return folder
 
 
@@ -76,7 +76,6 @@ def test_fallback_shows_ids_that_are_not_bytes():
 
 
 def test_fallback_warns_once_for_a_real_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tok_module, "_warned", False)
     a = load_tokenizer("gpt2", weights_dir=tmp_path)
     b = load_tokenizer("gpt2", weights_dir=tmp_path)
     err = capsys.readouterr().err
@@ -89,7 +88,7 @@ def test_fallback_needs_a_vocabulary_that_holds_the_bytes():
 
 
 def test_corrupt_tokenizer_json_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(PRESETS["tiny"])))
     (tmp_path / "tokenizer.json").write_text('{"model": ')
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         load_tokenizer(tmp_path)

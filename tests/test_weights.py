@@ -3,13 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from minillm import PRESETS, GPT2
 from minillm import weights
-from minillm.weights import (CheckpointError, default_weights_dir, load_model, random_model, resolve_device,
-                             resolve_dtype, save_pretrained)
+from minillm.config import HF_CHECKPOINTS
+from minillm.tokenizer import load_tokenizer
+from minillm.weights import (CheckpointError, config_from_hf, default_weights_dir, load_model, random_model,
+                             resolve_device, resolve_dtype, save_pretrained)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,12 +88,27 @@ def test_load_by_path_and_by_preset_name(tmp_path):
     assert by_name.weights_source == str(tmp_path / "tiny") and not by_name.training
 
 
-def test_absent_checkpoint_falls_back_to_random_init_and_says_so(tmp_path, monkeypatch, capsys):
+def test_absent_checkpoint_falls_back_to_random_init_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(PRESETS, "gpt2", PRESETS["tiny"])  # the gpt2 code path, at a tiny cost
     model = load_model("gpt2", "cpu", "fp32", weights_dir=tmp_path, seed=4)
     err = capsys.readouterr().err
-    assert "RANDOM" in err and "python weights_download.py gpt2" in err and "Timing and memory" in err
+    assert err.count("\n") == 1 and "RANDOM" in err and str(tmp_path / "gpt2") in err
+    assert "python weights_download.py gpt2" in err and "timing and memory hold" in err
     assert model.weights_source == "random-init (seed 4)" and model.config == PRESETS["tiny"]
+
+
+def test_an_incomplete_preset_folder_is_absent_one_line_for_model_and_tokenizer(tmp_path, monkeypatch, capsys):
+    """An interrupted download (config.json there, the weights still a .part) must not break every later run."""
+    monkeypatch.setitem(PRESETS, "gpt2", PRESETS["tiny"])
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # not even read: the folder is not a checkpoint
+    (folder / "model.safetensors.part").write_bytes(b"half")
+    model = load_model("gpt2", "cpu", "fp32", weights_dir=tmp_path)
+    tok = load_tokenizer("gpt2", weights_dir=tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and str(folder) in lines[0] and "model.safetensors, tokenizer.json" in lines[0]
+    assert model.weights_source.startswith("random-init") and tok.is_fallback
 
 
 def test_made_up_shapes_init_randomly_without_a_warning(tmp_path, capsys):
@@ -96,13 +116,13 @@ def test_made_up_shapes_init_randomly_without_a_warning(tmp_path, capsys):
     assert model.config == PRESETS["mini"] and capsys.readouterr().err == ""
 
 
-def test_folder_with_missing_files_lists_them_and_the_download_command(tmp_path):
+def test_an_explicit_incomplete_folder_lists_what_is_missing_and_what_to_do(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors.part").write_bytes(b"half")
     with pytest.raises(CheckpointError) as e:
-        load_model("gpt2", "cpu", weights_dir=tmp_path)
+        load_model(folder, "cpu")
     msg = str(e.value)
     assert "missing model.safetensors" in msg and "python weights_download.py gpt2" in msg and "resume" in msg
 
@@ -129,3 +149,43 @@ def test_saved_config_round_trips(tmp_path):
     config = PRESETS["mini"].with_(layer_norm_epsilon=1e-6)
     save_pretrained(random_model(config, "cpu"), tmp_path)
     assert load_model(tmp_path, "cpu").config == config
+
+
+# ---- what the loader refuses: weights that are not floating point, fields the model does not compute ----
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64, torch.uint8])
+def test_a_non_floating_weight_is_refused_naming_tensor_and_dtype(tmp_path, dtype):
+    save_pretrained(random_model(PRESETS["tiny"], "cpu"), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["h.1.mlp.c_fc.weight"] = tensors["h.1.mlp.c_fc.weight"].to(dtype)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"h\.1\.mlp\.c_fc\.weight holds (I64|BOOL|C64|U8) values.*floating"):
+        load_model(tmp_path, "cpu")
+
+
+@pytest.mark.parametrize("field, value", [("activation_function", "relu"), ("scale_attn_weights", False),
+                                          ("model_type", "gpt_neo"), ("tie_word_embeddings", False),
+                                          ("scale_attn_by_inverse_layer_idx", True), ("n_inner", 100)])
+def test_a_config_field_the_model_does_not_implement_is_refused(tmp_path, field, value):
+    save_pretrained(random_model(PRESETS["tiny"], "cpu"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(CheckpointError, match=f"{field}={value!r} is not implemented"):
+        load_model(tmp_path, "cpu")
+
+
+def test_a_deeply_nested_config_json_is_a_clear_error(tmp_path):
+    save_pretrained(random_model(PRESETS["tiny"], "cpu"), tmp_path)
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nests its JSON deeper"):
+        load_model(tmp_path, "cpu")
+
+
+def test_distilgpt2_is_a_checkpoint_with_gpt2s_vocabulary():
+    """The hub's distilbert/distilgpt2 config.json (its shape fields, as published) reads as the preset."""
+    hub_config = {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "bos_token_id": 50256,
+                  "eos_token_id": 50256, "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024,
+                  "n_embd": 768, "n_head": 12, "n_layer": 6, "n_positions": 1024, "vocab_size": 50257}
+    assert "distilgpt2" in HF_CHECKPOINTS and config_from_hf(hub_config) == PRESETS["distilgpt2"]
+    assert PRESETS["distilgpt2"].num_params() == 81_912_576  # gpt2's 124.4M less six of its blocks
+    assert PRESETS["distilgpt2"].vocab_size == PRESETS["gpt2"].vocab_size

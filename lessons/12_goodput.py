@@ -1,0 +1,294 @@
+"""Lesson 12: goodput. Chunked prefill raises the request rate a server sustains under latency targets.
+
+The claim
+---------
+A user is served well when the first token comes soon (TTFT) and the text then
+never stalls (every inter-token gap, ITL, short). Goodput counts only those
+requests: the rate of requests that met *both* targets (DistServe). Under a mix
+of long prompts and running streams, a server that prefills each prompt whole
+stalls every stream for the length of that prefill (lesson 07), so as the
+request rate grows, more and more streams miss the ITL target, while raw
+throughput hardly changes. Chunked prefill bounds the stall by one step of
+`max_num_batched_tokens` tokens, so the same server meets the targets up to a
+higher rate (Sarathi-Serve: 2.6× the capacity of vLLM for Mistral-7B under a
+P99 target). Here the claim is judged on this device, served over HTTP.
+
+What this lesson measures
+-------------------------
+1. Two servers (`python -m minillm serve`, one with chunked prefill at a budget
+   of a quarter of the long prompt, one without), each in its own process on
+   127.0.0.1, each logging the engine's own record of every request.
+2. Step costs, as the served engine records them, before the sweep: a decode
+   step of STREAMS sequences (the median gap between their tokens), the long
+   prompt's prefill served alone (each the least of 3 rounds), and the capacity (requests/s with the whole
+   trace sent at once). The targets follow, with k and m fixed here and
+   printed before anything is swept:
+
+       ITL target  = k · t(decode step of STREAMS sequences)     k = 4
+       TTFT target = m · t(prefill of the long prompt)            m = 3
+
+   and the rates are shares of the capacity. A request meets the ITL target
+   when every one of its gaps does: a stall is what its user sees.
+3. At each rate a seeded trace (Poisson arrivals; short prompts, and a share
+   LONG_SHARE of long ones) is replayed against each server in turn by
+   `bench-serve`'s client code, which times every token as it arrives. The
+   sweep is repeated, the order reversed every other time. For each mode and
+   sweep: the highest rate whose goodput share is ≥ 90%.
+
+--quick on a CPU serves the `mini` shape, whatever --model says: a sweep of
+gpt2 there takes minutes, and the claim is about scheduling, not weights.
+
+The verdict: chunked's highest rate ÷ unchunked's, one value per sweep, is at
+least 1.3 (a step of the rate grid), and chunked output throughput at the top
+rate is at least 90% of unchunked's.
+
+Also measured: what HTTP adds. Each server logs the engine's own record of
+every request (`--request-log`); the client's TTFT minus the engine's (the
+request's way in, through the JSON parser, and the first token's way out), and
+the delay of every token from the moment the engine sampled it to the moment
+the client read its event (the thread hop, the decode, the JSON, the event
+stream and the loopback), on the one clock both processes share.
+
+Predict before you run: at a rate where half the unchunked requests miss, how
+much lower is unchunked throughput?
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, make_parser, ms, plt, print_table, run, save_plot, start, write_results
+from measure import Check, judge, print_verdict
+
+import numpy as np
+
+from minillm.bench_serve import benchmark, summarize
+from minillm.serve_workloads import BenchRequest, arrivals, workload
+from minillm.weights import resolve_device
+
+NAME = "12_goodput"
+K_ITL, M_TTFT = 4.0, 3.0     # ITL target = k · decode step; TTFT target = m · prefill of the long prompt
+STREAMS = 4                  # the decode step the ITL target is scaled from: this many sequences
+LONG_SHARE = 0.25            # share of requests with a long prompt
+GOOD_SHARE = 0.90            # a rate is sustained when at least this share of its requests meet both targets
+RATE_GAIN_LINE = 1.3         # chunked's highest sustained rate ÷ unchunked's must reach this
+THROUGHPUT_LINE = 0.90       # chunked output throughput ÷ unchunked's at the top rate
+UNCHUNKED_BUDGET = 2048      # vLLM without chunking: max(max_model_len, 2048)
+QUICK_CPU_MODEL = "mini"     # --quick on a CPU serves this shape, whatever --model says
+
+
+def sizes(n_ctx: int, quick: bool) -> dict:
+    long = min(3 * n_ctx // 4, 512)
+    if quick:
+        return {"requests": 12, "short": 16, "long": long, "output": 16, "shares": [0.2, 0.4, 0.7], "sweeps": 2}
+    return {"requests": 40, "short": 32, "long": long, "output": 32,
+            "shares": [0.15, 0.22, 0.33, 0.5, 0.75], "sweeps": 3}
+
+
+def read_records(log: Path) -> dict:
+    """The engine's record of each finished request, by id, as the server logged it (--request-log)."""
+    return {r["id"]: r for r in map(json.loads, log.read_text().splitlines())} if log.exists() else {}
+
+
+def step_costs(url: str, log: Path, pairs: list, s: dict) -> dict:
+    """What the served engine's own records show, through the unchunked server: a decode step of STREAMS
+    sequences (the median gap between their tokens), the long prompt's prefill served alone, each the least of
+    3 rounds (a cost: load only ever adds to it), and the capacity: requests per second when the whole trace
+    is sent at once."""
+    def served(requests):
+        results, duration = asyncio.run(benchmark(url, requests, show_progress=False))
+        records = read_records(log)
+        return [records[r.id] for r in results], duration
+
+    decode, prefill = [], []
+    for i in range(3):
+        streams, _ = served([BenchRequest([1 + i + j] * s["short"], 32) for j in range(STREAMS)])
+        decode.append(statistics.median(b - a for rec in streams
+                                        for a, b in zip(rec["token_times"][1:], rec["token_times"][2:])))
+        (rec,), _ = served([BenchRequest([2 + i] * s["long"], 1)])
+        prefill.append(rec["token_times"][0] - rec["arrival"])
+    burst, duration = served([BenchRequest(p, o) for p, o in pairs])
+    return {"decode": min(decode), "prefill_long": min(prefill), "capacity": len(burst) / duration}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(args, chunked: bool, budget: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """`python -m minillm serve` in a process of its own; returns it and its URL once /health answers."""
+    import httpx
+    port = free_port()
+    cmd = [sys.executable, "-m", "minillm", "serve", "--model", args.model, "--device", args.device, "--dtype",
+           args.dtype, "--port", str(port), "--max-num-seqs", "32", "--max-num-batched-tokens", str(budget),
+           "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill", "--num-gpu-blocks-override",
+           "1024", "--max-queue", "4096", "--request-log", str(log)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    if resolve_device(args.device).type == "cpu":  # the servers and the client share the cores
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the server did not answer /health within 180 s")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def http_cost(results, records: dict) -> dict:
+    """Client against engine for the same requests: TTFT difference, and each token's delivery delay."""
+    ttft, delay, client_itl, engine_itl = [], [], [], []
+    for r in results:
+        rec = records.get(r.id)
+        if not (r.success and rec and len(rec["token_times"]) == len(r.token_times)):
+            continue
+        ttft.append(r.ttft - (rec["token_times"][0] - rec["arrival"]))
+        delay += [c - e for c, e in zip(r.token_times, rec["token_times"])]
+        client_itl += r.itls
+        engine_itl += [b - a for a, b in zip(rec["token_times"], rec["token_times"][1:])]
+    q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+    return {"requests": len(ttft), "ttft_added_p50_s": q(ttft, 50), "delivery_p50_s": q(delay, 50),
+            "delivery_p99_s": q(delay, 99), "client_itl_p50_s": q(client_itl, 50), "engine_itl_p50_s": q(engine_itl, 50),
+            "client_itl_p99_s": q(client_itl, 99), "engine_itl_p99_s": q(engine_itl, 99)}
+
+
+def highest_sustained(points: list[dict], rates: list[float]) -> float:
+    """The highest rate whose goodput share is ≥ GOOD_SHARE; half the lowest rate when none is."""
+    good = [r for r, p in zip(rates, points) if p["goodput_share"] >= GOOD_SHARE]
+    return max(good) if good else rates[0] / 2
+
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    if args.quick and resolve_device(args.device).type == "cpu":
+        args.model = QUICK_CPU_MODEL  # a sweep of gpt2 on a CPU takes minutes; the scheduling claim is the same
+    lesson = start(NAME, args, ceilings=False)
+    cfg = lesson.config
+    s = sizes(cfg.n_ctx, args.quick)
+    pairs = workload("stutter", s["requests"], cfg.vocab_size, cfg.n_ctx, input_len=s["short"],
+                     output_len=s["output"], long_prompt_len=s["long"], long_fraction=LONG_SHARE)
+    budget = max(16, 1 << (s["long"] // 4).bit_length() - 1)  # the power of two ≤ a quarter of the long prompt
+    modes = {"chunked": (True, budget), "unchunked": (False, max(UNCHUNKED_BUDGET, s["long"] + s["output"]))}
+    logs = Path(tempfile.mkdtemp(prefix="lesson12-"))
+    servers = {}
+    try:
+        for mode, (chunked, b) in modes.items():
+            servers[mode] = launch(args, chunked, b, logs / f"{mode}.jsonl")
+        warm = [BenchRequest(p, o) for p, o in pairs[:4]]
+        for _, url in servers.values():  # untimed: the first requests pay one-off costs
+            asyncio.run(benchmark(url, warm, show_progress=False))
+        cost = step_costs(servers["unchunked"][1], logs / "unchunked.jsonl", pairs, s)
+        targets = {"ttft": M_TTFT * cost["prefill_long"], "itl": K_ITL * cost["decode"]}
+        capacity = cost["capacity"]
+        rates = [round(share * capacity, 2) for share in s["shares"]]
+        print(f"as the served engine records them: a decode step of {STREAMS} sequences {ms(cost['decode'])}, the "
+              f"prefill of {s['long']} tokens {ms(cost['prefill_long'])}; the whole trace at once: "
+              f"{capacity:.1f} requests/s")
+        print(f"targets: ITL ≤ k · decode = {K_ITL:g} · {ms(cost['decode'])} = {ms(targets['itl'])} (every gap); "
+              f"TTFT ≤ m · long prefill = {M_TTFT:g} · {ms(cost['prefill_long'])} = {ms(targets['ttft'])}")
+        print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s (shares {s['shares']} of that "
+              f"capacity); chunked budget {budget} tokens; {s['requests']} requests per point, "
+              f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\n")
+        points = {m: [[None] * len(rates) for _ in range(s["sweeps"])] for m in modes}
+        kept = {}  # the client's results at the middle rate, last sweep: ITL CDF and HTTP cost
+        for sweep in range(s["sweeps"]):
+            for i, rate in enumerate(rates):
+                trace = [BenchRequest(p, o, t) for (p, o), t in zip(pairs, arrivals(len(pairs), rate))]
+                for mode in (modes if (sweep + i) % 2 == 0 else list(modes)[::-1]):
+                    results, duration = asyncio.run(benchmark(servers[mode][1], trace, show_progress=False))
+                    points[mode][sweep][i] = summarize(results, duration, targets)
+                    if i == len(rates) // 2:
+                        kept[mode] = results
+                print(f"  sweep {sweep + 1}/{s['sweeps']}, {rate:g}/s: goodput " + ", ".join(
+                    f"{m} {points[m][sweep][i]['goodput_share']:.0%}" for m in modes), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    cost_http = {m: http_cost(kept[m], read_records(logs / f"{m}.jsonl")) for m in modes}
+
+    med = lambda m, i, key: statistics.median(points[m][w][i][key] for w in range(s["sweeps"]))  # noqa: E731
+    print()
+    print_table(["rate/s", *[f"{m} {c}" for m in modes for c in ("goodput", "tok/s", "ITL p99", "TTFT p99")]],
+                [[f"{r:g}", *[x for m in modes for x in (f"{med(m, i, 'goodput_share'):.0%}",
+                                                          f"{med(m, i, 'output_throughput'):.0f}",
+                                                          ms(med(m, i, 'p99_itl_ms') / 1e3),
+                                                          ms(med(m, i, 'p99_ttft_ms') / 1e3))]]
+                 for i, r in enumerate(rates)],
+                f"medians over {s['sweeps']} sweeps; goodput = share of requests meeting both targets:")
+    best = {m: [highest_sustained(points[m][w], rates) for w in range(s["sweeps"])] for m in modes}
+    gain = [c / u for c, u in zip(best["chunked"], best["unchunked"])]
+    top = [points["chunked"][w][-1]["output_throughput"] / points["unchunked"][w][-1]["output_throughput"]
+           for w in range(s["sweeps"])]
+    checks = [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked", gain, RATE_GAIN_LINE,
+                    ">=", fmt="{:.2f}"),
+              Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked", top, THROUGHPUT_LINE, ">=",
+                    fmt="{:.2f}")]
+    verdict = judge("chunked prefill raises the request rate that meets both the TTFT and the ITL target, "
+                    "while throughput barely moves", checks, lesson.load())
+    verdict.notes.append("highest sustained rate per sweep: " + "; ".join(
+        f"{m} {', '.join(f'{b:g}' for b in best[m])}/s" for m in modes) + " (half the lowest rate: none was)")
+    for m, h in cost_http.items():
+        verdict.notes.append(
+            f"what HTTP adds ({m}, {rates[len(rates) // 2]:g}/s, {h['requests']} requests): TTFT +{ms(h['ttft_added_p50_s'])} "
+            f"(p50), each token reaches the client {ms(h['delivery_p50_s'])} after the engine sampled it (p50; "
+            f"p99 {ms(h['delivery_p99_s'])}); ITL p50 {ms(h['client_itl_p50_s'])} client vs "
+            f"{ms(h['engine_itl_p50_s'])} engine, p99 {ms(h['client_itl_p99_s'])} vs {ms(h['engine_itl_p99_s'])}")
+    print_verdict(verdict)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    twin = ax1.twinx()
+    for m, color in zip(modes, ("C0", "C1")):
+        ax1.plot(rates, [100 * med(m, i, "goodput_share") for i in range(len(rates))], "o-", color=color,
+                 label=f"{m}: goodput share")
+        twin.plot(rates, [med(m, i, "output_throughput") for i in range(len(rates))], "s--", color=color,
+                  alpha=0.6, label=f"{m}: output tokens/s")
+        itls = np.sort(np.concatenate([r.itls for r in kept[m] if r.success]) * 1e3)
+        ax2.plot(itls, np.arange(1, len(itls) + 1) / len(itls), color=color, label=m)
+    ax1.axhline(100 * GOOD_SHARE, color="grey", ls=":", label=f"{GOOD_SHARE:.0%} target line")
+    ax1.set(xlabel="request rate (requests/s)", ylabel="requests meeting both targets (%, median of sweeps)",
+            ylim=(0, 105))
+    twin.set_ylabel("output tokens/s (median of sweeps)")
+    ax1.legend(handles=ax1.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=7,
+               loc="lower left")
+    ax2.axvline(targets["itl"] * 1e3, color="grey", ls=":", label=f"ITL target {ms(targets['itl'])}")
+    ax2.set(xscale="log", xlabel="inter-token gap seen by the client (ms)", ylabel="share of gaps ≤ x",
+            title=f"ITL CDF at {rates[len(rates) // 2]:g} requests/s (last sweep)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"Lesson 12, goodput under TTFT ≤ {ms(targets['ttft'])} and ITL ≤ {ms(targets['itl'])}: "
+                 f"{verdict.outcome}")
+    save_plot(lesson, fig)
+    figures = {"step_costs_s": cost, "k_itl": K_ITL, "m_ttft": M_TTFT, "targets_s": targets, "rates": rates,
+               "capacity_estimate": capacity, "chunked_budget": budget, "sizes": s,
+               "points": points, "highest_sustained": best, "http_cost": cost_http}
+    write_results(lesson, figures, verdict)
+    return {"verdict": verdict.as_dict(), "figures": figures}
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,72 @@
+"""The flags of `python -m minillm serve` and `bench-serve`, kept apart from the server's imports.
+
+FastAPI, uvicorn, prometheus-client and httpx come with the `[serve]` extra.
+`python -m minillm --help` works without them; running either command
+without them is one `error:` line that says what to install.
+"""
+from __future__ import annotations
+
+import argparse
+
+SERVE_EXTRA = 'python -m pip install -e ".[serve]"'
+
+
+def _needs_serve_extra(module: str):
+    try:
+        return __import__(f"minillm.{module}", fromlist=[module])
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("fastapi", "uvicorn", "prometheus_client", "httpx", "starlette"):
+            raise ValueError(f"{e.name} is not installed; serving needs the [serve] extra: {SERVE_EXTRA}") from None
+        raise
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return _needs_serve_extra("serve_main").run(args)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    _needs_serve_extra("server")  # the same extra: httpx, and the rest with it
+    from . import bench_serve
+    return bench_serve.run(args)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's knobs under vLLM's flag names, and the server's own."""
+    from .cli_flags import add_model_arguments
+    from .scheduler import SchedulerConfig
+    d = SchedulerConfig()
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.enable_chunked_prefill)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="the KV pool in blocks, whatever the memory (also on the CPU, where the default is 1 GiB)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests that may wait for a slot in the batch; past it, 429 with Retry-After")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds running requests get to finish after SIGINT/SIGTERM; the rest are aborted")
+    parser.add_argument("--request-log", default=None,
+                        help="append the engine's record of each finished request to this file as JSON lines "
+                             "(arrival and token times in time.perf_counter seconds; lesson 12 reads it)")
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, streamed or not)",
+                              description="Serve the engine over HTTP: /v1/completions, /v1/models, /health, "
+                                          "/metrics. Needs the [serve] extra.")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    p = subparsers.add_parser("bench-serve", help="load an OpenAI-compatible server; TTFT/ITL percentiles, goodput",
+                              description="Replay a workload against --base-url, timing each streamed token on "
+                                          "the client, like `vllm bench serve`. Needs the [serve] extra.")
+    from .bench_serve import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=run_bench_serve)
