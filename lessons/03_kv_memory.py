@@ -43,12 +43,12 @@ from __future__ import annotations
 import gc
 import math
 
-from common import make_parser, plt, print_table, run, save_plot, si, start, write_results
+from common import make_parser, plt, predict, print_table, run, save_plot, si, start, write_results
 from measure import Check, judge, print_verdict
 
 import torch
 
-from minillm.config import HF_CHECKPOINTS, PRESETS
+from minillm.config import HF_CHECKPOINTS, PRESETS, dtype_bytes
 from minillm.kv_cache import KVCache
 from minillm.cost import decode_cost
 from minillm.memory import memory_budget, resident_bytes
@@ -111,6 +111,12 @@ def main(argv=None) -> dict:
 
     configs = {n: PRESETS[n] for n in HF_CHECKPOINTS}
     configs[args.model] = cfg  # the lesson's own model too (a checkpoint folder: its own shape)
+    b = dtype_bytes(dtype)
+    predict(lesson, f"{args.model}'s KV cache holds 2 · n_layer {cfg.n_layer} · n_embd {cfg.n_embd} · {b} bytes = "
+            f"{si(cfg.kv_bytes_per_token(dtype), 'B')} per token, so a full {cfg.n_ctx}-token context takes "
+            f"{si(cfg.kv_bytes_per_token(dtype) * cfg.n_ctx, 'B')}; what the "
+            f"{'allocator' if device.type == 'cuda' else 'OS'} reports should match within "
+            f"{REL_TOL:.0%} plus {si(slack_bytes(device), 'B')} of rounding")
     rows = []
     for name, c in configs.items():
         per_token = c.kv_bytes_per_token(dtype)
@@ -156,7 +162,12 @@ def main(argv=None) -> dict:
                          "process's resident memory (/proc/self/statm); run it on Linux or on a GPU")
     checks = [Check(f"{r['model']}: |measured − formula| / formula, {si(slack_bytes(device), 'B')} of rounding allowed",
                     [max(0.0, abs(r["measured_bytes"] - r["formula_bytes"]) - slack_bytes(device)) / r["formula_bytes"]],
-                    REL_TOL, "<=", timed=False, fmt="{:.2%}") for r in measured]
+                    REL_TOL, "<=", timed=False, fmt="{:.2%}",
+                    why=f"{r['model']}: {si(r['measured_bytes'], 'B')} measured by {r['measured_by']} against "
+                        f"{si(r['formula_bytes'], 'B')} by the formula for {r['tokens']:,} tokens, "
+                        f"{si(r['measured_bytes'] - r['formula_bytes'], 'B')} apart: the measurement counts memory "
+                        "that is not the cache (the allocator's pools, or pages the process touched meanwhile)")
+              for r in measured]
     verdict = judge("a KV cache holds 2 · n_layer · n_embd · bytes per token of context", checks, lesson.load())
     print_verdict(verdict)
 
@@ -181,11 +192,11 @@ def main(argv=None) -> dict:
                          va="bottom", fontsize=8)
     axes[2].set(ylabel="full-context sequences", title="sequences whose KV fits beside the weights")
     axes[2].tick_params(axis="x", labelsize=8)
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"sizes": rows, "budget": {**budget, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION},
                "decode_bytes_split": split, "kv_bytes_per_token": per_token, "weights_read_per_step": weights_read,
-               "crossover_tokens": crossover}
+               "crossover_tokens": crossover, "rounding_allowed_bytes": slack_bytes(device)}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

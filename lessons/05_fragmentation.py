@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import statistics
 
-from common import make_parser, one_thread, plt, print_table, run, save_plot, si, start, write_results
+from matplotlib.ticker import MaxNLocator
+
+from common import make_parser, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 from measure import Check, judge, print_verdict
 from workloads import describe_trace, lognormal_trace, replay
 
@@ -128,6 +130,12 @@ def main(argv=None) -> dict:
     print(f"KV budget: {RESERVATIONS} slabs of max_model_len={M} = {budget_tokens:,} tokens = "
           f"{si(budget_bytes, 'B')} for {args.model}\n")
 
+    mean_len = stats["prompt_mean"] + stats["output_mean"]
+    predict(lesson, f"a sequence holds {mean_len:.0f} tokens on average: a max_model_len={M} slab wastes about "
+            f"1 − {mean_len:.0f}/{M} = {1 - mean_len / M:.0%} of itself, and {BLOCK_SIZE}-token blocks waste half a "
+            f"block per sequence, about {BLOCK_SIZE / 2 / mean_len:.1%} (at the peak, where sequences are longest, "
+            "less)", f"so paging should fit about {M / mean_len:.1f}× the sequences while requests wait")
+
     narrow = narrow_model(model)
     with one_thread():
         runs = {policy: serve(narrow, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous")
@@ -153,9 +161,18 @@ def main(argv=None) -> dict:
 
     c, p = runs["contiguous"], runs["paged"]
     checks = [Check(f"paged waste, block {BLOCK_SIZE}", [p["waste"]], PAGED_WASTE_LIMIT, "<=", timed=False,
-                    fmt="{:.1%}"),
+                    fmt="{:.1%}",
+                    why=f"{p['waste']:.1%} of allocated memory held no token against half a block per sequence, "
+                        f"{BLOCK_SIZE / 2 / mean_len:.1%} of a {mean_len:.0f}-token sequence: sequences here are short "
+                        f"against the {BLOCK_SIZE}-token block (the sweep: block {sweep[0]['block_size']} wastes "
+                        f"{sweep[0]['waste']:.1%})"),
               Check("sustained concurrent sequences, paged ÷ contiguous",
-                    [p["sustained_running"] / c["sustained_running"]], CONCURRENCY_FACTOR, ">=", timed=False, fmt="{:.2f}")]
+                    [p["sustained_running"] / c["sustained_running"]], CONCURRENCY_FACTOR, ">=", timed=False,
+                    fmt="{:.2f}",
+                    why=f"contiguous slabs ran {c['sustained_running']:.1f} sequences and paging "
+                        f"{p['sustained_running']:.1f} while requests waited, with {p['preemptions']} preemptions: "
+                        f"a {mean_len:.0f}-token average against {M}-token slabs leaves paging room for at most "
+                        f"{M / mean_len:.1f}× the sequences")]
     verdict = judge(f"paging cuts KV waste under {PAGED_WASTE_LIMIT:.0%} and so at least doubles the sequences that "
                     "run in the same memory", checks, lesson.load())
     lo, hi = VLLM_CONTIGUOUS_WASTE
@@ -182,17 +199,20 @@ def main(argv=None) -> dict:
                      label=f"{policy}: {shown[policy]['sustained_running']:.1f} while requests wait")
     axes[0].set(xlabel="engine step", ylabel="real tokens / allocated KV memory", ylim=(0, 1.05),
                 title="share of allocated KV memory holding tokens")
+    axes[1].axhline(CONCURRENCY_FACTOR * c["sustained_running"], color="k", ls=":",
+                    label=f"the claim's line: {CONCURRENCY_FACTOR:g}× contiguous")
     axes[1].set(xlabel="engine step", ylabel="running sequences", ylim=(0, None), title="concurrency in the same budget")
+    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=8, loc="center right")
     axes[1].legend(fontsize=8, loc="upper right")
     labels = [str(r["block_size"]) for r in sweep]
     axes[2].bar(labels, [100 * r["waste"] for r in sweep], color="C0", label="paged, by block size")
     axes[2].axhline(100 * c["waste"], color="C1", ls="--", label=f"contiguous: {c['waste']:.0%}")
-    axes[2].axhline(100 * PAGED_WASTE_LIMIT, color="k", ls=":", label="4% (vLLM)")
+    axes[2].axhline(100 * PAGED_WASTE_LIMIT, color="k", ls=":", label=f"the claim's line: {PAGED_WASTE_LIMIT:.0%} (vLLM)")
     axes[2].set(xlabel="block size (tokens)", ylabel="waste (% of allocated KV memory)", ylim=(0, 100),
                 title="internal fragmentation by block size")
     axes[2].legend(fontsize=8, loc="upper left")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"trace": stats, "budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "reservation_tokens": M,
                "contiguous": runs["contiguous"], "paged": runs["paged"],

@@ -55,7 +55,7 @@ import dataclasses
 import statistics
 
 import torch
-from common import make_parser, ms, one_thread, plt, print_table, run, save_plot, si, start, write_results
+from common import make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 from measure import Check, interleave, judge, print_verdict
 
 from minillm.config import PRESETS
@@ -154,10 +154,18 @@ def main(argv=None) -> dict:
     device, dtype, bandwidth, on_cuda = lesson.device, lesson.dtype, lesson.ceilings.bandwidth, lesson.device.type == "cuda"
     s = sizes(args.quick)
     points = []
+    names = ladder(args.model, lesson.config.num_params())
     with contextlib.nullcontext() if on_cuda else one_thread():
         x = torch.zeros(1, device=device)
         bare = time_fn(lambda: [x.add_(1) for _ in range(1000)], device, 1, 5).median_s / 1000  # one bare op
-        for name in ladder(args.model, lesson.config.num_params()):
+        floors = {n: (PRESETS[n] if n in PRESETS else lesson.config).weight_bytes(dtype) / bandwidth for n in names}
+        predict(lesson, f"one bare op costs the host {bare * 1e6:.1f} µs here, and a decode step is hundreds of "
+                "ops (more per layer), so host time grows with depth; the weight-read floor grows with the weight "
+                "bytes: " + ", ".join(f"{n} {ms(f)}" for n, f in floors.items())
+                + f" at the copy bandwidth ({si(bandwidth, 'B/s')})",
+                "so the smallest shape should wait on its host and the largest on memory if its floor outgrows "
+                "its ops' host time")
+        for name in names:
             model = lesson.model if name == args.model else random_model(PRESETS[name], device, dtype)
             points.append(measure(model, name, s, bandwidth))
             del model
@@ -174,13 +182,23 @@ def main(argv=None) -> dict:
                 f"{s['rounds']} rounds; twin = the same ops at width 8; share = twin ÷ eager step):")
 
     small, large = points[0], points[-1]
+    def why(p) -> str:
+        return (f"{p['name']}'s twin (its {p['ops']['eager']} ops at width 8, almost no bytes) took "
+                f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
+                f"{si(p['weight_bytes'], 'B')} of weights at the copy bandwidth takes {ms(p['floor_s'])}")
+
     # Judged on the step the engine runs: eager on the CPU, the graph replay on CUDA (its twin replayed too).
     share, step = ("graph_share", "graph step, as the engine runs it on CUDA") if on_cuda else ("share", "step")
-    checks = [Check(f"overhead share of {small['name']}'s {step}", small[share], OVERHEAD_BOUND, ">=", fmt="{:.2f}"),
-              Check(f"overhead share of {large['name']}'s {step}", large[share], OVERHEAD_BOUND, "<=", fmt="{:.2f}")]
+    checks = [Check(f"overhead share of {small['name']}'s {step}", small[share], OVERHEAD_BOUND, ">=", fmt="{:.2f}",
+                    why=why(small) + ": the host's work is not what sets this step's pace"),
+              Check(f"overhead share of {large['name']}'s {step}", large[share], OVERHEAD_BOUND, "<=", fmt="{:.2f}",
+                    why=why(large) + ": its ops cost the host more than its bytes cost the memory")]
     if on_cuda:
         checks.append(Check(f"{small['name']}: graph step ÷ eager step", small["graph_over_eager"], GRAPH_GAIN, "<=",
-                            fmt="{:.2f}"))
+                            fmt="{:.2f}",
+                            why=f"graph {ms(small['step_s']['graph'])} against eager {ms(small['step_s']['eager'])}, "
+                                f"with {ms(small['graph_removes_s'])} of host time predicted saved: the replay "
+                                "removed less host time than its ops cost"))
     verdict = judge("decode of a small model is bound by per-op host overhead, a large model's by memory",
                     checks, lesson.load())
     verdict.notes.append(crossover(points) + f"; one op costs the host {large['host_per_op_s'] * 1e6:.1f} µs in a "
@@ -206,7 +224,7 @@ def main(argv=None) -> dict:
                              f"{ms(large['graph_removes_s'])} of its {ms(large['step_s']['static'])}")
     print_verdict(verdict)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     wb = [p["weight_bytes"] for p in points]
     styles = {"eager": "o-", "static": "s--", "graph": "^-", "twin": "x:"}
     for m in modes:
@@ -215,15 +233,16 @@ def main(argv=None) -> dict:
     hi = 2 * max(wb + [even or 0])
     grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
     axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
-    for p in points:
-        axes[0].annotate(p["name"], (p["weight_bytes"], p["step_s"]["eager"] * 1e3), textcoords="offset points",
-                         xytext=(4, 6), fontsize=8)
+    for p in points:  # names above the highest marker of each shape, clear of every marker
+        axes[0].annotate(p["name"], (p["weight_bytes"], max(p["step_s"].values()) * 1e3), textcoords="offset points",
+                         xytext=(0, 8), ha="center", va="bottom", fontsize=8,
+                         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
     if even is not None:
         axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
     top = max(p["step_s"][m] for p in points for m in modes) * 1e3
-    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title="step time against weight bytes",
+    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", title=f"step time against weight bytes (medians of {s['rounds']} rounds)",
                 ylim=(None, top * 6))
-    axes[0].legend(fontsize=8, loc="upper left")
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     xs = range(len(points))
     axes[1].bar(xs, [p["share_median"] for p in points], color="C0", label="overhead share (median)",
                 yerr=[[p["share_median"] - min(p["share"]) for p in points],
@@ -241,7 +260,7 @@ def main(argv=None) -> dict:
     axes[2].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="ATen ops dispatched per step",
                 title="ops per decode step")
     axes[2].legend(fontsize=8, loc="upper left")
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
     figures = {"context_len": s["context"], "rounds": s["rounds"], "bare_op_s": bare, "points": points,
                "crossover": crossover(points), "even_bytes": even, "host_time_equals_floor_of_bytes": at_floor}

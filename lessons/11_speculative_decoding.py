@@ -39,14 +39,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from common import make_parser, ms, plt, print_table, run, save_plot, start, ticks_at, write_results
-from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict
+from common import make_parser, ms, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
+from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 
+from minillm.cost import step_cost
 from minillm.kv_cache import KVCache, Segment, generate
 from minillm.steps import decode_step
 from minillm.model import GPT2, Conv1D
 from minillm.sampling import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
+from minillm.weights import load_model, locate
 
 NAME = "11_speculative_decoding"
 CONTEXT = 256                      # cached tokens before the measured passes
@@ -54,7 +56,7 @@ PREMISE_K, PREMISE_LINE = 5, 1.3   # a pass over 5 new tokens costs at most 1.3�
 FREE_LINE = 1.2                    # the verdict says up to which k a pass stays under 1.2× a step
 FIT = 0.15                         # measured speedup within ±15% of S
 LOOKUP_GAMMA, LOOKUP_LINE = 4, 1.5  # prompt lookup at γ = 4 (fixed beforehand) gives at least 1.5×
-PAYS = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (spread too wide)"}
+PAYS = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (its interval straddles 1×)"}
 SIZES = {"quick": dict(gammas=[LOOKUP_GAMMA], passage=16, quoted=10, max_tokens=10, repeats=2, cost_repeats=3, ks=[]),
          "full": dict(gammas=[1, 2, 4, 8], passage=64, quoted=24, max_tokens=24, repeats=3, cost_repeats=7, ks=[16])}
 
@@ -67,6 +69,37 @@ def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
     draft.h = torch.nn.ModuleList(target.h[:n_layer])
     draft.weights_source = f"the target's first {n_layer} of {target.config.n_layer} blocks"
     return draft.eval()
+
+
+CLASSIC_DRAFTS = {"gpt2": "distilgpt2", "gpt2-medium": "gpt2", "gpt2-large": "gpt2", "gpt2-xl": "gpt2"}
+
+
+def has_weights(name: str) -> bool:
+    """Whether `name` is a checkpoint whose weights are on disk (a preset folder holding safetensors)."""
+    try:
+        folder, preset = locate(name)
+    except ValueError:
+        return False
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+
+def choose_draft(target: GPT2, target_name: str, asked: str, device, dtype) -> tuple[GPT2, str]:
+    """The draft model and why: `asked` may name any checkpoint with the target's vocabulary; `auto` takes the
+    classic pair (distilgpt2 for gpt2, gpt2 for the larger ones) when its weights are present, else the shallow
+    draft; `shallow` always takes the target's first quarter of blocks."""
+    shallow = max(1, target.config.n_layer // 4)
+    if asked == "shallow" or (asked == "auto" and not has_weights(CLASSIC_DRAFTS.get(target_name, ""))):
+        why = "asked for (--draft shallow)" if asked == "shallow" else (
+            f"no weights for the classic draft {CLASSIC_DRAFTS[target_name]} of {target_name}"
+            if target_name in CLASSIC_DRAFTS else f"{target_name} has no classic draft")
+        return shallow_draft(target, shallow), f"the target's first {shallow} block{'s' * (shallow > 1)} ({why})"
+    name = CLASSIC_DRAFTS[target_name] if asked == "auto" else asked
+    draft = load_model(name, device, dtype)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SystemExit(f"--draft {name}: its vocabulary has {draft.config.vocab_size} tokens and the target's "
+                         f"{target.config.vocab_size}; a draft must propose the target's tokens: pick a checkpoint "
+                         "of the same tokenizer, or --draft shallow")
+    return draft, f"{name} ({draft.weights_source}{', the classic pair' if asked == 'auto' else ''})"
 
 
 def quoting_prompt(target: GPT2, passage: int, quoted: int, seed: int = 0) -> list[int]:
@@ -157,7 +190,7 @@ def make_checks(cost: dict, rows: list[dict]) -> list[Check]:
         (f"prompt-lookup speedup at γ = {LOOKUP_GAMMA}", lookup["speedups"], LOOKUP_LINE, ">=")]]
 
 
-def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
+def explain(cost: dict, rows: list[dict]) -> list[str]:
     """How far verification is free and why not further; the worst fit and its counts' and costs' S; each best γ."""
     v, pass_s, matmul_s = cost["ratio"], cost["seconds"]["pass"], cost["seconds"]["matmuls"]
     free = max(k for k in v if all(v[j] < FREE_LINE for j in v if j <= k))
@@ -175,51 +208,89 @@ def explain(cost: dict, rows: list[dict], share: float | None) -> list[str]:
                  f"pass at its measured cost, not 1) predict {w['modelled']:.2f}× ({off['modelled']})")
     for name in dict.fromkeys(r["draft"] for r in rows):
         b = max((r for r in rows if r["draft"] == name), key=lambda r: r["speedup"])
-        pays = PAYS[Check("speedup", b["speedups"], 1.0, ">=").outcome(share)]
+        pays = PAYS[Check("speedup", b["speedups"], 1.0, ">=").outcome()]
         notes.append(f"{name}: best γ = {b['gamma']}, {b['speedup']:.2f}× (α = {b['alpha']:.2f}, c = {b['c']:.3f}; "
                      f"{b['tokens_per_pass']:.2f} tokens per pass, the most it could give were verification and "
                      f"drafting free); speculation {pays} for this pair on this device")
     return notes
 
 
-def plot(lesson, cost: dict, rows: list[dict], gammas: list[int]) -> None:
+def plot(lesson, cost: dict, rows: list[dict], gammas: list[int], verdict) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.4))
     v, rounds, mm, ks = cost["ratio"], cost["rounds"], cost["matmul_ratio"], list(cost["ratio"])
     ax.errorbar(ks, list(v.values()), yerr=[[v[k] - min(rounds[k]) for k in ks], [max(rounds[k]) - v[k] for k in ks]],
                 capsize=3, fmt="o-", label="target pass, logits at all k (bars: range)")
     ax.plot(ks, list(mm.values()), "s--", label="its matrix products alone")
-    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9, label=f"claim: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
+    ax.axhline(PREMISE_LINE, color="C3", ls=":", lw=1)
+    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9,
+            label=f"the claim's line: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
     ax.set(xlabel="new tokens k in one pass", ylabel="time ÷ a one-token step", title=f"verification cost after "
-           f"{cost['context']} cached tokens", ylim=(0, max(PREMISE_LINE, *v.values(), *mm.values()) * 1.4))
-    for name, color in zip(dict.fromkeys(r["draft"] for r in rows), ("C0", "C1")):
-        mine = [r for r in rows if r["draft"] == name]
-        gs = [r["gamma"] for r in mine]
-        bx.errorbar(gs, [r["speedup"] for r in mine], capsize=3, fmt="o-", color=color,
-                    label=f"{name}, α = {statistics.median(r['alpha'] for r in mine):.2f}: measured (bars: range)",
-                    yerr=[[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]])
-        bx.plot(gs, [r["predicted"] for r in mine], "x--", color=color, ms=9, label=f"{name}: S (measured α, c)")
-        bx.plot(gs, [r["modelled"] for r in mine], "s:", color=color, mfc="none", label=f"{name}: its counts and costs")
+           f"{cost['context']} cached tokens\n(medians of {len(rounds[ks[0]])} rounds)", ylim=(0, max(PREMISE_LINE, *v.values(), *mm.values()) * 1.4))
+    names = list(dict.fromkeys(r["draft"] for r in rows))
+    if len(gammas) > 1:  # a sweep: measured, and the two predictions beside it (offset so no marker hides another)
+        for name, color in zip(names, ("C0", "C1")):
+            mine = [r for r in rows if r["draft"] == name]
+            gs = [r["gamma"] for r in mine]
+            bx.errorbar(gs, [r["speedup"] for r in mine], capsize=3, fmt="o-", color=color,
+                        label=f"{name}, α = {statistics.median(r['alpha'] for r in mine):.2f}: measured (bars: range)",
+                        yerr=[[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]])
+            bx.plot([g * 1.06 for g in gs], [r["predicted"] for r in mine], "x--", color=color, ms=9,
+                    label=f"{name}: S (measured α, c)")
+            bx.plot([g / 1.06 for g in gs], [r["modelled"] for r in mine], "s:", color=color, mfc="none",
+                    label=f"{name}: its counts and costs")
+        bx.set_xscale("log", base=2)
+        ticks_at(bx, gammas)
+        bx.set(xlabel="γ, guesses per round", title=f"speedup vs γ: measured (medians of {len(rows[0]['speedups'])} "
+               "rounds) and predicted")
+    else:  # one γ: bars, not a one-point sweep
+        width = 0.27
+        for j, (key, label) in enumerate((("speedup", "measured (median; bars: range)"),
+                                          ("predicted", "S (measured α, c)"), ("modelled", "its counts and costs"))):
+            mine = [next(r for r in rows if r["draft"] == n) for n in names]
+            err = ([[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]]
+                   if key == "speedup" else None)
+            bx.bar([i + (j - 1) * width for i in range(len(names))], [r[key] for r in mine], width, yerr=err,
+                   capsize=3, label=label, color=f"C{j}")
+        bx.set_xticks(range(len(names)), [f"{n}\nα = {next(r for r in rows if r['draft'] == n)['alpha']:.2f}"
+                                          for n in names])
+        bx.set(title=f"speedup at γ = {gammas[0]}: measured (medians of {len(rows[0]['speedups'])} rounds) "
+                     "and predicted")
     bx.axhline(1, color="black", lw=0.6)
-    bx.set(xlabel="γ, guesses per round", ylabel="speedup over the target alone (decode phase)", title="speedup vs "
-           "γ: measured and predicted", ylim=(0, max(max(r["high"], r["predicted"]) for r in rows) * 1.1))
-    for a, ticks in ((ax, ks), (bx, gammas)):
-        ticks_at(a, ticks)
+    bx.axhline(LOOKUP_LINE, color="C3", ls=":", lw=1, label=f"the claim's line for prompt lookup: ≥ {LOOKUP_LINE}×")
+    bx.set(ylabel="speedup over the target alone (decode phase)",
+           ylim=(0, max(LOOKUP_LINE, *(max(r["high"], r["predicted"], r["modelled"]) for r in rows)) * 1.15))
+    ticks_at(ax, ks)
+    for a in (ax, bx):
         a.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    save_plot(lesson, fig)
+    save_plot(lesson, fig, verdict)
 
 
 def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
+    parser = make_parser(__doc__)
+    parser.add_argument("--draft", default="auto",
+                        help="the draft: auto (the classic pair when its weights are present: distilgpt2 for gpt2, "
+                             "gpt2 for the larger; else shallow), shallow (the target's first blocks), or any "
+                             "checkpoint with the target's vocabulary")
+    args = parser.parse_args(argv)
     lesson = start(NAME, args, ceilings=False)
     target, cfg, s = lesson.model, lesson.config, SIZES["quick" if args.quick else "full"]
-    draft = shallow_draft(target, max(1, cfg.n_layer // 4))
+    draft, draft_why = choose_draft(target, args.model, args.draft, lesson.device, lesson.dtype)
+    print(f"draft: {draft_why}")
     prompt = quoting_prompt(target, s["passage"], s["quoted"])
     sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)
     alpha_sampled = timed(target, draft, prompt, sampled, LOOKUP_GAMMA)().stats.alpha   # the exercise's rule, first
     ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
     context = min(CONTEXT, cfg.n_ctx - max(ks))
+    one, five = (step_cost(cfg, [k], [context], lesson.dtype, lm_head_rows=k) for k in (1, PREMISE_K))
+    predict(lesson, f"a pass over {PREMISE_K} new tokens after {context} cached reads the same "
+            f"{si(one.weight_bytes, 'B')} of weights as a one-token step and does {five.flops / one.flops:.1f}× its "
+            f"FLOPs, at {five.intensity:.1f} FLOP/B: below the device's ridge (lesson 01) it should cost about one "
+            f"step (the line: {PREMISE_LINE}×), and speculation then pays about its tokens per pass, "
+            f"(1 − α^(γ+1)) / (1 − α), less the draft's cost")
+    premise = lambda r: Check("premise", summarise_costs(r, ks)["rounds"][PREMISE_K], PREMISE_LINE,  # noqa: E731
+                              "<=").outcome() != INCONCLUSIVE
     costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
-                       desc="verification cost, in turns")
+                       desc="verification cost, in turns", until=premise)
     cost = {**summarise_costs(costs, ks), "context": context}
     v, c = cost["ratio"], cost["c"]
 
@@ -227,30 +298,40 @@ def main(argv=None) -> dict:
     drafts = {"model draft": draft, "prompt lookup": NgramProposer()}
     fns = {"target alone": timed(target, None, prompt, greedy),
            **{f"{n} γ={g}": timed(target, d, prompt, greedy, g) for n, d in drafts.items() for g in s["gammas"]}}
+    def rows_of(r) -> list[dict]:
+        return [sweep_row(n, g, r.results("target alone"), r.results(f"{n} γ={g}"), c[n], v)
+                for n in drafts for g in s["gammas"]]
+
     rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device,   # the runs above warmed the model up
-                        desc="speculation sweep, in turns")
+                        desc="speculation sweep, in turns", until=settled(lambda r: make_checks(cost, rows_of(r))))
     base = rounds.results("target alone")
     per_token = ms(statistics.median(b.decode_s / b.decode_tokens for b in base))
-    rows = [sweep_row(n, g, base, rounds.results(f"{n} γ={g}"), c[n], v) for n in drafts for g in s["gammas"]]
+    rows = rows_of(rounds)
     print_table(["draft", "γ", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S", "counts, costs"],
                 [[r["draft"], r["gamma"], f"{r['alpha']:.2f}", f"{r['tokens_per_pass']:.2f}",
                   f"{r['formula_tokens_per_pass']:.2f}", f"{r['guesses_per_pass']:.2f}", f"{r['speedup']:.2f}×",
                   f"{r['low']:.2f}–{r['high']:.2f}", f"{r['predicted']:.2f}×", f"{r['modelled']:.2f}×"] for r in rows],
                 f"greedy, a {len(prompt)}-token prompt that repeats itself, {s['max_tokens']} new tokens, "
-                f"{s['repeats']} rounds; the target alone: {per_token} per token")
+                f"{rounds.count} rounds; the target alone: {per_token} per token")
 
     load = lesson.load()
+    checks = make_checks(cost, rows)
+    notes = explain(cost, rows)
+    lookup_note = next(n for n in notes if n.startswith("prompt lookup:"))
+    for check, why in zip(checks, [notes[0], notes[1], notes[1], lookup_note]):
+        check.why = why
     verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), "
                     f"so the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
-                    f"repeats itself gives ≥ {LOOKUP_LINE}×", make_checks(cost, rows), load)
-    verdict.notes += explain(cost, rows, load.share) + [
+                    f"repeats itself gives ≥ {LOOKUP_LINE}×", checks, load, [costs, rounds])
+    told = {c.why for c in checks if c.outcome() == "NOT SUPPORTED"}  # printed as the why of their check
+    verdict.notes += [n for n in notes if n not in told] + [
         f"α was measured on {target.weights_source} weights (draft: {draft.weights_source}) and says nothing about a "
         f"real checkpoint's α; the cost curve holds for any weights. Sampled (temperature 1, Leviathan's rule, "
         f"γ = {LOOKUP_GAMMA}), the model draft's α is {alpha_sampled:.2f}"]
     print_verdict(verdict)
-    plot(lesson, cost, rows, s["gammas"])
-    figures = {"verification": cost, "draft": draft.weights_source, "prompt_len": len(prompt),
-               "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled}
+    plot(lesson, cost, rows, s["gammas"], verdict)
+    figures = {"verification": cost, "draft": draft.weights_source, "draft_choice": draft_why, "prompt_len": len(prompt),
+               "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled, "fit_tolerance": FIT}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

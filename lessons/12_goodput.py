@@ -70,7 +70,8 @@ from measure import Check, judge, print_verdict
 
 import numpy as np
 
-from minillm.bench_serve import BenchRequest, arrivals, benchmark, summarize, workload
+from minillm.bench_serve import benchmark, summarize
+from minillm.serve_workloads import BenchRequest, arrivals, workload
 from minillm.weights import resolve_device
 
 NAME = "12_goodput"

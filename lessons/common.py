@@ -2,11 +2,15 @@
 
 Every lesson runs the same way:
 
-    python lessons/NN_name.py [--model gpt2] [--device auto] [--dtype auto] [--quick] [--out lessons/results]
+    python lessons/NN_name.py [--model gpt2] [--device auto] [--dtype auto] [--quick] [--threads N]
+                              [--out lessons/results]
 
 and leaves two files in `--out`: `NN_name.json` (the environment, the machine's
-load, every figure the lesson printed and its verdict) and `NN_name.png` (its
-plot). `--quick` picks sizes that finish in seconds on a CPU and still judge
+load, the thread count and why, every figure the lesson printed and its
+verdict) and `NN_name.png` (its plot, the verdict in its title). Torch gets
+one thread per core that is free when the lesson starts (`minillm/threads.py`):
+two threads that share one free core wait for each other at every barrier.
+`--quick` picks sizes that finish in seconds on a CPU and still judge
 the claim. The sibling modules hold the rest of the shared code: `measure.py`
 (timing in turns, the machine's load, checks and the verdict) and
 `workloads.py` (request traces and replaying them through the engine).
@@ -21,11 +25,10 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,16 +42,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
-from measure import MachineLoad, Verdict, read_load  # noqa: E402
+from measure import LABELS, MachineLoad, Verdict, read_load  # noqa: E402
+from minillm.classroom.regions import stub_of  # noqa: E402  (the one stub detector)
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
 from minillm.cli_flags import add_model_arguments  # noqa: E402
 from minillm.roofline import Ceilings, measure_ceilings  # noqa: E402
 from minillm.timing import environment, si  # noqa: E402
+from minillm.threads import ThreadChoice, apply_threads, choose_threads  # noqa: E402
 from minillm.weights import load_model, locate, random_model, resolve_device, resolve_dtype  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
 STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written
-STUB = re.compile(r"exercise (?P<id>[a-z0-9][a-z0-9-]*) \(lesson ")
 
 
 def make_parser(doc: str) -> argparse.ArgumentParser:
@@ -56,6 +60,8 @@ def make_parser(doc: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, weights_dir=False)
     parser.add_argument("--quick", action="store_true", help="small sizes that finish in seconds on a CPU")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: the cores free when the lesson starts; see minillm/threads.py)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
     return parser
 
@@ -71,6 +77,9 @@ class Lesson:
     ceilings: Ceilings | None
     out: Path
     started: object  # measure.LoadReading at the start
+    threads: ThreadChoice | None = None
+    predictions: list[str] = field(default_factory=list)  # what the lesson predicted before it measured
+    plot_titles: list[str] = field(default_factory=list)  # the saved plot's titles, as drawn
 
     @property
     def config(self):
@@ -94,6 +103,7 @@ def quiet_load_model(name: str, device, dtype):
 
 def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     """Resolve device and dtype, load the model, read the machine's load, and measure the device's ceilings."""
+    threads = apply_threads(choose_threads(getattr(args, "threads", None)))  # before our own work loads the CPU
     started = read_load()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -101,9 +111,10 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     ceil = measure_ceilings(device, dtype, quick=args.quick) if ceilings else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lesson = Lesson(name, args, model, device, dtype, ceil, out, started)
+    lesson = Lesson(name, args, model, device, dtype, ceil, out, started, threads)
     print(f"== {name} ==  model {args.model} ({model.weights_source}), {device}, {str(dtype).removeprefix('torch.')}"
           f"{', quick' if args.quick else ''}")
+    print(f"threads: {threads.reason}")
     if ceil is not None:
         line = (f"measured ceilings: matmul {si(ceil.matmul_flops, 'FLOP/s')}, copy bandwidth "
                 f"{si(ceil.bandwidth, 'B/s')}, ridge {ceil.ridge:.1f} FLOP/B")
@@ -125,6 +136,26 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def predict(lesson: Lesson, *lines: str) -> None:
+    """Print what the lesson expects, before it measures (from the ceilings and the cost model), and keep it."""
+    for line in lines:
+        print(f"prediction: {line}")
+        lesson.predictions.append(line)
+    print()
+
+
+def pct(share: float) -> str:
+    """A share of a ceiling for tables; above 100% it is flagged (*), never shown as if it were a share."""
+    return f"{share:.0%}" if share <= 1 else f"{share:.0%}*"
+
+
+def print_over_100_note(rows: list[list]) -> None:
+    """Explain the flag of `pct` once under a table that shows one."""
+    if any(isinstance(c, str) and c.endswith("%*") for r in rows for c in r):
+        print("* above 100%: the step ran faster than the ceiling kernel timed in its round, so that kernel is not "
+              "this step's limit (a step small enough for the caches beats a copy of RAM)\n")
 
 
 def ms(seconds: float) -> str:
@@ -178,9 +209,12 @@ def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
         "model": lesson.args.model,
         "weights_source": lesson.model.weights_source,
         "environment": environment(lesson.device, lesson.dtype),
+        "threads": lesson.threads.as_dict() if lesson.threads else None,
+        "predictions": lesson.predictions,
         "ceilings": lesson.ceilings.as_dict() if lesson.ceilings else None,
         "figures": figures,
         "verdict": verdict.as_dict(),
+        "plot_titles": lesson.plot_titles,
         "wall_s": time.perf_counter() - lesson.started.wall,
     }
     path = lesson.out / f"{lesson.name}.json"
@@ -189,7 +223,20 @@ def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
     return path
 
 
-def save_plot(lesson: Lesson, fig) -> Path:
+def verdict_title(verdict: Verdict) -> str:
+    """The figure's title: the verdict and the claim (each judged number is on the plot's own panels)."""
+    return f"{LABELS[verdict.outcome]}: {verdict.claim}"
+
+
+def save_plot(lesson: Lesson, fig, verdict: Verdict | None = None) -> Path:
+    """Save the figure with the verdict as its title; every panel title is kept for the results file
+    (so that a test can check each number in them against the figures)."""
+    if verdict is not None:
+        import textwrap
+        fig.suptitle("\n".join(textwrap.wrap(verdict_title(verdict), 150)), fontsize=11,
+                     color={"HOLDS": "darkgreen", "NOT SUPPORTED": "firebrick"}.get(verdict.outcome, "black"))
+    lesson.plot_titles = [t for t in ([fig._suptitle.get_text()] if fig._suptitle else [])
+                          + [ax.get_title() for ax in fig.axes] if t]
     path = lesson.out / f"{lesson.name}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,20 +265,36 @@ def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], l
         ax.loglog(intensity, flops, marker, label=label)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("achieved FLOP/s")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
 
 
-def stub_of(exc: BaseException) -> str | None:
-    """The exercise id when `exc` (or what caused it) is an exercise stub's NotImplementedError."""
-    for _ in range(10):
-        if exc is None:
-            return None
-        if isinstance(exc, NotImplementedError) and exc.args and isinstance(exc.args[0], str):
-            m = STUB.search(exc.args[0])
-            if m:
-                return m["id"]
-        exc = exc.__cause__ or exc.__context__
-    return None
+def plot_checks(ax, verdict: Verdict) -> None:
+    """Every check of the verdict on one axis: its rounds (dots), the median (bar) and its interval, each divided
+    by the claim's line, so that the line is 1 for all of them; the side the claim wants is shaded."""
+    checks = [c for c in verdict.checks if c.line > 0]  # a count against 0 (tokens differing) has no ratio
+    colors = {"HOLDS": "darkgreen", "NOT SUPPORTED": "firebrick", "INCONCLUSIVE": "darkorange"}
+    for i, c in enumerate(checks):
+        scale = c.line
+        vals = [v / scale for v in c.values]
+        lo, hi = (x / scale for x in c.interval())
+        color = colors[c.outcome()]
+        ax.plot([i] * len(vals), vals, ".", color="grey", alpha=0.7, label="one round" if i == 0 else None)
+        ax.errorbar([i], [c.median / scale], yerr=[[c.median / scale - lo], [hi - c.median / scale]], fmt="_",
+                    markersize=18, capsize=6, color=color, label="median, interval" if i == 0 else None)
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="the claim's line")
+    ax.set_xticks(range(len(checks)), [textwrap_fill(c.name, 22) for c in checks], fontsize=7)
+    ax.set_xlim(-0.6, len(checks) - 0.4)
+    ax.set_ylabel("value ÷ the claim's line")
+    ax.set_title("the checks: rounds, median, interval\n(≥ checks hold above 1, ≤ checks below)", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    ys = [v / c.line for c in checks for v in c.values] + [1.0]
+    if min(ys) > 0 and max(ys) / min(ys) > 20:
+        ax.set_yscale("log")
+
+
+def textwrap_fill(text: str, width: int) -> str:
+    import textwrap
+    return "\n".join(textwrap.wrap(text, width)[:4])
 
 
 def run(main) -> None:
@@ -245,11 +308,11 @@ def run(main) -> None:
         frame = traceback.extract_tb(e.__traceback__)[-1]
         path = Path(frame.filename).resolve()
         where = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-        print(f"stopped: this lesson needs exercise {exercise}, still to be written in {where}:{frame.lineno} "
-              f"({frame.name}); write it, then run `python -m minillm.exercises check {exercise}`",
+        print(f"stopped: this lesson needs exercise {exercise}, still to be written at {where}:{frame.lineno}, "
+              f"in {frame.name}; write it, then run `python -m minillm.classroom check {exercise}`",
               file=sys.stderr)
         sys.exit(STUB_EXIT)
 
 
-__all__ = ["make_parser", "start", "Lesson", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
+__all__ = ["make_parser", "start", "Lesson", "predict", "plot_checks", "pct", "print_over_100_note", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
            "plot_roofline", "run", "one_thread", "plt", "DEFAULT_OUT", "REPO_ROOT", "STUB_EXIT"]

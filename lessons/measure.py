@@ -1,16 +1,15 @@
-"""Measuring on a shared machine, and a verdict that says when it cannot tell.
+"""Measuring on a shared machine, and a verdict from the uncertainty the run itself measured.
 
 A lesson compares configurations (naive against cached, paged against
 contiguous, chunked against not) by timing them. On a machine that other
 processes share, one timing means little: a burst of load slows whichever
-configuration it lands on, and a verdict built on it can flip from run to run.
-So every lesson measures and judges the same way:
+configuration it lands on. So every lesson measures and judges the same way:
 
     before = read_load()
-    rounds = interleave({"naive": f, "cached": g}, repeats=3)    # f g | g f | f g: drift hits both alike
-    speedup = rounds.ratio("naive", "cached")                    # one value per round
-    checks = [Check("naive time / cached time", speedup, line=1.0, holds_if=">=")]
-    verdict = judge("the KV cache makes decoding faster", checks, MachineLoad.between(before, read_load()))
+    checks = lambda r: [Check("naive time / cached time", r.ratio("naive", "cached"), line=1.0, holds_if=">=",
+                              why=...)]                                 # one value per round
+    rounds = interleave({"naive": f, "cached": g}, repeats=3, until=settled(checks))   # f g | g f | f g ...
+    verdict = judge("the KV cache makes decoding faster", checks(rounds), MachineLoad.between(before, read_load()))
     print_verdict(verdict)
 
 The API
@@ -19,34 +18,41 @@ The API
     MachineLoad.between(before, after)        the load over a window, and `share`: the fraction of the
                                               machine's CPU time other processes took in it (/proc/stat
                                               on Linux; elsewhere estimated from the load average)
-    interleave(fns, repeats, ...) -> Rounds   call every function once per round, in turns, order reversed
-                                              every other round; times (and return values) per round
+    interleave(fns, repeats, until=...)       call every function once per round, in turns, order reversed
+                                              every other round; while `until(rounds)` is false, add rounds,
+                                              up to a cap that is printed; times (and return values) per round
     Rounds.times / median / ratio / results   what each round measured
-    Check(name, values, line, holds_if)       one measured quantity (a value per repeat) against the claim's line
+    Check(name, values, line, holds_if, why)  one measured quantity (a value per round) against the claim's line;
+                                              `why` explains, from the run's numbers, a value on the wrong side
+    median_interval(values)                   the order-statistic interval of the median, and its coverage
+    settled(make_checks)                      the `until` that stops adding rounds once every check is decided
     judge(claim, checks, load) -> Verdict     exactly one verdict per lesson: HOLDS, NOT SUPPORTED or INCONCLUSIVE
-    print_verdict(verdict)                    the verdict, every check with its spread, and the machine's load
+    print_verdict(verdict)                    the verdict, every check with its interval, and the machine's load
 
 How a check is judged
 ---------------------
-A timed check's spread is the range of its values over the repeats. The range
-cannot show a load that slowed every repeat alike, so on a busy machine it is
-widened by the share s of the CPU that other processes took meanwhile. Losing
-that share stretches a time by 1/(1 − s), and a parallel kernel loses about as
-much again, since its threads wait at every barrier for the one that was
-descheduled (two busy processes on 2 cores, s ≈ 0.5, slowed gpt2's decode step
-8× and its prefill 3× on the machine these lessons were written on). So the
-spread becomes lo·(1 − s)² .. hi/(1 − s)²: nothing on a quiet machine (s of a
-few percent), and only a large effect survives a busy one.
+A timed check is one value per round, each taken inside its round: a ratio of
+two configurations timed in turns (the load of that moment hits both sides),
+or a rate divided by a ceiling kernel timed in the same round. Its interval is
+the order-statistic interval of the median: sorted values x(1) ≤ … ≤ x(n), the
+interval x(k) .. x(n+1−k) holds the median with probability
+1 − 2·P(Binomial(n, ½) < k), whatever the distribution. k is the largest that
+keeps that at 90% or more (for n ≤ 4 no k does, and the interval is the whole
+range: 50%, 75%, 88% for 2, 3, 4 rounds; the coverage is printed). Nothing else
+widens it: the load is read and printed, and it decides nothing but how long
+the rounds take. When the interval straddles the line, `interleave` adds rounds
+(a busy machine scatters the rounds, so it needs more of them) until the
+interval clears the line or the cap is reached: the cap is printed.
 
-    HOLDS           the whole spread lies on the claim's side of the line
-    NOT SUPPORTED   the whole spread lies on the other side: the data contradicts the claim
-    INCONCLUSIVE    the line falls inside the spread: the spread is wider than the effect
-                    (|median − line|), so this run cannot tell; rerun on a quiet machine
+    HOLDS           the whole interval lies on the claim's side of the line
+    NOT SUPPORTED   the whole interval lies on the other side: the data contradicts the claim,
+                    and the check's `why` says what the run's numbers show about the cause
+    INCONCLUSIVE    the line falls inside the interval, even after the added rounds; the message
+                    names the check, its interval and the line
 
 A counted check (tokens, bytes: nothing timed) has no spread and is never
 inconclusive. The lesson's verdict is NOT SUPPORTED if any check is, else
-INCONCLUSIVE if any check is, else HOLDS: never a confident verdict that the
-spread does not support.
+INCONCLUSIVE if any check is, else HOLDS.
 """
 from __future__ import annotations
 
@@ -136,10 +142,17 @@ def progress(total: int, desc: str | None, unit: str) -> tqdm:
 
 @dataclass
 class Rounds:
-    """What `interleave` measured: for each name, one time (and one return value) per round."""
+    """What `interleave` measured: for each name, one time (and one return value) per round.
+
+    `base` rounds were asked for; `added` more were run because the checks were not yet decided, under a cap
+    of `cap_rounds` rounds in all or `cap_s` seconds of added rounds, whichever came first."""
     names: list[str]
     seconds: dict[str, list[float]]
     returned: dict[str, list]
+    base: int = 0
+    added: int = 0
+    cap_rounds: int = 0
+    cap_s: float = 0.0
 
     def times(self, name: str) -> list[float]:
         return self.seconds[name]
@@ -154,11 +167,33 @@ class Rounds:
     def results(self, name: str) -> list:
         return self.returned[name]
 
+    @property
+    def count(self) -> int:
+        return len(next(iter(self.seconds.values()), []))
+
+    def describe(self) -> str:
+        """How many rounds ran and the cap on adding more."""
+        text = f"{self.count} round{'s' * (self.count != 1)}"
+        if self.cap_rounds > self.base:
+            text += (f" ({self.base} + {self.added} added until decided; cap {self.cap_rounds} rounds or "
+                     f"{self.cap_s:.2g} s of added rounds)")
+        return text
+
+
+ADDED_TIME = 1.0  # added rounds may take at most this many times what the asked-for rounds took
+ADDED_ROUNDS = 2  # and bring the rounds to at most this many times those asked for (+1, so 2 → 5)
+
 
 def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-               device: torch.device | str = "cpu", desc: str | None = None) -> Rounds:
+               device: torch.device | str = "cpu", desc: str | None = None,
+               until: Callable[[Rounds], bool] | None = None, max_repeats: int | None = None,
+               cap_s: float | None = None) -> Rounds:
     """Call every function `warmup` times untimed, then once per round for `repeats` rounds, in turns:
-    a b c | c b a | a b c ..., so slow drift in the machine's load hits every configuration alike."""
+    a b c | c b a | a b c ..., so slow drift in the machine's load hits every configuration alike.
+
+    With `until`, keep adding rounds while `until(rounds)` is false, up to `max_repeats` rounds in all (default
+    ADDED_ROUNDS·repeats + 1) or `cap_s` seconds of added rounds (default ADDED_TIME × the asked-for rounds' time):
+    a busy machine scatters the rounds, and more of them narrow the interval of their median again."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     names = list(fns)
@@ -167,30 +202,65 @@ def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int =
         for _ in range(warmup):
             fns[name]()
             bar.update()
-    seconds: dict[str, list[float]] = {n: [] for n in names}
-    returned: dict[str, list] = {n: [] for n in names}
-    for r in range(repeats):
+    rounds = Rounds(names, {n: [] for n in names}, {n: [] for n in names}, base=repeats)
+
+    def one_round(r: int) -> None:
         for name in names if r % 2 == 0 else names[::-1]:
             synchronize(device)
             t0 = time.perf_counter()
             out = fns[name]()
             synchronize(device)
-            seconds[name].append(time.perf_counter() - t0)
-            returned[name].append(out)
+            rounds.seconds[name].append(time.perf_counter() - t0)
+            rounds.returned[name].append(out)
             bar.update()
+
+    t0 = time.perf_counter()
+    for r in range(repeats):
+        one_round(r)
+    if until is not None:
+        base_s = time.perf_counter() - t0
+        rounds.cap_rounds = max_repeats if max_repeats is not None else ADDED_ROUNDS * repeats + 1
+        rounds.cap_s = cap_s if cap_s is not None else ADDED_TIME * base_s
+        t1 = time.perf_counter()
+        while (rounds.count < rounds.cap_rounds and time.perf_counter() - t1 < rounds.cap_s
+               and not until(rounds)):
+            bar.total += len(names)
+            one_round(rounds.count)
+            rounds.added += 1
     bar.close()
-    return Rounds(names, seconds, returned)
+    return rounds
 
 
 # ---- checks and the verdict ---------------------------------------------------------------
+
+CONFIDENCE = 0.9  # the interval of a timed check holds the median of its rounds at least this often (n ≥ 5)
+
+
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(lo, hi, coverage): the order-statistic interval x(k) .. x(n+1−k) of the median with the largest k whose
+    coverage 1 − 2·P(Binomial(n, ½) < k) is at least `confidence`; the whole range (k = 1) when none is."""
+    xs, n = sorted(values), len(values)
+    if n == 0:
+        raise ValueError("an interval needs at least one value")
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return xs[k - 1], xs[n - k], max(0.0, coverage(k))
 
 
 @dataclass
 class Check:
     """One measured quantity against the line a claim draws.
 
-    values: one per repeat (a counted quantity: one value); holds_if: ">=" or "<=";
-    timed: False for counts (tokens, bytes), which have no spread; fmt formats a value.
+    values: one per round (a counted quantity: one value); holds_if: ">=" or "<=";
+    timed: False for counts (tokens, bytes), which have no spread; fmt formats a value;
+    why: what the run's own numbers say about a value on the wrong side of the line (printed when the
+    check is NOT SUPPORTED; every lesson gives one for every check);
+    of_ceiling: the values are shares of a ceiling, so one above 1 is flagged (*), never shown as a share.
     """
     name: str
     values: list[float]
@@ -198,6 +268,8 @@ class Check:
     holds_if: str
     timed: bool = True
     fmt: str = "{:.3g}"
+    why: str = ""
+    of_ceiling: bool = False
 
     def __post_init__(self):
         if self.holds_if not in (">=", "<="):
@@ -213,34 +285,56 @@ class Check:
     def median(self) -> float:
         return statistics.median(self.values)
 
-    def spread(self, share: float | None = 0.0) -> tuple[float, float]:
-        """The range of the values, widened by the load: lo·(1 − s)² .. hi/(1 − s)²; a count has none."""
-        lo, hi = min(self.values), max(self.values)
+    def interval(self) -> tuple[float, float]:
+        """The order-statistic interval of the median (see `median_interval`); a count is its own interval."""
         if not self.timed:
-            return lo, hi
-        stretch = (1 - min(share or 0.0, 0.95)) ** 2
-        return lo * stretch, hi / stretch
+            return min(self.values), max(self.values)
+        lo, hi, _ = median_interval(self.values)
+        return lo, hi
+
+    @property
+    def coverage(self) -> float:
+        return median_interval(self.values)[2] if self.timed else 1.0
 
     def _holds(self, x: float) -> bool:
         return x >= self.line if self.holds_if == ">=" else x <= self.line
 
-    def outcome(self, share: float | None = 0.0) -> str:
-        lo, hi = self.spread(share)
+    def spread(self, share: float | None = None) -> tuple[float, float]:
+        """The former name of `interval`, kept for lessons written against it; the load no longer widens it."""
+        return self.interval()
+
+    def outcome(self, share: float | None = None) -> str:
+        """HOLDS, NOT SUPPORTED or INCONCLUSIVE from the interval (`share`, the load, is accepted and ignored)."""
+        lo, hi = self.interval()
         if self._holds(lo) and self._holds(hi):
             return HOLDS
         if not self._holds(lo) and not self._holds(hi):
             return NOT_SUPPORTED
         return INCONCLUSIVE
 
-    def describe(self, share: float | None = 0.0) -> str:
-        f = self.fmt.format
-        text = f"{self.name} {self.holds_if.replace('>=', '≥').replace('<=', '≤')} {f(self.line)}: {f(self.median)}"
+    def _f(self, x: float) -> str:
+        return self.fmt.format(x) + ("*" if self.of_ceiling and x > 1 else "")
+
+    def relation(self) -> str:
+        return f"{self.holds_if.replace('>=', '≥').replace('<=', '≤')} {self.fmt.format(self.line)}"
+
+    def interval_text(self) -> str:
+        f, (lo, hi), n = self._f, self.interval(), len(self.values)
+        return f"{f(lo)}–{f(hi)}: the {self.coverage:.0%} interval of the median of {n} round{'s' * (n != 1)}"
+
+    def describe(self, share: float | None = None) -> str:
+        text = f"{self.name} {self.relation()}: {self._f(self.median)}"
         if self.timed:
-            lo, hi = min(self.values), max(self.values)
-            text += f" ({f(lo)}–{f(hi)} over {len(self.values)} repeat{'s' * (len(self.values) > 1)}"
-            wlo, whi = self.spread(share)
-            text += f"; {f(wlo)}–{f(whi)} allowing for the load)" if share else ")"
-        return text + f" → {self.outcome(share)}"
+            text += f" ({self.interval_text()})"
+        text += f" → {self.outcome()}"
+        if self.of_ceiling and max(self.values) > 1:
+            text += " (* over 100%: faster than the ceiling kernel of its round, which is then not its limit)"
+        return text
+
+
+def settled(make_checks: Callable[[Rounds], list[Check]]) -> Callable[[Rounds], bool]:
+    """An `until` for `interleave`: true once every check built from the rounds so far is decided."""
+    return lambda rounds: all(c.outcome() != INCONCLUSIVE for c in make_checks(rounds))
 
 
 @dataclass
@@ -250,41 +344,52 @@ class Verdict:
     checks: list[Check]
     load: MachineLoad
     notes: list[str] = field(default_factory=list)  # the lesson's reading of the numbers, after the checks
+    rounds: list[Rounds] = field(default_factory=list)  # the timed rounds the checks came from (for their caps)
 
     @property
     def holds(self) -> bool:
         return self.outcome == HOLDS
 
+    def explanations(self) -> list[str]:
+        """One line per NOT SUPPORTED check: its `why`, computed by the lesson from the run's numbers."""
+        return [f"why ({c.name}): {c.why or 'this lesson gives no explanation for this check'}"
+                for c in self.checks if c.outcome() == NOT_SUPPORTED]
+
     def lines(self) -> list[str]:
-        lines = [c.describe(self.load.share) for c in self.checks] + self.notes
-        if self.outcome == INCONCLUSIVE:
-            unclear = [c.name for c in self.checks if c.outcome(self.load.share) == INCONCLUSIVE]
-            lines.append(f"the spread between repeats is wider than the effect for: {', '.join(unclear)}; "
-                         f"{self.load.describe()}. Rerun on a quiet machine (close other programs) "
-                         "for a verdict")
-        else:
-            lines.append(self.load.describe())
+        lines = [c.describe() for c in self.checks] + self.explanations() + self.notes
+        for c in self.checks:
+            if c.outcome() == INCONCLUSIVE:
+                mine = [r for r in self.rounds if r.count == len(c.values)]  # the rounds this check came from
+                ran = mine[0].describe() if mine else f"{len(c.values)} rounds"
+                lo, hi = c.interval()
+                lines.append(f"INCONCLUSIVE on “{c.name}”: its interval {c._f(lo)}–{c._f(hi)} "
+                             f"({c.coverage:.0%} interval of the median) straddles the line {c.relation()} after "
+                             f"{ran}; rerun, ideally on a quieter machine, for a verdict")
+        lines.append(self.load.describe())
         return lines
 
     def as_dict(self) -> dict:
-        share = self.load.share
         return {"claim": self.claim, "outcome": self.outcome, "holds": self.holds, "reasons": self.lines(),
                 "load": vars(self.load),
+                "rounds": [{"count": r.count, "base": r.base, "added": r.added, "cap_rounds": r.cap_rounds,
+                            "cap_s": r.cap_s} for r in self.rounds],
                 "checks": [{"name": c.name, "values": c.values, "median": c.median, "line": c.line,
-                            "holds_if": c.holds_if, "timed": c.timed, "spread": list(c.spread(share)),
-                            "outcome": c.outcome(share)} for c in self.checks]}
+                            "holds_if": c.holds_if, "timed": c.timed, "interval": list(c.interval()),
+                            "coverage": c.coverage, "outcome": c.outcome(), "why": c.why} for c in self.checks]}
 
 
-def judge(claim: str, checks: list[Check], load: MachineLoad) -> Verdict:
+def judge(claim: str, checks: list[Check], load: MachineLoad, rounds: list[Rounds] | None = None) -> Verdict:
     """The lesson's one verdict: NOT SUPPORTED if any check is, else INCONCLUSIVE if any is, else HOLDS."""
     if not checks:
         raise ValueError("a verdict needs at least one check")
-    outcomes = {c.outcome(load.share) for c in checks}
+    outcomes = {c.outcome() for c in checks}
     outcome = NOT_SUPPORTED if NOT_SUPPORTED in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else HOLDS
-    return Verdict(claim, outcome, checks, load)
+    return Verdict(claim, outcome, checks, load, rounds=list(rounds or []))
+
+
+LABELS = {HOLDS: "CLAIM HOLDS", NOT_SUPPORTED: "CLAIM NOT SUPPORTED BY THIS RUN",
+          INCONCLUSIVE: "INCONCLUSIVE: this run cannot tell"}
 
 
 def print_verdict(verdict: Verdict) -> None:
-    label = {HOLDS: "CLAIM HOLDS", NOT_SUPPORTED: "CLAIM NOT SUPPORTED BY THIS RUN",
-             INCONCLUSIVE: "INCONCLUSIVE: this run cannot tell"}[verdict.outcome]
-    print(f"Verdict: {label}\n  claim: {verdict.claim}\n  " + "\n  ".join(verdict.lines()) + "\n")
+    print(f"Verdict: {LABELS[verdict.outcome]}\n  claim: {verdict.claim}\n  " + "\n  ".join(verdict.lines()) + "\n")

@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every lesson (default: each counts the cores free as it starts)")
     parser.add_argument("--only", default=None, help="comma-separated lesson numbers, e.g. 01,03")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
@@ -80,6 +82,7 @@ def main(argv=None) -> int:
                              + ", ".join(p.name[:2] for p in discover()))
     flags = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--out", args.out]
     flags += ["--quick"] if args.quick else []
+    flags += ["--threads", str(args.threads)] if args.threads else []
     if args.dry_run:
         for path in lessons:
             print("$ " + " ".join(lesson_command(path, flags)))
@@ -103,9 +106,11 @@ def main(argv=None) -> int:
     for row in summary:
         print(f"{row['lesson']:<26} {row['wall_s']:>8.1f}   {row['verdict']}")
     print(f"{'total':<26} {total:>8.1f}")
+    decisive = sum(row["verdict"] in ("HOLDS", "NOT SUPPORTED") for row in summary)
+    print(f"decisive verdicts (HOLDS or NOT SUPPORTED): {decisive} of {len(summary)}")
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": " ".join(["python", "lessons/run_all.py", *(argv if argv is not None else sys.argv[1:])]),
-           "quick": args.quick, "model": args.model, "lessons": summary, "total_s": total,
+           "quick": args.quick, "model": args.model, "lessons": summary, "total_s": total, "decisive": decisive,
            "load_average_before": load_before, "load_average_after": os.getloadavg()[0] if load_before else None,
            "cpu_count": os.cpu_count()}
     (out / "run_all.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -10,6 +10,8 @@ counts the one-off cost of a first call (allocations, kernel selection).
 
 Bad input (a flag out of range, an unknown device, a broken checkpoint, text
 that is not UTF-8) is one `error:` line and exit code 2, never a traceback.
+Ctrl-C is one `interrupted` line and exit code 130 (128 + SIGINT, as a shell
+reports it).
 
 Each command is one `add_<name>_command(subparsers)` function that adds its
 parser and sets `func`; `COMMANDS` lists them. A new command is one such
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input (CheckpointError is a ValueError): the message says it all
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: python -m minillm {args.command} stopped by Ctrl-C", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,62 +4,39 @@
     python -m minillm bench-serve --base-url http://127.0.0.1:8000 --workload lognormal \\
         --num-prompts 50 --request-rate 4 --goodput ttft:500 itl:100 --save-result
 
-Modelled on vLLM's `vllm bench serve`, with its flag and metric names: the
-same command measures a vLLM server (`vllm serve gpt2`, then
-`--base-url http://HOST:8000`), since it only speaks the OpenAI API.
-
-What it does: draw a seeded workload (prompts as token ids, output lengths),
-send each request at its arrival time (Poisson arrivals at `--request-rate`
-requests/s, or all at once with `inf`), stream every completion, and time it
-on the client with `time.perf_counter`:
+Modelled on vLLM's `vllm bench serve`, with its flag and metric names; it only
+speaks the OpenAI API, so it measures a vLLM server too. It draws a seeded
+workload (`serve_workloads.py`), sends each request at its arrival time, streams
+every completion, and times it on the client with `time.perf_counter`:
 
     TTFT   send → the first token's event
     ITL    every gap between two token events (the server sends one event per token)
     TPOT   (E2E − TTFT) / (output tokens − 1), a request's mean time per output token
     E2E    send → the last event
 
-It reports mean, median, p50, p90, p99 of each (milliseconds), request and
-token throughput over the run's duration, and goodput: the requests per
-second that met every target given to `--goodput` (`ttft:MS`, `tpot:MS`,
-`e2el:MS`, and `itl:MS`, which a request meets when *every* one of its gaps
-is within MS: a stall is what a user sees), and the share of requests that met
-them. A request that failed meets no target.
-
-Workloads (`--workload`), the same shapes the lessons replay:
-
-    random         every prompt --random-input-len tokens, every output --random-output-len (vLLM's)
-    lognormal      log-normal prompt and output lengths around --prompt-median and
-                   --output-median (σ = 0.7), as lessons 08 and 12 draw them
-    stutter        --random-input-len short prompts, and a share --long-fraction of long ones
-                   of --long-prompt-len tokens: the long prefills that stall streams (lesson 07)
-    shared-prefix  a system prompt of --prefix-len tokens shared by all, then
-                   --random-input-len tokens of each request's own (lesson 10)
-
-Every request asks for greedy decoding with `ignore_eos` (vLLM's field), so
-each generates exactly its drawn number of tokens.
+It reports mean, median, p50, p90, p99 of each (ms), request and token
+throughput, and goodput: the requests per second that met every `--goodput`
+target (`ttft:MS`, `tpot:MS`, `e2el:MS`, and `itl:MS`, met when *every* gap is
+within MS: a stall is what a user sees), and the share that met them; a failed
+request meets none. Every request is greedy with `ignore_eos` (vLLM's field),
+so each generates exactly its drawn number of tokens.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .serve_workloads import BenchRequest, arrivals, workload
+
 GOODPUT_KEYS = ("ttft", "tpot", "itl", "e2el")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class BenchRequest:
-    prompt: list[int]
-    max_tokens: int
-    arrival_s: float = 0.0  # seconds after the run starts
 
 
 @dataclass
@@ -89,53 +66,6 @@ class RequestResult:
     def tpot(self) -> float | None:
         n = max(self.output_tokens, len(self.token_times))
         return (self.e2el - self.ttft) / (n - 1) if n > 1 else None
-
-
-# ---- workloads ----------------------------------------------------------------------------------
-
-
-def workload(name: str, n: int, vocab_size: int, max_len: int, *, seed: int = 0, input_len: int = 32,
-             output_len: int = 32, prompt_median: float = 64, output_median: float = 32, long_prompt_len: int = 512,
-             long_fraction: float = 0.1, prefix_len: int = 64) -> list[tuple[list[int], int]]:
-    """n seeded (prompt token ids, output length) pairs of the named shape; each fits in max_len tokens."""
-    rng = np.random.default_rng(seed)
-
-    def ids(k: int) -> list[int]:
-        return rng.integers(0, vocab_size, k).tolist()
-
-    def fit(p: int, o: int) -> tuple[int, int]:
-        p = max(1, min(p, max_len - 1))
-        return p, max(1, min(o, max_len - p))
-
-    out = []
-    if name == "shared-prefix":
-        system = ids(prefix_len)
-    for i in range(n):
-        if name == "random":
-            p, o = fit(input_len, output_len)
-        elif name == "lognormal":
-            p = int(np.clip(round(rng.lognormal(math.log(prompt_median), 0.7)), 1, max_len // 2))
-            o = int(np.clip(round(rng.lognormal(math.log(output_median), 0.7)), 1, max_len - p))
-        elif name == "stutter":
-            p, o = fit(long_prompt_len if rng.random() < long_fraction else input_len, output_len)
-        elif name == "shared-prefix":
-            p, o = fit(prefix_len + input_len, output_len)
-            out.append((system[:p] + ids(max(0, p - prefix_len)), o))
-            continue
-        else:
-            raise ValueError(f"workload {name!r} is not one of random, lognormal, stutter, shared-prefix")
-        out.append((ids(p), o))
-    return out
-
-
-def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival times (s): all at 0 for rate = inf, else a Poisson process of `rate` requests per second."""
-    if rate <= 0 or math.isnan(rate):
-        raise ValueError(f"--request-rate {rate} must be > 0 requests/s, or inf to send every request at once")
-    if math.isinf(rate):
-        return [0.0] * n
-    gaps = np.random.default_rng(seed + 1).exponential(1 / rate, n)
-    return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -204,7 +134,7 @@ async def benchmark(base_url: str, requests: list[BenchRequest], model: str | No
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
-        model = model or await served_model(client, base_url)
+        model = model or (await served_model(client, base_url))["id"]
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not show_progress, leave=False)
         start = time.perf_counter()
@@ -225,11 +155,11 @@ async def benchmark(base_url: str, requests: list[BenchRequest], model: str | No
         return list(results), (max(ends) if ends else time.perf_counter()) - start
 
 
-async def served_model(client, base_url: str) -> str:
-    """The first model the server lists at /v1/models."""
+async def served_model(client, base_url: str) -> dict:
+    """The first model the server lists at /v1/models (its "id", and vLLM's "max_model_len")."""
     response = await client.get(base_url + "/v1/models")
     response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    return response.json()["data"][0]
 
 
 # ---- the numbers ------------------------------------------------------------------------------------
@@ -337,9 +267,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _max_model_len(base_url: str) -> int | None:
     import httpx
     async with httpx.AsyncClient(timeout=10.0) as client:
-        response = await client.get(base_url.rstrip("/") + "/v1/models")
-        response.raise_for_status()
-        return response.json()["data"][0].get("max_model_len")
+        return (await served_model(client, base_url.rstrip("/"))).get("max_model_len")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -174,6 +174,19 @@ class BlockManager:
         for block in self.block_tables.pop(seq.seq_id, ()):
             self.allocator.free(block)
 
+    def commit(self) -> None:
+        """The step planned since the last commit wrote its keys and values. Nothing to settle here; with
+        prefix caching the blocks it filled become shareable (`prefix_caching.py`)."""
+
+    def rollback(self, seqs: list[HoldsKV]) -> list[HoldsKV]:
+        """The step planned since the last commit failed; returns those of `seqs` that can no longer trust the
+        KV of their computed tokens. None here: a failed step wrote only slots past them."""
+        return []
+
+    def forget_admission(self, seq: HoldsKV) -> bool:
+        """A sequence first admitted by a failed step goes back to wait; nothing was counted for it here."""
+        return False
+
     def check_invariants(self, seqs: list[HoldsKV] | None = None) -> None:
         """The allocator agrees with the tables; given the sequences that hold KV, each table covers its tokens
         and no table belongs to anyone else."""

@@ -1,68 +1,52 @@
 """LLMEngine: continuous batching over the paged KV cache.
 
-Serving means many requests of unknown length at once. Continuous batching
-lets them join and leave the batch *between steps*: a finished request frees
+Requests join and leave the batch *between steps*: a finished request frees
 its blocks at once and a waiting one takes its place on the next step, instead
-of the whole batch waiting for its longest member.
+of the whole batch waiting for its longest member. One step, data flowing one way:
 
-One step, data flowing one way:
+    scheduler.schedule()      → a plan: which sequences feed how many tokens, decodes first
+                                (and which were preempted); every planned token has a slot
+    cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping, block
+                                tables, built once (decodes only: in buffers allocated once)
+    model(ids, positions)     → one forward pass over the flattened ragged batch, logits
+                                only at the rows that will sample
+    sample, update, record    → new tokens, finished requests free their blocks, times
 
-    scheduler.schedule()      → a plan: which sequences feed how many tokens, decodes
-                                first (and which were preempted to make room); the
-                                block manager has given every planned token a slot
-    cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping,
-                                block tables, context lengths, built once (decodes
-                                only: written into buffers allocated once, below)
-    model(ids, positions)     → one forward pass over the flattened ragged batch,
-                                logits only at the rows that will sample
-    sample, update, record    → new tokens, finished requests free their blocks,
-                                per-request times and a per-step timeline
-
-The pieces, each in its own file: `scheduler.py` or `chunked_prefill.py` (the
-policy), `block_manager.py` (which blocks each sequence owns),
-`paged_attention.py` (the pool), `cuda_graphs.py` (decode-only steps on buffers
-allocated once: on CUDA the replay of a graph per batch and width bucket,
-eager at exact shapes with `enforce_eager=True` or on the CPU; prefill and
-mixed steps always run eagerly), `sampling.py`, and `kv_pool.py` (the pool's
-size). Names follow vLLM's (`add_request`, `abort_request`, `step`,
-`has_unfinished_requests`, `RequestOutput`, and every knob).
-
-Prefix caching (`enable_prefix_caching=True`, off by default): full blocks are
-kept by the hash of their whole prefix and shared by every request that
-starts alike (`prefix_caching.py`). Each output carries `num_cached_tokens`,
-the prompt tokens its request found cached; `prefix_cache_hit_rate` is the
-share of all admitted prompt tokens that were.
-
-Sizing the pool: `num_blocks`, or a byte budget `kv_cache_memory_bytes`, or
-on CUDA `gpu_memory_utilization`, from which a profile run takes what the
-engine's largest steps need (`kv_pool.py`). `close()` frees the pool and the
-graphs and empties the cache for other processes.
-
-What it costs: per step, one forward pass over Σ tokens planned, plus Python
+The pieces, one file each: `scheduler.py` or `chunked_prefill.py` (the policy),
+`block_manager.py`, `paged_attention.py` (the pool), `cuda_graphs.py` (decode-only
+steps, a CUDA graph per bucket unless `enforce_eager=True`), `sampling.py`,
+`prefix_caching.py` (`enable_prefix_caching=True`: full blocks shared by the hash
+of their prefix; `num_cached_tokens` per output, `prefix_cache_hit_rate` overall),
+`kv_pool.py` (the pool's size: `num_blocks`, `kv_cache_memory_bytes`, or a profile
+under `gpu_memory_utilization` on CUDA). Names follow vLLM's. `close()` frees the
+pool and the graphs. Cost per step: one forward pass over Σ tokens planned, plus
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
 block_size · KV bytes per token.
 
-Who owns what: `step()` hands back `RequestOutput`s that are the caller's own
-copies (token lists, metrics), and `SamplingParams` are frozen, so nothing a
-caller does to them reaches the engine. A finished request's output is
-returned once, with its metrics and preemption count, and then the engine
-forgets the request, as vLLM does: keep what you need from that output. The
-requests still running or waiting are in `scheduler.running` and
-`scheduler.waiting`. Logits that are not finite fail only their own requests:
-those are aborted (the next step reports them) and `step()` raises
-NonFiniteLogitsError naming them; the rest redo the step's tokens.
+Outputs are the caller's copies and `SamplingParams` are frozen. A finished
+request is reported once, then forgotten, as in vLLM.
 
-Invariants held by the tests: every request's greedy tokens, and the logits
-they were chosen from, are those of `kv_cache.generate` run on it alone,
-whatever the batch, arrival pattern, block size, budget, preemptions or
-prefix cache hits, and whether decode steps run eagerly, padded, or as CUDA
-graphs; after every step each block is free (or evictable) or held by exactly
-the running sequences' tables; when every request has finished, every block is
-free (or evictable) and the engine holds no request; over 2,000 requests the
-Python heap stays flat.
+A step is all or nothing. If `step()` raises anywhere (in the forward pass,
+Ctrl-C, NaN logits), the prefix cache takes back every hash the step gave; each
+unfinished request either still runs with its KV intact and redoes the step's
+tokens, or waits at the front of the queue holding no block, to be recomputed;
+a finished or aborted one is reported by the next step that returns (the rules
+are in `rollback.py`). Non-finite logits abort only their own requests
+(NonFiniteLogitsError names them). None vanishes; the invariants hold after.
+
+One engine, one thread: a call from a second thread while one runs raises; one
+thread owns the engine, others hand it requests through a queue (`engine_rules.py`).
+
+Invariants held by the tests: every request's greedy tokens, and their logits,
+are those of `kv_cache.generate` run on it alone, whatever the batch, arrivals,
+block size, budget, preemptions, prefix hits or decode path (eager, padded, CUDA
+graph); after every step each block is free (or evictable) or held by exactly
+the running sequences' tables; when all have finished every block is free (or
+evictable) and the engine holds no request; over 2,000 requests the heap stays flat.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -70,27 +54,37 @@ import torch
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
 from .cuda_graphs import DecodeRunner
+from .engine_rules import check_fits, check_request, one_thread
 from .kv_cache import Segment
 from .kv_pool import size_pool
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
-from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, check_prompt, finish_reason,
-                       make_generator, sample, to_device)
+from .rollback import ended, finish, recover
+from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, make_generator, sample,
+                       to_device)
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus, StepStats
+from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
+
 
 class LLMEngine:
+    """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
+    step it, and hand it requests through a queue.Queue (the pattern is in `engine_rules.py`)."""
+
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, enable_prefix_caching: bool = False,
                  record_timeline: bool = True):
+        if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
+            raise ValueError(f"scheduler_config is a {type(scheduler_config).__name__}; pass a SchedulerConfig, "
+                             f"e.g. SchedulerConfig(**{scheduler_config!r}) (or None for the defaults)")
+        self._guard, self._busy = threading.RLock(), None
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
         use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
-        # how the pool was sized: budget, activation peak, graph bytes
+        # self.memory: how the pool was sized (budget, activation peak, graph bytes)
         num_blocks, self.memory = size_pool(model, self.scheduler_config, block_size, num_blocks,
                                             kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
         blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
@@ -103,9 +97,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # unfinished, or finished and not yet reported
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline
-        self._aborted: list[Sequence] = []
+        self._unreported: list[Sequence] = []  # finished (aborted, or in a step that raised), not yet reported
         self._next_id = 0
 
+    @one_thread
     def close(self) -> None:
         """Free the KV pool and the CUDA graphs now and, on CUDA, hand the allocator's cached memory back
         (`torch.cuda.empty_cache`), so that a next engine, or another process, gets it. No step after this."""
@@ -130,43 +125,37 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------
 
+    @one_thread
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; it joins the running batch at a coming step. Returns its id."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params is a {type(params).__name__}; pass a SamplingParams (or None for the defaults)")
-        prompt_token_ids = tuple(check_prompt(self.config, prompt_token_ids, params.max_tokens))
+        """Queue a request; it joins the running batch at a coming step. Returns its id.
+
+        `arrival_time` is in `time.perf_counter()` seconds (the clock of every metric), at most now; by default
+        now."""
+        seq = self._new_sequence(prompt_token_ids, params, request_id, arrival_time)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt_token_ids, params, request_id, arrival_time) -> Sequence:
+        """A checked request, not yet queued: every argument is refused here, naming the value and the fix."""
+        if self.cache is None:
+            raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
+        now = time.perf_counter()
+        prompt_token_ids, params = check_request(self.config, prompt_token_ids, params, request_id, arrival_time,
+                                                 now, self.requests)
         if request_id is None:
             while str(self._next_id) in self.requests:  # taken by a caller's own choice
                 self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1  # never reused, though the request it named is forgotten once finished
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique "
-                             "(pass another, or none for an automatic one)")
         seq = Sequence(request_id, prompt_token_ids, params,
-                       RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+                       RequestMetrics(now if arrival_time is None else float(arrival_time)),
                        make_generator(params, self.model.device))
-        self._check_fits(seq)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        check_fits(seq, self.block_manager, self.scheduler_config)
+        return seq
 
-    def _check_fits(self, seq: Sequence) -> None:
-        """Reject now a request that could never run, rather than let it wait forever."""
-        tokens, bs = seq.max_total_tokens(), self.block_manager.block_size
-        blocks = self.block_manager.blocks_for(tokens)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"request needs up to {tokens} tokens of KV = {blocks} blocks of {bs}, but the whole "
-                             f"pool has {self.block_manager.num_blocks} blocks; lower max_tokens, shorten the prompt, "
-                             "or give the engine more KV memory (num_blocks / kv_cache_memory_bytes)")
-        budget = self.scheduler_config.max_num_batched_tokens
-        if not self.scheduler_config.enable_chunked_prefill and tokens > budget:
-            raise ValueError(f"with chunked prefill off, a request is (re)computed in one step, and this one can "
-                             f"reach {tokens} tokens > max_num_batched_tokens={budget}; raise the budget to at "
-                             f"least {tokens} or set enable_chunked_prefill=True")
-
+    @one_thread
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; the next `step()` reports it finished ("abort").
 
@@ -177,13 +166,14 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.remove(seq)
-        self._finish(seq, FINISH_ABORT, time.perf_counter())
-        self._aborted.append(seq)
+        finish(seq, FINISH_ABORT, time.perf_counter())
+        self._unreported.append(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request waits, runs, or was aborted and not yet reported by `step()`."""
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        """True while a request waits, runs, or has finished (aborted, or in a step that raised) and is not yet
+        reported by `step()`."""
+        return self.scheduler.has_unfinished() or bool(self._unreported)
 
     def check_invariants(self) -> None:
         """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
@@ -198,34 +188,44 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------
 
+    @one_thread
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; return the requests that got a token or finished."""
+        """Schedule, run one forward pass, sample; return the requests that got a token or finished.
+
+        All or nothing: if it raises, the engine is left as if the step had not run, less what it settled
+        (requests aborted, finished or sent back to recompute; see the module's docstring)."""
         if self.cache is None:
             raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
         start = time.perf_counter()
-        outputs = [self._report(s) for s in self._aborted]
-        self._aborted = []
+        try:
+            stepped = self._step(start)
+        except BaseException:  # Ctrl-C included: the next step must find the engine whole
+            recover(self)
+            raise
+        reported, self._unreported = self._unreported + stepped, []
+        return [self._report(s) for s in reported]
+
+    def _step(self, start: float) -> list[Sequence]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
-            return outputs
+            return []
         sampled = self._execute(plan)
+        self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
         for seq, token in sampled:
             seq.output_token_ids.append(token)
             seq.metrics.token_times.append(now)
-            reason = finish_reason(token, len(seq.output_token_ids), seq.num_tokens, seq.params,
-                                   self.config.eos_token_id, self.config.n_ctx)
+            reason = ended(seq, self.config)
             if reason:
                 self.scheduler.remove(seq)
-                self._finish(seq, reason, now)
-            outputs.append(self._report(seq))
+                finish(seq, reason, now)
         if self.record_timeline:
             self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
                                            len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
-        return outputs
+        return [seq for seq, _ in sampled]
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Run the plan as one forward pass; returns (sequence, new token) for those that sample."""
@@ -268,11 +268,6 @@ class LLMEngine:
                             logits_indices=to_device(sample_rows, device))
         return logits, samplers
 
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.metrics.finished_time = now
-
     def _report(self, seq: Sequence) -> RequestOutput:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
         if seq.is_finished:
@@ -282,19 +277,40 @@ class LLMEngine:
 
     # ---- convenience --------------------------------------------------------
 
+    @one_thread
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of the prompts."""
+        """Run prompts to completion; outputs in the order of the prompts.
+
+        It steps the engine until no request is left, so it refuses to start while requests added with
+        `add_request` wait or run: their outputs would be consumed here and lost to their caller. Aborts not
+        yet reported stay so: the next `step()` reports them. Every prompt is checked before any is queued, so
+        a bad one queues none."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; pass one per prompt, "
                              "or a single SamplingParams for all")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        if self.scheduler.has_unfinished():
+            pending = len(self.scheduler.waiting) + len(self.scheduler.running)
+            raise RuntimeError(f"generate() runs the engine until it is idle, but {pending} earlier request(s) still "
+                               "wait or run, and their outputs would be lost here; step() until "
+                               "has_unfinished_requests() is False first, or add these prompts with add_request too")
+        seqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                seqs.append(self._new_sequence(p, sp, None, None))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}; no prompt was queued") from None
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
         finals: dict[str, RequestOutput] = {}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        return [finals[i] for i in ids]
-
-
+        held, self._unreported = self._unreported, []
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        finally:
+            self._unreported = held + self._unreported
+        return [finals[seq.request_id] for seq in seqs]

@@ -200,7 +200,7 @@ class KVCache:
         """Attend q (B, H, T, D) over the cached keys and values, after `write` stored this step's."""
         m = self.metadata
         # >>> exercise kv-cache-read (lesson 02, 2 pts): attend the new queries over the cached keys and values
-        # hint: when nothing was cached before, the new k and v are the whole context; otherwise read the rows' first m.max_context_len slots and let causal_attention apply m.mask
+        # hint: what must these queries see: only the new keys and values (when is that all there is?), or what each row has cached? How many of a row's slots hold real keys, and what hides the rest, and the future, from each query? (m is this step's metadata)
         if m.is_fresh_prefill:  # nothing cached before: plain causal attention over the new tokens
             return causal_attention(q, k, v)
         keys = self.k[layer_idx, m.rows, :, :m.max_context_len]     # (B, H, L, D)

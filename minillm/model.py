@@ -129,7 +129,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # >>> exercise model-heads (lesson 01, 2 pts): split the fused qkv projection into heads
-        # hint: c_attn(x) is (B, T, 3C): split it into q, k, v, then view each as (B, T, n_head, head_dim) and move heads to dim 1
+        # hint: c_attn(x) holds q, k and v side by side in its last dimension: where does each one's block of columns start, and which of its columns belong to head h? Attention wants (B, n_head, T, head_dim): in what order must the dimensions be split so that a head's columns stay together, before heads move ahead of tokens?
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)

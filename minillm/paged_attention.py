@@ -105,7 +105,7 @@ def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len:
     sequence's own length hold padding that the caller masks out.
     """
     # >>> exercise paged-gather (lesson 05, 3 pts): gather a ragged batch's K and V through its block tables
-    # hint: one indexing of the pool with the tables gives (b, max_blocks, block_size, 2, H, D); blocks and slots then merge into one token axis, of which the first context_len count; the K|V axis splits, and heads go before tokens
+    # hint: for row r and token p, which block of the pool and which slot inside it hold its K and V? Can one indexing of the pool by the block tables fetch every row's blocks at once, and how do blocks and slots then become one token axis of which only the first context_len count? Each of K and V comes back as (rows, H, context_len, D)
     b, max_blocks = block_tables.shape
     _, block_size, _, H, D = layer_pool.shape
     blocks = layer_pool.index_select(0, block_tables.reshape(-1))          # one copy for K and V together

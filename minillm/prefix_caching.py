@@ -1,94 +1,76 @@
 """Prefix caching: requests that start alike share the KV blocks of their common start.
 
-The waste it removes
---------------------
-Real traffic repeats itself. Every chat request carries the same system
-prompt, every turn of a conversation resends the whole history before it,
-few-shot and RAG prompts share long headers. Without a cache each request
-prefills its prompt from the first token, computing the same keys and values
-again into blocks of its own. Prefill is compute-bound and its work grows with
-the tokens computed (lesson 01), so a request of P prompt tokens whose first S
-are already in the pool pays only for the rest:
+The waste it removes. Real traffic repeats itself (a system prompt in every
+chat request, the history resent every turn, few-shot headers), and without a
+cache each request computes the same keys and values again. Prefill work grows
+with the tokens computed (lesson 01), so a request of P prompt tokens whose
+first S are in the pool pays only for the rest:
 
     tokens prefilled on a hit   P − S                (they still attend over all P)
     TTFT of a hit               ≈ t(prefill of the uncached suffix)
     KV blocks of n requests     ⌊S/bs⌋ shared + n · (their own blocks after S)
 
-Decode is untouched, so throughput gains as much as the work was prefill.
+Decode is untouched. This file follows vLLM's automatic prefix caching:
 
-vLLM's automatic prefix caching, which this file follows
---------------------------------------------------------
 *Whole blocks only.* A full block never changes again; the last, partly filled
-block of a sequence is still being written by it, and sharing that block would
-let two sequences write the same slots. The block is also the unit that the
-pool already hands out and counts references to, so sharing costs no new
-machinery: a hit is one more reference. The price is granularity: a common
-prefix of S tokens shares only ⌊S/bs⌋ · bs of them.
+block is still being written, and sharing it would let two sequences write the
+same slots. The block is already the unit the pool hands out and counts
+references to, so a hit is one more reference. The price: a common prefix of S
+tokens shares only ⌊S/bs⌋ · bs of them.
 
 *A hash chain, not the block's tokens alone.* A block's keys and values depend
-on every token before it (attention has mixed the context in, and its
-positions depend on where the block sits), so the same 16 tokens after another
-prefix make different keys. A full block's key is therefore
-
-    hash(block i) = H(hash(block i − 1), tokens of block i)       H = SHA-256
-
-and equal keys mean equal *whole prefixes*. Matching walks a prompt block by
-block and stops at the first miss: once one block differs, no later one can be
-reused, however alike its own tokens are. SHA-256 rather than Python's 64-bit
+on every token before it, so the same 16 tokens after another prefix make
+different keys. Hence hash(block i) = H(hash(block i − 1), tokens of block i),
+H = SHA-256, and equal keys mean equal *whole prefixes*. Matching walks a prompt
+block by block and stops at the first miss. SHA-256 rather than Python's 64-bit
 `hash`: a collision would hand one request another's keys (wrong text, and
-across users a leak), and vLLM moved to SHA-256 for that reason.
+across users a leak), which is why vLLM moved to SHA-256.
 
-*The last prompt token is always computed.* Its logits give the first output
-token, and logits only come from computing a token. So matching looks only at
-the first P − 1 tokens (vLLM backs off to prompt_len − 1): a prompt whose
-every block is cached still recomputes its last block, into a fresh block of
-its own. Prefill therefore always starts on a block boundary, in a block no one
-else holds, and no shared block is ever written.
+*The last prompt token is always computed,* for its logits: matching looks only
+at the first P − 1 tokens (as vLLM does), so a fully cached prompt recomputes
+its last block into a fresh block of its own. Prefill thus always starts on a
+block boundary, in a block no one else holds, and no shared block is written.
 
 *When a block is cached.* A block is hashed as soon as a step is planned to
-fill it, not after: the step's forward pass writes every new token's keys and
-values before any layer's attention reads (`paged_attention.py`), so a request
-admitted in the same step already shares it. When two sequences compute the
-same block side by side (one was admitted before the other had reached that
-block), the block registered second keeps no hash: one block per key.
+fill it: the forward pass writes every new token's K/V before any layer's
+attention reads (`paged_attention.py`), so a request admitted in the same step
+already shares it. Of two sequences computing the same block side by side, the
+one registered second keeps no hash: one block per key.
+
+*A hash is a promise, kept only by a step that returns.* Until the engine
+`commit()`s the step its hashes are on probation: if it raises, `rollback` takes
+them back, so a block whose K/V were never written is never served, and the
+sequences that shared one in the failed step are handed back to be recomputed.
 
 *Eviction, and why its order decides the hit rate.* A block whose last
-reference goes keeps its contents and its hash on an *evictable* list, least
+reference goes keeps its contents and hash on an *evictable* list, least
 recently used first. Allocation takes truly free blocks first and evicts only
-when none is left; an evicted block loses its hash at once, because its slots
-are about to hold other tokens. LRU keeps what is in use (a hot system prompt
-is shared again and again and stays); a finished request frees its blocks
-tail first, so its last blocks go before its first. The order matters because
-a chain is reachable only through its head: evicting a parent before its
-children strands them, still in memory but never matched again.
+when none is left; an evicted block loses its hash at once. LRU keeps what is
+in use (a hot system prompt stays), and a finished request frees its blocks
+tail first: a chain is reachable only through its head, so evicting a parent
+before its children would strand them. (SGLang's RadixAttention does the same
+at token granularity, a radix tree evicted leaf first: up to bs − 1 more tokens
+shared per match, for a tree kept in step with the memory.)
 
-SGLang's RadixAttention does the same at token granularity: a radix tree of
-the cached token sequences, matched to the longest common prefix to the
-token, and evicted leaf first in LRU order, so that no parent goes before its
-children. It shares up to bs − 1 more tokens per match and needs a tree kept
-in step with the memory; a table of block hashes needs one lookup per block and
-reuses the paged allocator as it is.
+What it costs: a SHA-256 per block filled or matched, a dictionary lookup per
+block at admission, an ordered dict of evictable blocks; nothing per token.
 
-What it costs: one SHA-256 of a block's tokens when a block fills and when a
-prompt is matched, one dictionary lookup per block at admission, an ordered
-dictionary of evictable blocks. Nothing per token in the forward pass.
-
-Invariants held by the tests: greedy tokens, and the logits they come from, are
-identical with caching on and off; after every step each block is exactly one
-of free (no hash), evictable (no reference, a hash) or referenced (as often as
-the tables hold it); hashes and blocks map one to one; a block a sequence holds
-that has a hash holds that sequence's tokens, computed; when every request has
-finished, every block is free or evictable.
+Invariants held by the tests: greedy tokens and their logits are identical with
+caching on and off; after every step each block is exactly one of free (no
+hash), evictable (no reference, a hash) or referenced (as often as the tables
+hold it); hashes and blocks map one to one; a hashed block a sequence holds
+holds that sequence's computed tokens; when every request has finished, every
+block is free or evictable.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from itertools import takewhile
 from typing import Protocol
 
-from .block_manager import DEFAULT_BLOCK_SIZE, BlockAllocator, BlockManager
+from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
+from .cached_blocks import CachingAllocator
 
 ROOT = b""  # the parent hash of a sequence's first block
 
@@ -126,68 +108,6 @@ def prefix_match(token_ids: list[int], block_size: int, cached: dict[bytes, int]
     # <<< exercise
 
 
-class CachingAllocator(BlockAllocator):
-    """A block allocator whose freed blocks stay cached until their memory is needed.
-
-    Every block is in exactly one state: free (on `free_blocks`, no hash), referenced (ref count ≥ 1) or
-    evictable (ref count 0, its hash kept, on `evictable` in least-recently-used order).
-    """
-
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
-        self.cached: dict[bytes, int] = {}       # hash → the block holding those tokens
-        self.block_hash: dict[int, bytes] = {}   # the inverse: a block's hash, while it has one
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
-
-    @property
-    def num_free(self) -> int:
-        """Blocks that an allocation can take: the free ones and the evictable ones."""
-        return len(self.free_blocks) + len(self.evictable)
-
-    def allocate(self) -> int:
-        """A truly free block if there is one; otherwise the least recently used cached block, its hash gone."""
-        if not self.free_blocks and self.evictable:
-            block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash.pop(block)]
-            self.free_blocks.append(block)
-        return super().allocate()
-
-    def free(self, block: int) -> None:
-        """Drop one reference; a cached block whose last reference goes becomes evictable, the newest."""
-        if self.ref_counts[block] == 1 and block in self.block_hash:
-            self.ref_counts[block] = 0
-            self.evictable[block] = None
-        else:
-            super().free(block)
-
-    def share(self, block: int) -> None:
-        """A cache hit: one more reference to a cached block, which stops being evictable."""
-        if self.ref_counts[block] == 0:
-            del self.evictable[block]
-        self.ref_counts[block] += 1
-
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Make a referenced, full block findable by its hash, unless another block already holds that hash."""
-        if block_hash not in self.cached:
-            self.cached[block_hash] = block
-            self.block_hash[block] = block_hash
-
-    def block_states(self, block: int, free: set[int]) -> dict[str, bool]:
-        """The base states and `evictable`; a free block has no hash, an evictable one has one."""
-        states = {**super().block_states(block, free), "evictable": block in self.evictable}
-        if not states["referenced"]:
-            assert (block in self.block_hash) == states["evictable"], \
-                f"block {block} is {'evictable' if states['evictable'] else 'free'} " \
-                f"{'with' if block in self.block_hash else 'without'} a hash"
-        return states
-
-    def check_invariants(self, block_tables: dict[int, list[int]]) -> None:
-        """The base checks, with the evictable state; and hashes and blocks match."""
-        super().check_invariants(block_tables)
-        assert len(self.cached) == len(self.block_hash) and \
-            all(self.cached.get(h) == b for b, h in self.block_hash.items()), "hashes and blocks do not match"
-
-
 class PrefixCachingBlockManager(BlockManager):
     """Block tables whose full blocks are cached by their hash chain and shared by whoever starts alike.
 
@@ -200,6 +120,8 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(num_blocks, block_size)
         self.allocator = CachingAllocator(num_blocks)
         self.chains: dict[int, list[bytes]] = {}  # seq_id → the hashes of its full blocks so far, in order
+        self.uncommitted: set[int] = set()  # blocks hashed since the last commit(): their KV not yet written
+        self.admitted: dict[int, int] = {}  # seq_id → cached tokens, of first admissions since the last commit()
         self.matched: dict[int, list[tuple[int, bytes]]] = {}  # seq_id → (block, hash) match_prefix found
         self.num_prompt_tokens = 0         # of every request admitted so far
         self.num_cached_prompt_tokens = 0  # of those, found cached at its first admission
@@ -258,6 +180,7 @@ class PrefixCachingBlockManager(BlockManager):
         if first_admission:
             self.num_prompt_tokens += len(seq.prompt_token_ids)
             self.num_cached_prompt_tokens += seq.num_computed_tokens
+            self.admitted[seq.seq_id] = seq.num_computed_tokens
 
     def _cache_full_blocks(self, seq: HoldsTokens, num_tokens: int) -> None:
         """Hash every block that the first `num_tokens` tokens fill and that is not hashed yet."""
@@ -268,7 +191,37 @@ class PrefixCachingBlockManager(BlockManager):
         tokens, table, bs = seq.token_ids, self.block_tables[seq.seq_id], self.block_size
         for i in range(len(chain), full):
             chain.append(hash_block(chain[-1] if chain else ROOT, tokens[i * bs:(i + 1) * bs]))
-            self.allocator.cache(table[i], chain[-1])
+            if self.allocator.cache(table[i], chain[-1]):
+                self.uncommitted.add(table[i])
+
+    def commit(self) -> None:
+        """The step planned since the last commit wrote its keys and values: the blocks it hashed stay hashed."""
+        self.uncommitted.clear()
+        self.admitted.clear()
+
+    def rollback(self, seqs: list[HoldsTokens]) -> list[HoldsTokens]:
+        """The step planned since the last commit failed: take back every hash it gave, and cut each of
+        `seqs`' chains back to its computed tokens. Returns those of `seqs` whose computed tokens lie partly in
+        a block just unhashed (they shared it in the failed step): they must be recomputed."""
+        bs, undone = self.block_size, self.uncommitted
+        for block in undone:
+            self.allocator.uncache(block)
+        lost = [seq for seq in seqs
+                if not undone.isdisjoint(self.block_tables.get(seq.seq_id, ())[:seq.num_computed_tokens // bs])]
+        for seq in seqs:
+            del self.chains.get(seq.seq_id, [])[seq.num_computed_tokens // bs:]
+        self.uncommitted = set()
+        return lost
+
+    def forget_admission(self, seq: HoldsTokens) -> bool:
+        """A sequence first admitted by a failed step goes back to wait: take its admission out of the hit rate,
+        to be counted when it is admitted again. Returns whether there was one to take out."""
+        cached = self.admitted.pop(seq.seq_id, None)
+        if cached is None:
+            return False
+        self.num_prompt_tokens -= len(seq.prompt_token_ids)
+        self.num_cached_prompt_tokens -= cached
+        return True
 
     def free(self, seq: HoldsTokens) -> None:
         """Release a sequence's blocks tail first, so that its last blocks are evicted before its first."""

@@ -105,7 +105,7 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0 or k >= logits.shape[-1]:
         return logits
     # >>> exercise sampling-top-k (lesson 01, 1 pt): mask everything below the k-th largest logit
-    # hint: each row has its own threshold, its k-th largest logit (torch can find a row's k largest values); every logit below its row's threshold becomes -inf, the rest keep their values
+    # hint: each row has its own threshold, its k-th largest logit (torch can find a row's k largest values); every logit below its row's threshold becomes -inf, the rest keep their values. Off limits: transformers, TopKLogitsWarper, TopPLogitsWarper.
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, float("-inf"))
     # <<< exercise
@@ -120,7 +120,7 @@ def apply_top_p(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
     if not isinstance(p, torch.Tensor) and p >= 1.0:
         return logits
     # >>> exercise sampling-top-p (lesson 01, 2 pts): keep the smallest prefix of sorted tokens with mass ≥ p
-    # hint: sort descending, cumsum the softmax; a token is dropped if the mass *before* it already reaches p; scatter the mask back
+    # hint: which tokens make the nucleus: those the most-likely-first order reaches before the mass reaches p, and what about the token whose probability makes it cross p? p may be one number or one per row, an (N, 1) column: does every row meet its own p? Once decided in sorted order, how does each decision get back to its token id?. Off limits: transformers, TopKLogitsWarper, TopPLogitsWarper.
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs

@@ -74,6 +74,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer ≥ 1")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} must be True or False")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
@@ -197,7 +199,7 @@ class Scheduler:
         scheduled = {id(c.seq) for c in out.chunks}  # O(plan); built only when a victim must be chosen
         while not self.blocks.can_append(seq, num_tokens):
             # >>> exercise scheduler-preempt (lesson 05, 2 pts): free blocks by preempting the newest running sequence
-            # hint: candidates are the running sequences other than `seq` that are not in this step's plan (`scheduled` holds their id()); with none left, `seq` must give way itself; `self._preempt` does the freeing, and the return value says whether `seq` got its room
+            # hint: who may give up its blocks for `seq`: which running sequences must be spared, and in what order are the others taken (who is the newest)? What if no one else is left? What does the return value tell the caller? (`self._preempt` frees one sequence)
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self._preempt(victim, out)

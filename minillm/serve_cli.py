@@ -21,7 +21,7 @@ def _needs_serve_extra(module: str):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return _needs_serve_extra("server").run(args)
+    return _needs_serve_extra("serve_main").run(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

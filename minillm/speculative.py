@@ -2,87 +2,57 @@
 
 Why it exists
 -------------
-A decode step is memory-bound (lessons 01 and 04): to emit one token the
-target model reads every weight once and does about 2 FLOPs per weight with
-it, 0.5 FLOP per byte in fp32, far left of the ridge point of any CPU or GPU.
-Feed the same step k tokens instead of one and it still reads each weight
-once; only the arithmetic grows k-fold. Until k · 0.5 FLOP/B nears the ridge,
-the step costs about what a one-token step costs: lesson 01's decode point
-moves right along the roofline, under the flat memory roof. So *checking* k
-tokens is nearly free; what decode lacks is tokens worth checking. (That
-holds where the matrix-product kernel for k rows streams the weights as fast
-as the one-row kernel does; CPU BLAS libraries often do not, and lesson 11
-measures it on your device.)
-
-A cheap drafter supplies them. Each round:
+A decode step is memory-bound (lessons 01 and 04): it reads every weight once
+for about 2 FLOPs per weight, 0.5 FLOP/B in fp32. Fed k tokens, it still reads
+each weight once, so until k · 0.5 FLOP/B nears the ridge point it costs about
+what a one-token step costs (where the k-row kernel streams the weights as fast
+as the one-row one; CPU BLAS often does not, and lesson 11 measures it). So
+*checking* k tokens is nearly free; a cheap drafter supplies tokens to check:
 
     draft     guess the next γ tokens d_1 .. d_γ                 (γ cheap steps, or a lookup)
     verify    one target pass over [last token, d_1 .. d_γ]       → its distributions p_1 .. p_γ+1
     keep      the longest prefix of the guesses the target accepts, then one token of the target's own
 
-so a round emits between 1 and γ + 1 tokens for one target pass. Two drafters:
-a smaller GPT-2 with the same vocabulary (`gpt2` for `gpt2-xl`), run on its own
-KV cache; and prompt lookup (vLLM's "ngram" method), which finds the last n
-tokens earlier in the sequence and proposes what followed them, at no model
-cost at all: code, lists and quoted documents repeat themselves.
+so a round emits 1 to γ + 1 tokens for one target pass. Two drafters: a smaller
+GPT-2 with the same vocabulary (`gpt2` for `gpt2-xl`) on its own KV cache, and
+prompt lookup (vLLM's "ngram"), which finds the last n tokens earlier in the
+sequence and proposes what followed them, at no model cost.
 
 The acceptance rule (Leviathan et al. 2023; Chen et al. 2023)
 -------------------------------------------------------------
 Greedy: accept d_i while it is the target's argmax; the first disagreement is
-replaced by the target's argmax, which is what the target alone would have
-emitted there. The tokens are the target's own greedy tokens, exactly.
-
-Sampling: the draft drew d_i from its distribution q_i. Accept it with
-probability min(1, p_i(d_i) / q_i(d_i)). At the first rejection, emit a token
-from norm(max(0, p_i − q_i)) and stop; after γ accepts, emit a bonus token from
-p_γ+1. Why the emitted token is distributed exactly as p (for one position):
+replaced by the target's argmax. The tokens are the target's greedy tokens, exactly.
+Sampling: accept d_i ~ q_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
+rejection emit a token from norm(max(0, p_i − q_i)) and stop; after γ accepts, a bonus
+token from p_γ+1. The emitted token is distributed as p:
 
     P(x) = q(x) · min(1, p(x)/q(x))  +  P(reject) · max(0, p(x) − q(x)) / Σ_y max(0, p(y) − q(y))
          = min(p(x), q(x))           +  max(0, p(x) − q(x))              = p(x)
 
-because P(reject) = 1 − Σ_y min(p(y), q(y)) = Σ_y max(0, p(y) − q(y)): the
-residual's normaliser cancels. The target's temperature, top-k and top-p shape
-p (and the draft's q) exactly as `sampling.py` defines them, so speculation
-changes how fast tokens come, never which distribution they come from. A
-drafter that proposes without sampling (prompt lookup) is the case q = δ(d):
-accept with probability p(d).
+since P(reject) = 1 − Σ_y min(p(y), q(y)) = Σ_y max(0, p(y) − q(y)). Temperature,
+top-k and top-p shape p and q as `sampling.py` defines them, so speculation changes
+how fast tokens come, never their distribution. Prompt lookup is q = δ(d): accept
+with probability p(d).
 
 What it costs, and when it pays
 -------------------------------
-If each guess is accepted with probability α, independently, guess i survives
-only when all before it did, so a round emits on average
+If each guess survives with probability α, a round emits on average
+(1 − α^(γ+1)) / (1 − α) tokens per target pass. With c = draft step ÷ target
+step, a round costs γc + 1 target steps, so the expected speedup is
+(1 − α^(γ+1)) / ((1 − α) · (γc + 1)) (Leviathan et al., Theorem 3.8). At α = 0
+a round still emits one token, yet pays γ draft steps and a wider pass for it:
+a slowdown of 1 / (γc + 1) or worse. Speculation pays only where the draft is
+cheap (small c) and right (large α); each extra guess costs c and adds α^γ tokens.
 
-    1 + α + α² + … + α^γ  =  (1 − α^(γ+1)) / (1 − α)          tokens per target pass.
+The rewind after a rejection is a number: this file, the cache's owner, sets the
+cached length to the accepted sequence less its newest token (the next pass feeds
+it). Stale slots past it are never read, then overwritten. The draft's cache too.
 
-With c = (draft step time) / (target step time), and verification of γ + 1
-tokens counted as one target step, a round costs γc + 1 target steps, so the
-expected speedup over the target alone is (Leviathan et al., Theorem 3.8)
-
-    (1 − α^(γ+1)) / ((1 − α) · (γc + 1)).
-
-A draft that disagrees is worse than no draft: at α = 0 every round still
-emits exactly one token, the target's own, yet pays γ draft steps and a wider
-verification pass for it, a slowdown of 1 / (γc + 1) or worse. Speculation
-pays only where the draft is both cheap (small c) and right (large α), and the
-best γ balances the two: each extra guess costs c and adds α^γ tokens.
-
-The target's cache after a rejection
-------------------------------------
-Verification wrote the keys and values of every guess; only the accepted
-ones count. The rewind is a number: this file, the cache's owner, keeps the
-target's cached length, and after a round sets it to the accepted sequence
-(every token but the newest, which the next pass feeds). The stale slots past
-it are never read, since a pass attends to `start + num_new` keys only, and the
-next pass overwrites them. No copy, no erase: `kv_cache.Segment` already says
-where each pass starts. The draft model's cache rewinds the same way.
-
-Invariants held by the tests: greedy tokens are identical to the target's
-`kv_cache.generate` for every γ, with a draft that always agrees, one that
-mostly disagrees and prompt lookup; sampled tokens follow the target's own
-sampling distribution (chi-square); accepted ≤ proposed, and new tokens =
-accepted + target passes − tokens cut at a stop; after every round the target
-cache's first `num_cached` slots hold exactly the keys and values of the
-sequence's first `num_cached` tokens.
+Invariants held by the tests: greedy tokens equal `kv_cache.generate`'s for every
+γ and drafter (always right, mostly wrong, prompt lookup); sampled tokens follow the
+target's distribution (chi-square); accepted ≤ proposed, new tokens = accepted +
+target passes − tokens cut at a stop; after every round the target cache's first
+`num_cached` slots hold exactly the K/V of the sequence's first `num_cached` tokens.
 """
 from __future__ import annotations
 
@@ -108,11 +78,8 @@ class SpecDecodingStats:
 
     @property
     def alpha(self) -> float:
-        """The per-guess acceptance rate α of the formula: accepted ÷ guesses the target actually judged.
-
-        Not accepted ÷ proposed: the guesses after a rejection are never judged,
-        so that ratio would underestimate α, more so for large γ.
-        """
+        """The per-guess acceptance rate α: accepted ÷ guesses the target judged (not ÷ proposed: the guesses
+        after a rejection are never judged, so that ratio would underestimate α, more so for large γ)."""
         judged = self.num_accepted_tokens + self.num_rejections
         return self.num_accepted_tokens / judged if judged else 0.0
 
@@ -140,10 +107,8 @@ def expected_speedup(alpha: float, gamma: int, c: float) -> float:
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(N, V) logits → the distributions `sampling.sample` draws from: temperature, top-k, top-p, softmax.
 
-    In float64: a rejection needs q > p at the guess, hence p > q somewhere else for the residual to
-    sample from, and that holds only while p and q each sum to 1 more closely than their gap (fp32's
-    rounding of ~1e-7 would leave a rare rejection with nothing to sample).
-    """
+    In float64: a rejection needs p > q somewhere for the residual to sample from, which holds only while
+    p and q each sum to 1 more closely than their gap (fp32's ~1e-7 could leave it nothing to sample)."""
     return apply_top_p(apply_top_k(logits.double() / params.temperature, params.top_k), params.top_p).softmax(dim=-1)
 
 
@@ -153,11 +118,10 @@ def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor, targ
 
     draft_probs (k, V): the distribution q_i each guess was drawn from.
     target_probs (k + 1, V): the target's p_i at the same positions, and one more for the bonus token.
-    Returns between 1 and k + 1 token ids (Python ints), distributed exactly as sampling from p one token at a
-    time. Every random number comes from `generator`, so a seeded round gives the same tokens again.
-    """
+    Returns 1 to k + 1 token ids (ints), distributed exactly as sampling from p one token at a time; every
+    random number comes from `generator`, so a seeded round gives the same tokens again."""
     # >>> exercise speculative-accept (lesson 11, 3 pts): accept each guess with probability min(1, p/q), then draw one token of the target's own
-    # hint: one uniform draw per guess from `generator` decides it (p and q read at the guessed token); keep the guesses before the first refusal; the last token comes from the target's next distribution when all were kept, otherwise from the mass where the target's distribution exceeds the draft's (torch.multinomial takes unnormalised weights)
+    # hint: a guess is kept with probability min(1, p/q) at its token: how do you decide that with `generator` alone, so that a seeded round repeats? Which guesses survive the first refusal? Then one token of the target's own: from which distribution when every guess was kept, and from which when guess i was refused, so that the round's tokens are distributed exactly as p's?
     k = len(draft_token_ids)
     rows = torch.arange(k, device=target_probs.device)
     guesses = torch.tensor(draft_token_ids, dtype=torch.long, device=target_probs.device)
@@ -201,10 +165,8 @@ class DraftModelProposer:
                 generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
         """k guesses after `token_ids`, and the distributions q (k, V) they were drawn from (None if greedy).
 
-        The first pass feeds everything this cache has not seen (the whole prompt
-        at first, then the one or two tokens the last round emitted); each later
-        pass feeds the previous guess. The last guess is never fed.
-        """
+        The first pass feeds what this cache has not seen (the prompt, then the one or two tokens the last
+        round emitted); each later pass feeds the previous guess. The last guess is never fed."""
         device = self.model.device
         feed, guesses, dists = token_ids[self.num_cached:], [], []
         for _ in range(k):
@@ -230,10 +192,8 @@ class DraftModelProposer:
 class NgramProposer:
     """Prompt lookup: find the sequence's last n tokens earlier in it and propose the tokens that followed.
 
-    The longest n in [prompt_lookup_min, prompt_lookup_max] that matches wins,
-    at its earliest occurrence, as in vLLM. No match, no guesses: the round is
-    a plain decode step. No model runs, so its cost c is almost 0.
-    """
+    The longest n in [prompt_lookup_min, prompt_lookup_max] that matches wins, at its earliest occurrence,
+    as in vLLM. No match, no guesses: a plain decode step. No model runs, so its cost c is almost 0."""
 
     def __init__(self, prompt_lookup_max: int = 3, prompt_lookup_min: int = 1):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
@@ -287,10 +247,7 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def step(self) -> list[int]:
         """One round: draft k ≤ γ guesses, verify them in one target pass, keep what the rule accepts.
-
-        The first round's pass is the prefill: the whole prompt plus the guesses.
-        Returns the tokens this round added to the output.
-        """
+        The first round's pass is the prefill (prompt plus guesses). Returns the tokens added to the output."""
         if self.finish_reason is not None:
             raise RuntimeError(f"the sequence has finished ({self.finish_reason}); start a new SpeculativeDecoder")
         params, device = self.params, self.target.device
@@ -342,10 +299,7 @@ def _check_draft(draft: GPT2, target: GPT2, max_seq_len: int) -> GPT2:
 def generate(target: GPT2, draft: GPT2 | NgramProposer, prompt_token_ids, params: SamplingParams | None = None,
              *, num_speculative_tokens: int) -> SpeculativeOutput:
     """Generate after one prompt with speculative decoding; the tokens follow the target's own distribution.
-
-    `draft` is a smaller GPT-2 with the target's vocabulary, or an `NgramProposer`
-    (prompt lookup). Returns the new tokens, why they stopped, and the statistics.
-    """
+    `draft`: a smaller GPT-2 with the target's vocabulary, or an `NgramProposer` (prompt lookup)."""
     params = params or SamplingParams(temperature=0.0)
     decoder = SpeculativeDecoder(target, draft, prompt_token_ids, params, num_speculative_tokens)
     while decoder.finish_reason is None:

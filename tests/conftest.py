@@ -1,6 +1,6 @@
 """Shared pytest setup: selecting exercises, and a student copy whose suite reports in a few lines.
 
-Classroom exercises (minillm/exercises.py) add one option to pytest:
+Classroom exercises (minillm/classroom/) add one option to pytest:
 
     pytest --exercise ID[,ID...]     run only the tests marked @pytest.mark.exercise("ID")
 
@@ -14,24 +14,21 @@ and three rules for a student copy:
     "needs exercise <id>, still a stub", and runs for real once it is written;
   * an exercise test that runs past EXERCISE_TEST_TIMEOUT_S (an endless loop)
     is stopped with an alarm that says so, where the OS has SIGALRM (minillm/alarm.py).
-Grading does not go through pytest: `exercises grade` runs the same checks in
-processes of its own (see minillm/exercises.py).
+Grading does not go through pytest: `python -m minillm.classroom grade` runs the same checks in
+processes of its own (see minillm/classroom/).
 """
 from __future__ import annotations
-
-import re
 
 import pytest
 
 from minillm.alarm import time_limit
 
-STUB_MESSAGE = re.compile(r"exercise (?P<id>[a-z0-9][a-z0-9-]*) \(lesson ")
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends
 _STUBS = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
-    group = parser.getgroup("exercises", "classroom exercises (minillm/exercises.py)")
+    group = parser.getgroup("exercises", "classroom exercises (minillm/classroom/)")
     group.addoption("--exercise", action="append", default=[], metavar="ID",
                     help="run only the tests of these exercises (comma-separated, repeatable)")
 
@@ -58,7 +55,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 def still_stubs(config) -> list:
     """The exercises whose region in this tree is still its stub (none in the reference)."""
-    from minillm.exercises import ExerciseError, find_exercises
+    from minillm.classroom.regions import ExerciseError, find_exercises
     try:
         return [ex for ex in find_exercises(config.rootpath) if ex.is_stub]
     except ExerciseError as e:
@@ -73,25 +70,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.section(f"{len(stubs)} exercise{'s' if len(stubs) > 1 else ''} still to write (their tests did not run)", sep="=")
     for ex in stubs:
         tr.line(f"{ex.id} ({ex.worth}): {ex.where()}")
-    tr.line("once one is written: python -m minillm.exercises check <id>")
+    tr.line("once one is written: python -m minillm.classroom check <id>")
 
 
 def pytest_sessionfinish(session, exitstatus):
     if session.config.stash.get(_STUBS, []) and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED   # work is left: the run is not a pass
-
-
-def stub_reached(exc: BaseException | None) -> str | None:
-    """The exercise id if `exc` (or what caused it) is an exercise stub's NotImplementedError."""
-    for _ in range(10):  # follow the cause chain, not forever
-        if exc is None:
-            return None
-        if isinstance(exc, NotImplementedError) and exc.args and isinstance(exc.args[0], str):
-            m = STUB_MESSAGE.match(exc.args[0])
-            if m:
-                return m["id"]
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -110,7 +94,8 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     if rep.failed and call.excinfo is not None:
-        needed = stub_reached(call.excinfo.value)
+        from minillm.classroom.regions import stub_of   # the one stub detector, shared with the lessons
+        needed = stub_of(call.excinfo.value)
         if needed and needed not in exercises_of(item):
             rep.outcome = "skipped"
             rep.longrepr = (item.location[0], item.location[1] + 1, f"needs exercise {needed}, still a stub")

@@ -1,4 +1,4 @@
-"""The classroom tool (minillm/exercises.py) and the guarantees a student copy and its grade rest on.
+"""The classroom tool (minillm/classroom/) and the guarantees a student copy and its grade rest on.
 
 Cheap checks first, in this process: the marker parser, `make` on a synthetic
 git project, the leak check, the data encoding between a child and the grader,
@@ -29,11 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import exercises as tool
-from minillm.exercises import ExerciseError, find_exercises, make_copy, parse_regions, replace_region
+from minillm.classroom import (callers, cli, copies, grading, judge as judging, leaks, manifest as manifests, regions,
+                               results as report, runner, splice, wire)
+from minillm.classroom.copies import make_copy
+from minillm.classroom.regions import ExerciseError, find_exercises, parse_regions, replace_region
 
-ROOT = Path(tool.__file__).resolve().parents[1]
-IN_STUDENT_COPY = (ROOT / tool.MANIFEST).exists()
+ROOT = regions.ROOT
+IN_STUDENT_COPY = (ROOT / manifests.MANIFEST).exists()
 reference_only = pytest.mark.skipif(IN_STUDENT_COPY, reason="a student copy: the tool's guarantees are checked "
                                                             "in the reference project")
 
@@ -50,7 +52,7 @@ class Pool:
 '''
 
 
-def parse(text: str) -> list[tool.Exercise]:
+def parse(text: str) -> list[regions.Exercise]:
     return parse_regions(text, "minillm/pool.py")
 
 
@@ -127,12 +129,12 @@ def test_putting_the_code_back_restores_the_file_exactly():
 
 def test_select_names_the_known_ids_and_refuses_an_empty_list():
     exs = parse(REGION + REGION.replace("pool-take", "pool-give"))
-    assert [e.id for e in tool.select(exs, " pool-give ,")] == ["pool-give"]
+    assert [e.id for e in regions.select(exs, " pool-give ,")] == ["pool-give"]
     with pytest.raises(ExerciseError, match=r"unknown exercise id nope; the exercises are: pool-take, pool-give"):
-        tool.select(exs, "pool-take,nope")
+        regions.select(exs, "pool-take,nope")
     for empty in (",", " , ", ""):
         with pytest.raises(ExerciseError, match="names no exercise"):
-            tool.select(exs, empty)
+            regions.select(exs, empty)
 
 
 @reference_only
@@ -184,23 +186,29 @@ def files_under(root: Path) -> set[str]:
 def test_make_copies_exactly_what_git_tracks_and_the_copys_line_numbers(tiny_project, tmp_path):
     chosen = make_copy(tmp_path / "student", root=tiny_project)
     assert files_under(tmp_path / "student") == {"minillm/__init__.py", "minillm/pool.py", "tests/test_pool.py",
-                                                 "lessons/01_x.py", "README.md", "pyproject.toml", tool.MANIFEST}
+                                                 "lessons/01_x.py", "README.md", "pyproject.toml", manifests.MANIFEST}
     text = (tmp_path / "student/minillm/pool.py").read_text()
     assert "self.free[-n:]" not in text and "self.free.append" not in text
     # pool-give starts 2 lines earlier in the copy: pool-take's 3 lines of code became 1 stub line.
     reference = {ex.id: ex.line for ex in find_exercises(tiny_project)}
     assert [(ex.id, ex.line) for ex in chosen] == [("pool-take", 4), ("pool-give", reference["pool-give"] - 2)]
     assert text.splitlines()[chosen[1].line - 1].strip().startswith("# >>> exercise pool-give")
-    manifest = json.loads((tmp_path / "student" / tool.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "student" / manifests.MANIFEST).read_text())
     assert [(e["id"], e["line"], e["stubbed"]) for e in manifest["exercises"]] == [(ex.id, ex.line, True) for ex in chosen]
-    assert set(manifest["files"]) == files_under(tmp_path / "student") - {tool.MANIFEST}
-    assert "minillm/pool.py~" in tool.untracked_files(tiny_project)   # make tells the instructor what it left out
+    assert set(manifest["files"]) == files_under(tmp_path / "student") - {manifests.MANIFEST}
+    assert "minillm/pool.py~" in copies.untracked_files(tiny_project)   # make tells the instructor what it left out
+
+
+def test_the_catalogue_of_wrong_versions_stays_with_the_instructor():
+    files = copies.tracked_files(ROOT)
+    assert "tests/exercises/wrong.py" not in files and "tests/test_exercise_catalogue.py" not in files
+    assert (ROOT / "tests/exercises/wrong.py").is_file()
 
 
 def test_make_only_stubs_the_chosen_and_the_manifest_says_so(tiny_project, tmp_path):
     chosen = make_copy(tmp_path / "s", only="pool-give", root=tiny_project)
     assert [ex.id for ex in chosen] == ["pool-give"]
-    assigned = tool.assigned_exercises(tmp_path / "s")
+    assigned = manifests.assigned_exercises(tmp_path / "s")
     assert [ex.id for ex in assigned] == ["pool-give"] and assigned[0].line == chosen[0].line
     with pytest.raises(ExerciseError, match="names no exercise"):
         make_copy(tmp_path / "t", only=",", root=tiny_project)
@@ -237,9 +245,9 @@ def test_make_force_deletes_only_what_the_previous_copy_wrote(tiny_project, tmp_
     assert "# >>> exercise pool-take" in (target / "minillm" / "pool.py").read_text()
     assert not (target / "lessons").exists(), "the old copy's lesson (and its then empty folder) go"
     (target / "README.md").unlink()
-    manifest = json.loads((target / tool.MANIFEST).read_text())
+    manifest = json.loads((target / manifests.MANIFEST).read_text())
     manifest["files"].remove("README.md")                          # a file the copy did not write...
-    (target / tool.MANIFEST).write_text(json.dumps(manifest))
+    (target / manifests.MANIFEST).write_text(json.dumps(manifest))
     (target / "README.md").write_text("someone else's\n")           # ...where the new copy would write
     with pytest.raises(ExerciseError, match="(?s)holds files the previous copy did not write.*README.md"):
         make_copy(target, root=tiny_project, force=True)
@@ -271,31 +279,31 @@ def test_make_refuses_a_hint_that_gives_the_solution_away(tiny_project, tmp_path
 
 def test_grading_refuses_a_tree_without_a_good_manifest_or_with_edited_markers(tiny_project, tmp_path):
     with pytest.raises(ExerciseError, match="exercises.json is missing, so this tree is not a student copy"):
-        tool.assigned_exercises(tiny_project)
+        manifests.assigned_exercises(tiny_project)
     copy = tmp_path / "student"
     make_copy(copy, root=tiny_project)
     pool = copy / "minillm" / "pool.py"
     pool.write_text(pool.read_text().replace("(lesson 05, 1 pts): give", "(lesson 05, 9 pts): give"))
     with pytest.raises(ExerciseError, match=r"(?s)disagree.*pool-give: the manifest says .*1.*, the marker .*9"):
-        tool.assigned_exercises(copy)
+        manifests.assigned_exercises(copy)
     pool.write_text(re.sub(r".*# (>>>|<<<) exercise.*\n", "", pool.read_text()))
     with pytest.raises(ExerciseError, match="(?s)disagree.*pool-take .* has no region in the source"):
-        tool.assigned_exercises(copy)
+        manifests.assigned_exercises(copy)
     for broken in ("{not json", json.dumps({"exercises": []}), json.dumps([1, 2])):
-        (copy / tool.MANIFEST).write_text(broken)
+        (copy / manifests.MANIFEST).write_text(broken)
         with pytest.raises(ExerciseError, match="exercises.json is not .*make the copy again"):
-            tool.assigned_exercises(copy)
+            manifests.assigned_exercises(copy)
 
 
 # ------------------------------------------------------------------ the leak check
 
 def test_tokens_ignore_names_spacing_and_math_notation():
-    assert tool.code_tokens("rows[i // w] - w * 2") == tool.code_tokens("r[j//k]−k·2") == \
+    assert leaks.code_tokens("rows[i // w] - w * 2") == leaks.code_tokens("r[j//k]−k·2") == \
         ["n", "[", "n", "//", "n", "]", "-", "n", "*", "2"]
-    assert tool.code_tokens("x.values[0] <= y") == tool.code_tokens("z.values[0] ≤ q") == \
+    assert leaks.code_tokens("x.values[0] <= y") == leaks.code_tokens("z.values[0] ≤ q") == \
         ["n", ".", "values", "[", "0", "]", "<=", "n"]
-    assert tool.code_tokens("for s in xs if s is not None") == ["for", "n", "in", "n", "if", "n", "is", "not", "None"]
-    assert tool.code_tokens('f"slot {p // bs}"') == ["n", "n", "n", "//", "n"]
+    assert leaks.code_tokens("for s in xs if s is not None") == ["for", "n", "in", "n", "if", "n", "is", "not", "None"]
+    assert leaks.code_tokens('f"slot {p // bs}"') == ["n", "n", "n", "//", "n"]
 
 
 def leaky(text: str) -> str:
@@ -310,7 +318,7 @@ OLD_SLOT_HINT = "# hint: block_table[p DIV block_size] * block_size + p MOD bloc
 
 @reference_only
 def test_no_hint_docstring_message_lesson_or_readme_leaks_a_solution():
-    assert tool.find_leaks(ROOT, find_exercises(ROOT), tool.tracked_files(ROOT)) == []
+    assert leaks.find_leaks(ROOT, find_exercises(ROOT), copies.tracked_files(ROOT)) == []
 
 
 @reference_only
@@ -324,7 +332,7 @@ def test_no_hint_docstring_message_lesson_or_readme_leaks_a_solution():
         "# hint: each row has its own threshold", leaky("# hint: torch.topk(logits, k).values[DOTS, -1:] is the threshold"))),
 ])
 def test_the_leak_check_finds_a_solution_in_a_hint_docstring_message_or_lesson(tmp_path, where, change):
-    files = tool.tracked_files(ROOT)
+    files = copies.tracked_files(ROOT)
     for rel in files:
         if rel.endswith((".py", ".md")):
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -332,8 +340,8 @@ def test_the_leak_check_finds_a_solution_in_a_hint_docstring_message_or_lesson(t
     original = (tmp_path / where).read_text()
     (tmp_path / where).write_text(change(original))
     assert (tmp_path / where).read_text() != original, "the test's edit did not apply: update it"
-    leaks = tool.find_leaks(tmp_path, find_exercises(tmp_path), files)
-    assert leaks and all(leak.startswith(where + ":") for leak in leaks), leaks
+    found = leaks.find_leaks(tmp_path, find_exercises(tmp_path), files)
+    assert found and all(leak.startswith(where + ":") for leak in found), found
 
 
 # ------------------------------------------------------------------ data between a child and the grader
@@ -346,11 +354,11 @@ def test_only_plain_data_crosses_from_a_child():
 
     sent = {"ints": [AlwaysEqual(3), 4], "t": torch.arange(6).reshape(2, 3), "pair": (1.5, float("-inf")),
             "keys": {7: "x"}, "obj": object(), "flag": True}
-    got = tool.over_the_wire(sent)
+    got = wire.over_the_wire(sent)
     assert type(got["ints"][0]) is int and got["ints"][0] != 5
     assert torch.equal(got["t"], torch.arange(6).reshape(2, 3)) and got["t"].dtype == torch.int64
     assert got["pair"] == (1.5, float("-inf")) and got["keys"] == {7: "x"} and got["flag"] is True
-    assert isinstance(got["obj"], tool.Opaque) and got["obj"].opaque_type == "object"
+    assert isinstance(got["obj"], wire.Opaque) and got["obj"].opaque_type == "object"
 
 
 @pytest.mark.parametrize("forged", [
@@ -362,7 +370,7 @@ def test_only_plain_data_crosses_from_a_child():
 ])
 def test_the_grader_refuses_data_it_did_not_encode(forged):
     with pytest.raises(ValueError):
-        tool.from_wire(forged)
+        wire.from_wire(forged)
 
 
 # ------------------------------------------------------------------ judging what a child sent
@@ -376,8 +384,8 @@ class OneCheck:
 
 def judged(messages, ended="", stray=0):
     (ex,) = parse(REGION)
-    cases = [tool.Case(f"c{i}", {"want": i}, held_out=i >= 2) for i in range(6)]
-    return tool.judge(ex, OneCheck(), cases, tool.ChildRun(messages, stray, ended, "printed this"))
+    cases = [judging.Case(f"c{i}", {"want": i}, held_out=i >= 2) for i in range(6)]
+    return judging.judge(ex, OneCheck(), cases, runner.ChildRun(messages, stray, ended, "printed this"))
 
 
 def test_the_grader_judges_each_case_once_and_says_what_happened():
@@ -394,17 +402,17 @@ def test_the_grader_judges_each_case_once_and_says_what_happened():
     assert by_name["c3"].message == "not written yet: the stub raises NotImplementedError"
     assert "sys.exit(0)" in by_name["c4"].message
     assert by_name["c5"].message == "never came back: the run ended early (see above)"
-    assert "ran past the time limit" in tool.feedback(score, True)
+    assert "ran past the time limit" in report.feedback(score, True)
     assert score.score == 0.0
     half = judged([{"case": i, "output": i if i < 4 else -1} for i in range(6)])
     assert half.score == 1.0                       # 2 pts × 2/4 held-out checks; the visible cases do not count
-    assert "2/4 held-out checks" in tool.feedback(half, True) and "printed this" in tool.feedback(half, True)
+    assert "2/4 held-out checks" in report.feedback(half, True) and "printed this" in report.feedback(half, True)
 
 
 def test_gradescope_results_are_valid_field_by_field():
     score = judged([{"case": i, "output": i} for i in range(6)])
-    results = tool.gradescope_results([score], seed=123, held_out_visibility="after_due_date")
-    assert tool.results_problems(results) == []
+    results = report.gradescope_results([score], seed=123, held_out_visibility="after_due_date")
+    assert report.results_problems(results) == []
     assert results["score"] == 2.0 and results["extra_data"] == {"seed": 123} and "seed 123" in results["output"]
     visible, held = results["tests"]
     assert (visible["max_score"], visible["visibility"], held["max_score"], held["visibility"]) == \
@@ -416,49 +424,57 @@ def test_gradescope_results_are_valid_field_by_field():
                             ({**results, "tests": [{**held, "name": ""}]}, "name"),
                             ({**results, "tests": [{**held, "max_score": None}]}, "max_score"),
                             ({**results, "tests": [{**held, "status": "ok"}]}, "status")]:
-        assert any(problem in p for p in tool.results_problems(broken)), (problem, tool.results_problems(broken))
+        assert any(problem in p for p in report.results_problems(broken)), (problem, report.results_problems(broken))
 
 
 # ------------------------------------------------------------------ the CLI's errors
 
 @reference_only
 def test_cli_errors_are_one_clear_line_and_grade_still_writes_results(tmp_path, capsys, monkeypatch):
-    assert tool.main(["make", str(tmp_path / "s"), "--only", "no-such-exercise"]) == 2
+    assert cli.main(["make", str(tmp_path / "s"), "--only", "no-such-exercise"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown exercise id no-such-exercise; the exercises are: ") and "\n" == err[-1]
-    assert tool.main(["make", str(tmp_path / "s"), "--only", ","]) == 2
+    assert cli.main(["make", str(tmp_path / "s"), "--only", ","]) == 2
     assert "names no exercise" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    assert tool.main(["make", str(tmp_path / "full")]) == 2
+    assert cli.main(["make", str(tmp_path / "full")]) == 2
     assert "is not empty" in capsys.readouterr().err
-    monkeypatch.setattr(tool, "ROOT", tmp_path)   # a tree without a manifest, and then with a corrupt one
-    for manifest in (None, "{corrupt"):
+    assert cli.main(["make", "/proc/nope"]) == 2                # a folder that cannot be made: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the copy into /proc/nope") and len(err.splitlines()) == 1, err
+    monkeypatch.setattr(cli, "ROOT", tmp_path)   # a tree without checks, then one with a corrupt manifest
+    for manifest, said in ((None, "holds no checks"), ("{corrupt", "not valid JSON")):
         if manifest:
-            (tmp_path / tool.MANIFEST).write_text(manifest)
-        assert tool.main(["grade", "--json", str(tmp_path / "results.json")]) == 2
+            (tmp_path / manifests.MANIFEST).write_text(manifest)
+        assert cli.main(["grade", "--json", str(tmp_path / "results.json")]) == 2
         err = capsys.readouterr().err
-        assert "exercises.json" in err and ("missing" in err if manifest is None else "not valid JSON" in err)
+        assert said in err and len(err.splitlines()) == 1, err
         results = json.loads((tmp_path / "results.json").read_text())
-        assert results["score"] == 0 and "grading failed" in results["output"] and tool.results_problems(results) == []
+        assert results["score"] == 0 and "grading failed" in results["output"] and report.results_problems(results) == []
+    assert cli.main(["grade", "--json", "/proc/nope/r.json"]) == 2   # nowhere to write the results: one line
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the results to /proc/nope/r.json") and len(err.splitlines()) == 1, err
     monkeypatch.setenv("MINILLM_GRADE_SEED", "1234")
-    assert tool.grade_seed() == 1234
+    assert grading.grade_seed() == 1234
+    assert "warning: the held-out inputs are fixed (seed 1234)" in capsys.readouterr().err
     monkeypatch.delenv("MINILLM_GRADE_SEED")
-    assert tool.grade_seed() != tool.grade_seed()   # a fresh one each time (two equal draws in 2³¹: never)
+    assert grading.grade_seed() != grading.grade_seed()   # a fresh one each time (two equal draws in 2³¹: never)
     monkeypatch.setenv("MINILLM_GRADE_TIMEOUT", "soon")
     with pytest.raises(ExerciseError, match="MINILLM_GRADE_TIMEOUT"):
-        tool.grade_timeout(None)
+        grading.grade_timeout(None)
 
 
 # ------------------------------------------------------------------ the real project
 
-def run_tool(copy: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(copy / "minillm" / "exercises.py"), *args], cwd=copy,
-                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
+def run_tool(tree: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The one command, in its documented form, `python -m minillm.classroom`, run in `tree`."""
+    return subprocess.run([sys.executable, "-m", "minillm.classroom", *args], cwd=tree,
+                          env={**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
                           capture_output=True, text=True, timeout=900)
 
 
-def restore(copy: Path, ex: tool.Exercise, body: list[str] | None = None) -> None:
+def restore(copy: Path, ex: regions.Exercise, body: list[str] | None = None) -> None:
     """Put a region's reference code back in a copy (or `body`, lines at the region's indentation)."""
     path = copy / ex.file
     lines = list(ex.body) if body is None else [ex.indent + line for line in body]
@@ -467,7 +483,7 @@ def restore(copy: Path, ex: tool.Exercise, body: list[str] | None = None) -> Non
 
 def results_by_exercise(path: Path) -> dict[str, dict]:
     results = json.loads(path.read_text())
-    assert tool.results_problems(results) == [], tool.results_problems(results)
+    assert report.results_problems(results) == [], report.results_problems(results)
     out: dict[str, dict] = {}
     for t in results["tests"]:
         ex_id, part = t["name"].split(" ")[0], t["name"].rsplit(": ", 1)[1]
@@ -488,44 +504,39 @@ def stubbed_copy(tmp_path_factory, reference):
 
 
 @reference_only
-def test_every_exercise_has_a_check_with_visible_and_held_out_cases(reference):
-    proc = subprocess.run([sys.executable, "-c", f"""
-import sys, json
-sys.path.insert(0, {str(ROOT / "minillm")!r})
-import exercises as tool
-checks = tool.load_checks(tool.ROOT)
-def values(cases):
-    return json.dumps(tool.to_wire(cases))
-print(json.dumps({{i: [len(c.visible()), len(c.held_out(1)), sorted(c.held_out(1)) == sorted(c.held_out(2)), c.where,
-                      values(c.held_out(1)) == values(c.held_out(1)) != values(c.held_out(2))]
-                  for i, c in checks.items()}}))
-"""], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    checks = json.loads(proc.stdout)
+def test_every_exercise_has_a_check_whose_caller_holds_no_oracle(reference):
+    checks = judging.load_checks(ROOT)
     assert sorted(checks) == sorted(ex.id for ex in reference), "every region needs exactly one Check"
     for ex in reference:
-        visible, held_out, same_situations, where, seeded = checks[ex.id]
-        assert seeded, f"{ex.id}: a seed must give the same held-out inputs every time, and another seed others"
-        assert visible >= 3 and held_out >= 6, f"{ex.id}: {visible} visible cases, {held_out} held-out"
-        assert same_situations, f"{ex.id}: every draw must hold the same situations, the same number of times"
-        assert where == f"{ex.file}, {ex.function}", f"{ex.id}'s check says the code is at {where}"
+        c = checks[ex.id]
+        visible, held, held_again, other = c.visible(), c.held_out(1), c.held_out(1), c.held_out(2)
+        values = lambda cases: json.dumps(wire.to_wire(cases))   # noqa: E731
+        assert values(held) == values(held_again) != values(other), f"{ex.id}: a seed must fix the held-out inputs"
+        assert len(visible) >= 3 and len(held) >= 6, f"{ex.id}: {len(visible)} visible cases, {len(held)} held-out"
+        assert sorted(held) == sorted(other), f"{ex.id}: every draw must hold the same situations"
+        assert c.where == f"{ex.file}, {ex.function}", f"{ex.id}'s check says the code is at {c.where}"
+        assert '"object"' not in values({**visible, **held}), f"{ex.id}: inputs must be plain data for the child"
+        source = callers.caller_source(c)   # what the child gets: run, and what run uses
+        compile(source, ex.id, "exec")
+        assert "def verify" not in source and "oracle" not in source and "expected" not in source, source
 
 
-def test_the_grader_refuses_checks_that_import_the_graded_package(tmp_path):
-    (tmp_path / "tests" / "exercises").mkdir(parents=True)
-    shutil.copy(ROOT / tool.EXERCISE_TESTS / "exercise_checks.py", tmp_path / tool.EXERCISE_TESTS)
-    (tmp_path / tool.EXERCISE_TESTS / "test_ex_bad.py").write_text("import minillm\n")
-    proc = subprocess.run([sys.executable, "-c", f"""
-import sys
-sys.path.insert(0, {str(ROOT / "minillm")!r})
-import exercises
-from pathlib import Path
-try:
-    exercises.load_checks(Path({str(tmp_path)!r}))
-except exercises.ExerciseError as e:
-    print(e)
-"""], capture_output=True, text=True, timeout=300)
-    assert "the grader must never import the code it grades, but minillm" in proc.stdout, proc.stdout + proc.stderr
+def test_a_caller_that_reaches_an_oracle_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "tests" / "exercises"
+    folder.mkdir(parents=True)
+    shutil.copy(ROOT / judging.EXERCISE_TESTS / "exercise_checks.py", folder)
+    (folder / "test_ex_bad.py").write_text(
+        "from exercise_checks import Check, attention_oracle\n\n"
+        "class Bad(Check):\n    exercise = 'bad'\n\n    def run(self, inputs):\n"
+        "        return attention_oracle(inputs['q'], inputs['k'], inputs['v'])\n\nBAD = Bad()\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("exercise_checks", "test_ex_bad"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    checks = judging.load_checks(tmp_path)
+    with pytest.raises(ExerciseError, match="Bad.run uses .*attention_oracle.*must hold no oracle"):
+        callers.caller_source(checks["bad"])
+    for name in ("exercise_checks", "test_ex_bad"):   # the real checks' module of the same name comes back
+        sys.modules.pop(name, None)
 
 
 PROBE = '''\
@@ -575,55 +586,108 @@ def test_a_stubbed_copy_scores_0_and_its_pytest_report_is_one_line_per_exercise(
     assert "Traceback" not in out and "NotImplementedError" not in out and len(out.splitlines()) < 30, out
 
 
-CHEATED = {"paged-slot-mapping", "sampling-top-p", "paged-gather", "paged-free", "kv-cache-read", "model-heads"}
-
-
-def cheat(copy: Path, exercises: dict[str, tool.Exercise], results_path: Path) -> dict[str, str]:
-    """Cheats a student might try, each aimed at one exercise; returns {exercise: the cheat}."""
-    forgery = f'''
-# --- a forgery: every process that imports the package forges the verdicts
-import atexit as _atexit, json as _json, os as _os, sys as _sys, threading as _threading
+FORGERY = """
+# --- a forgery outside every region: if any process imported the package from here, it would forge the verdicts
+import atexit as _atexit, json as _json, os as _os
 
 def _forge(*_):
     try:
-        with open({str(results_path)!r}, "w") as f:
-            _json.dump({{"score": 25.0, "output": "forged", "tests": []}}, f)
-        for fd in range(3, 64):    # and the grader's channel, whichever it is
-            try:
-                _os.write(fd, b'{{"case": 0, "output": 0}}\\n{{"done": true}}\\n')
-            except OSError:
-                pass
+        with open({path!r}, "w") as f:
+            _json.dump({{"score": 30.0, "output": "forged", "tests": []}}, f)
     except Exception:
         pass
 
+_forge()
 _atexit.register(_forge)
-_sys.excepthook = _threading.excepthook = _forge
-try:
-    import _pytest.reports as _reports
-    _reports.TestReport.outcome = property(lambda self: "passed", lambda self, value: None)
-except Exception:
-    pass
-if _os.fork() == 0:                # and, later, from a process of its own
-    import time as _time
-    _time.sleep(4)
-    _forge()
-    _os._exit(0)
-'''
-    init = copy / "minillm" / "__init__.py"
-    init.write_text(init.read_text() + forgery)
-    visible_slots = {((7, 2), 0, 3, 4): [28, 29, 30], ((7, 2, 5), 0, 10, 4): [28, 29, 30, 31, 8, 9, 10, 11, 20, 21],
-                     ((7, 2, 5), 3, 6, 4): [31, 8, 9, 10, 11, 20], ((7, 2, 5), 8, 1, 4): [20],
-                     ((3, 0, 2), 1, 2, 1): [0, 2]}
-    restore(copy, exercises["paged-slot-mapping"], [f"return {visible_slots!r}[(tuple(block_table), start, "
-                                                    f"num_tokens, block_size)]"])
-    restore(copy, exercises["sampling-top-p"], ["import os", "os._exit(0)"])
-    restore(copy, exercises["paged-gather"], ["import sys", "sys.exit(0)"])
-    restore(copy, exercises["paged-free"], ["import time", "while True:", "    try:", "        time.sleep(0.01)",
-                                            "    except BaseException:", "        pass"])
-    restore(copy, exercises["kv-cache-read"], ["import ctypes", "ctypes.string_at(0)"])
-    return {"kv-cache-read": "a crash (a segmentation fault)", "paged-slot-mapping": "a dict of the visible cases", "sampling-top-p": "os._exit(0)",
-            "paged-gather": "sys.exit(0)", "paged-free": "an endless loop that catches BaseException",
-            "model-heads": "left a stub, with the verdicts forged (atexit, excepthook, pytest's reports, a late process)"}
+"""
+
+
+def region_lines(ex: regions.Exercise, *lines: str) -> list[str]:
+    return [ex.indent + line for line in lines]
+
+
+def cheat(student: Path, reference: list[regions.Exercise], source: Path, results_path: Path) -> dict[str, str]:
+    """Every attack of issue 20 against its own exercise of the student's copy; returns {exercise: the attack}.
+    The copy's other exercises are left for the caller to restore honestly."""
+    by_id = {ex.id: ex for ex in find_exercises(student)}
+    ref = {ex.id: ex for ex in reference}
+
+    def put(ex_id: str, lines: list[str]) -> None:
+        ex = by_id[ex_id]
+        path = student / ex.file
+        path.write_text(replace_region(path.read_text(), ex.file, ex_id, lines))
+
+    init = student / "minillm" / "__init__.py"           # the -m form run as root, and module-level rebinding
+    init.write_text(init.read_text() + FORGERY.format(path=str(results_path)))
+    reference_prefix_match = (ROOT / "minillm" / "prefix_caching.py").read_text()
+    block = reference_prefix_match[reference_prefix_match.index("def prefix_match("):]
+    block = block[:block.index("\n\n\n")] if "\n\n\n" in block else block
+    block = "\n".join(line for line in block.splitlines() if "# >>>" not in line and "# <<<" not in line
+                      and "# hint:" not in line)
+    caching = student / "minillm" / "prefix_caching.py"
+    caching.write_text(caching.read_text() + "\n\n# rebinding the stub, outside its region\n" + block + "\n")
+    tests = student / "tests" / "exercises" / "test_ex_sampling.py"   # the student's own judging, changed
+    tests.write_text(tests.read_text() + "\nTopK.verify = lambda self, inputs, output: None\n")
+    put("sampling-top-p", region_lines(by_id["sampling-top-p"], "from transformers import TopPLogitsWarper",
+                                       "return TopPLogitsWarper(p)(None, logits)"))
+    put("kv-cache-write", region_lines(by_id["kv-cache-write"], 'raise ValueError("\\\\udcff")'))
+    forged = '{"case": %d, "output": {"tensor": {"dtype": "int8", "shape": [1], "data": [100000]}}}\n'
+    put("kv-cache-read", region_lines(by_id["kv-cache-read"], "import os",
+                                      "for fd in range(3, 64):",
+                                      "    try:",
+                                      f"        os.write(fd, b''.join({forged!r}.encode() % i for i in range(100)))",
+                                      "    except OSError:",
+                                      "        pass",
+                                      "os._exit(0)"))
+    put("paged-allocate", region_lines(by_id["paged-allocate"], "import importlib, sys",
+                                       f"sys.path.insert(0, {str(source / 'tests' / 'exercises')!r})",
+                                       "oracle = importlib.import_module('test_' + 'ex_block_manager')",
+                                       "return oracle.ALLOCATE.verify"))
+    put("paged-free", region_lines(by_id["paged-free"], "import gc, sys",
+                                   "checks = [o for o in gc.get_objects() if hasattr(type(o), 'verify')]",
+                                   "frames, f = [], sys._getframe()",
+                                   "while f is not None:",
+                                   "    frames += [v for v in f.f_locals.values() if hasattr(type(v), 'verify')]",
+                                   "    f = f.f_back",
+                                   "(checks + frames)[0].verify({}, None)"))
+    table = visible_and_seeded_slots(1234)
+    put("paged-slot-mapping", region_lines(by_id["paged-slot-mapping"],
+                                           f"return {table!r}[(tuple(block_table), start, num_tokens, block_size)]"))
+    put("paged-gather", region_lines(by_id["paged-gather"], "import os", "os.kill(os.getpid(), 40)"))
+    put("scheduler-preempt", region_lines(by_id["scheduler-preempt"], "print('LEAKED-FROM-A-RUN', seq.request_id, num_tokens)",
+                                          "raise RuntimeError('no room')"))
+    put("speculative-accept", region_lines(by_id["speculative-accept"], "import importlib.util, sys",
+                                           f"sys.path.insert(0, {str(source / 'tests')!r})",
+                                           f"spec = importlib.util.spec_from_file_location('t', {str(source / 'tests' / 'test_speculative.py')!r})",
+                                           "t = importlib.util.module_from_spec(spec)",
+                                           "spec.loader.exec_module(t)",
+                                           "return t.resample_from_p(draft_token_ids, draft_probs, target_probs, generator)"))
+    honest = by_id["scheduler-budget-fill"]
+    put("scheduler-budget-fill", region_lines(honest, "import statistics  # a lazy import of the standard library",
+                                              "assert statistics.mean([1, 3]) == 2") + list(ref[honest.id].body))
+    put("model-causal-attention", list(ref["model-causal-attention"].body))
+    return {"model-heads": "a stub, and a forged results file from the package's __init__ (the -m form, as root)",
+            "sampling-top-k": "a stub, and the student's own tests/exercises changed to pass anything",
+            "prefix-match": "a stub, and the function rebound to a working one outside the region",
+            "sampling-top-p": "transformers' TopPLogitsWarper", "kv-cache-write": "an exception whose message is a lone surrogate",
+            "kv-cache-read": "forged channel lines holding out-of-range tensors, then os._exit",
+            "paged-allocate": "importing the instructor's checks, oracles included",
+            "paged-free": "looking for a Check's verify in its own process",
+            "paged-slot-mapping": "a table of answers for seed 1234", "paged-gather": "os.kill with signal 40",
+            "scheduler-preempt": "printing during held-out runs, hidden until the due date",
+            "speculative-accept": "the acceptance rule spliced from tests/test_speculative.py"}
+
+
+HONEST = {"model-causal-attention", "scheduler-budget-fill"}
+
+
+def visible_and_seeded_slots(seed: int) -> dict:
+    """slot_mapping's answers on the visible cases and seed `seed`'s held-out inputs: a table built offline."""
+    from minillm.paged_attention import slot_mapping
+    check = judging.load_checks(ROOT)["paged-slot-mapping"]
+    cases = {**check.visible(), **check.held_out(seed)}
+    return {(tuple(c["table"]), c["start"], c["num_tokens"], c["block_size"]):
+            slot_mapping(list(c["table"]), c["start"], c["num_tokens"], c["block_size"]) for c in cases.values()}
 
 
 def world_readable(path: Path) -> None:
@@ -638,61 +702,75 @@ def run_autograder_script() -> str:
     return "\n".join(line.removeprefix("  ") for line in block.splitlines()) + "\n"
 
 
+def run_script(script: str) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # python3: this environment's
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PATH": path, "MINILLM_GRADE_TIMEOUT": "60", "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def nobody_cannot_run_python() -> list[str]:
+    """What `nobody` could not read of this interpreter and its packages (a clone in a mode-700 folder)."""
+    import sysconfig
+    return runner.unreadable_for("nobody", [os.path.realpath(sys.executable), sysconfig.get_paths()["stdlib"],
+                                            *[p for p in sys.path if p and os.path.isabs(p)]])
+
+
 @reference_only
-def test_run_autograder_grades_a_submission_and_no_cheat_scores(reference):
-    """The README's run_autograder, end to end: the instructor's copy as the source, a student's files as the
-    submission; restored exercises score in full, and every cheat scores 0 on its own exercise only."""
+def test_run_autograder_grades_only_the_regions_and_no_attack_scores(reference):
+    """The README's run_autograder, end to end, as root with --user nobody where it can: the instructor's copy as
+    the source, a student's tree as the submission. Every attack scores 0 on its own exercise and costs no other
+    exercise a point; the honest ones, one with a lazy import of the standard library, score in full."""
     script = run_autograder_script()
-    assert "cd /autograder/source" in script and "grade --user nobody --json /autograder/results/results.json" in script
+    assert "cd /autograder/source" in script and "python3 -m minillm.classroom grade /autograder/submission" in script
+    assert "--user nobody --json /autograder/results/results.json" in script and "chmod -R go-rwx tests/exercises" in script
     base = Path(tempfile.mkdtemp(prefix="autograder-"))   # under /tmp, so that `nobody` can read it
     try:
         autograder = base / "autograder"
         make_copy(autograder / "source")                  # what the instructor uploads
         student = base / "student"
-        make_copy(student)                                # the student's copy, solved in part, cheating in part
-        by_id = {ex.id: ex for ex in find_exercises(student)}
-        restored = [ex for ex in reference if ex.id not in CHEATED]
-        for ex in restored:
-            restore(student, ex)
+        make_copy(student)                                # the student's copy, honest in part, attacking in part
         results_path = autograder / "results" / "results.json"
-        cheats = cheat(student, by_id, results_path)
-        assert set(cheats) == CHEATED
-        (autograder / "submission" / "minillm").mkdir(parents=True)
-        for f in (student / "minillm").glob("*.py"):
-            shutil.copy(f, autograder / "submission" / "minillm" / f.name)
-        (autograder / "submission" / "minillm" / "exercises.py").write_text("print('a forged grader')\n")
+        attacks = cheat(student, reference, autograder / "source", results_path)
+        assert set(attacks) | HONEST == {ex.id for ex in reference}
+        shutil.copytree(student, autograder / "submission")
         (autograder / "results").mkdir()
         world_readable(base)
         script = script.replace("/autograder", str(autograder))
-        if os.geteuid() != 0:                             # only root can hand the children to `nobody`
+        script = script.replace("grade ", "grade --held-out-visibility after_due_date ", 1)
+        as_nobody = os.geteuid() == 0                     # only root can hand the children to `nobody`
+        if as_nobody and nobody_cannot_run_python():      # Python under a folder nobody cannot read: a clear refusal
+            proc = run_script(script)
+            assert proc.returncode == 2 and "--user nobody cannot read what the student's code needs" in proc.stderr
+            assert "--user nobody cannot read" in json.loads(results_path.read_text())["output"]
+            as_nobody = False                             # ...and the attacks are still graded, without --user
+        if not as_nobody:
             script = script.replace("--user nobody ", "")
-        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # python3: this environment's
-        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "PATH": path, "MINILLM_GRADE_TIMEOUT": "10", "PYTHONDONTWRITEBYTECODE": "1"})
+        proc = run_script(script)
+        raw = results_path.read_bytes()
+        assert all(b < 128 for b in raw), "the results file must be ASCII"
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "a forged grader" not in proc.stdout
-        import time
-        time.sleep(5)                                     # longer than the late forgery waits
         results = results_by_exercise(results_path)
         for ex in reference:
             held = results[ex.id]["held-out checks"]
-            want = ex.points if ex in restored else 0
-            assert held["score"] == want, (f"{ex.id} ({cheats.get(ex.id, 'put back' if want else 'a stub')}) "
-                                           f"scored {held['score']} of {ex.points}, expected {want}:\n{held['output']}")
-        outputs = {ex_id: results[ex_id]["held-out checks"]["output"] for ex_id in cheats}
-        assert "os._exit() was called" in outputs["sampling-top-p"]
-        assert "sys.exit(0)" in outputs["paged-gather"]
-        assert "ran past the time limit of 10 s" in outputs["paged-free"]
-        assert "KeyError" in outputs["paged-slot-mapping"]
-        assert "killed by signal SIGSEGV: a crash" in outputs["kv-cache-read"]
-        assert json.loads(results_path.read_text())["score"] == sum(ex.points for ex in restored)
+            want = ex.points if ex.id in HONEST else 0
+            assert held["score"] == want, (f"{ex.id} ({attacks.get(ex.id, 'honest')}) scored {held['score']} of "
+                                           f"{ex.points}, expected {want}:\n{held['output']}")
+        outputs = {ex_id: results[ex_id]["held-out checks"]["output"] for ex_id in attacks}
+        assert "transformers" in outputs["sampling-top-p"] and "off limits" in outputs["sampling-top-p"]
+        assert "killed by signal 40" in outputs["paged-gather"]
+        assert "cannot read" in outputs["kv-cache-read"]           # the forged tensors were judged, alone
+        assert "not written yet" in outputs["prefix-match"] and "not written yet" in outputs["model-heads"]
+        visible = json.dumps([t for t in json.loads(raw)["tests"] if t["visibility"] == "visible"])
+        assert "LEAKED" not in visible and "LEAKED" not in json.loads(raw)["output"]
+        assert "LEAKED-FROM-A-RUN" in outputs["scheduler-preempt"]   # the instructor still sees it, after the due date
+        assert json.loads(raw)["score"] == sum(ex.points for ex in reference if ex.id in HONEST)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
-LINGERER = '''
+LINGERER = """\
 import os as _os, time as _time
-if _os.fork() == 0:                 # outlive the grader's child, and forge the results once they are written
+if _os.fork() == 0:                 # outlive the child, and forge the results once they are written
     for _ in range(300):
         _time.sleep(0.1)
         if _os.path.exists({path!r}):
@@ -701,17 +779,18 @@ if _os.fork() == 0:                 # outlive the grader's child, and forge the 
                 f.write('{{"score": 25.0, "output": "forged", "tests": []}}')
             break
     _os._exit(0)
-'''
+"""
 
 
 @reference_only
 def test_what_the_graded_code_leaves_running_is_killed_with_its_child(tmp_path, reference):
     copy = tmp_path / "lingering"
     make_copy(copy, only="sampling-top-k")
-    restore(copy, next(ex for ex in reference if ex.id == "sampling-top-k"))
+    (ex,) = [e for e in find_exercises(copy) if e.id == "sampling-top-k"]
     results = tmp_path / "results.json"
-    init = copy / "minillm" / "__init__.py"
-    init.write_text(init.read_text() + LINGERER.format(path=str(results)))
+    body = region_lines(ex, *LINGERER.format(path=str(results)).splitlines())
+    restore(copy, ex, [line[len(ex.indent):] for line in body] + [line[len(ex.indent):] for line in
+                                                                    next(r for r in reference if r.id == ex.id).body])
     proc = run_tool(copy, "grade", "--json", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import time
@@ -759,3 +838,90 @@ def test_the_whole_suite_in_a_stubbed_copy_reports_in_a_few_lines(stubbed_copy, 
     assert proc.returncode == 1 and " failed" not in out and " error" not in out, out[-5000:]
     assert f"{len(reference)} exercises still to write" in out and "Traceback" not in out, out[-5000:]
     assert len(out.splitlines()) < 60, out
+
+
+# ------------------------------------------------------------------ splicing, off-limits calls, a child's worst
+
+SUBMITTED = TWO_REGIONS.replace("        taken = self.free[-n:]\n        del self.free[-n:]\n        return taken\n",
+                                "        return [self.free.pop() for _ in range(n)]\n")
+
+
+def test_only_the_regions_of_a_submission_are_taken():
+    mine = parse(TWO_REGIONS)
+    bodies = splice.regions_of_submission("import os\nos.system('x')\n" + SUBMITTED + "EVIL = 1\n", "minillm/pool.py", mine)
+    assert bodies == {"pool-take": ["        return [self.free.pop() for _ in range(n)]"],
+                      "pool-give": list(mine[1].body)}
+
+
+@pytest.mark.parametrize("submitted, message", [
+    (SUBMITTED.replace("        # >>> exercise pool-give (lesson 05, 1 pts): give blocks back\n", ""),
+     r"minillm/pool.py: the marker of exercise pool-give .* appears 0 times"),
+    (SUBMITTED + "        # >>> exercise pool-take (lesson 05, 2 pts): again\n",
+     r"minillm/pool.py: the marker of exercise pool-take .* appears 2 times"),
+    (SUBMITTED.replace("pool-take", "POOL").replace("pool-give", "pool-take").replace("POOL", "pool-give"),
+     r"minillm/pool.py: the exercise markers are out of order \(pool-give, pool-take\)"),
+    (SUBMITTED.replace("        return [self.free.pop() for _ in range(n)]\n        # <<< exercise\n", "        x = 1\n", 1),
+     r"minillm/pool.py:4: exercise pool-take has no end marker"),
+    (SUBMITTED.replace("        return [self", '        x = """\n        return [self').replace(
+        "            self.free.append(block)\n", '            self.free.append(block)\n        """\n'),
+     r"minillm/pool.py:\d+: the code of exercise pool-take is not valid Python on its own"),
+])
+def test_a_submission_with_broken_markers_is_refused_naming_file_and_marker(submitted, message):
+    with pytest.raises(ExerciseError, match=message):
+        splice.regions_of_submission(submitted, "minillm/pool.py", parse(TWO_REGIONS))
+
+
+def test_off_limits_names_are_found_in_the_code_not_in_its_comments():
+    (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: heapq, sorted."))
+    assert ex.off_limits == ("heapq", "sorted")
+    assert judging.forbidden_calls(ex, ["# sorted and heapq are banned", "x = 'heapq'", "return 1"]) == []
+    assert judging.forbidden_calls(ex, ["import heapq", "return sorted(self.free)"]) == ["heapq", "sorted"]
+    assert judging.forbidden_calls(ex, ["from transformers import TopKLogitsWarper", "return 1"]) == ["transformers"]
+    assert judging.forbidden_calls(ex, ["import test_ex_pool", "return 1"]) == ["test_ex_pool"]
+
+
+def test_what_a_child_sends_costs_its_own_cases_only():
+    forged = {"tensor": {"dtype": "int8", "shape": [1], "data": [100000]}}   # torch raises on decoding it
+    score = judged([{"case": i, "output": forged if i == 3 else i} for i in range(6)])
+    assert [r.passed for r in score.results] == [True, True, True, False, True, True]
+    assert "cannot read" in score.results[3].message
+
+    class Exploding:
+        def verify(self, inputs, output):
+            raise RecursionError("a structure too deep to compare")   # a check's own error stays in its exercise
+
+    (ex,) = parse(REGION)
+    cases = [judging.Case("c", {}, True)]
+    broken = judging.judge(ex, Exploding(), cases, runner.ChildRun([{"case": 0, "output": 1}], 0, "", ""))
+    assert "could not be checked (RecursionError" in broken.results[0].message
+    exploding_run = runner.ChildRun([{"case": 0, "output": 1}], 0, "", "")
+    exploding_run.messages = None   # whatever goes wrong in judging itself: this exercise fails, with a reason
+    broken = judging.judge(ex, Exploding(), cases, exploding_run)
+    assert broken.score == 0 and not broken.results[0].passed
+    assert runner.signal_name(11) == "SIGSEGV" and runner.signal_name(40) == "signal 40"
+
+
+def test_the_results_file_is_ascii_and_written_whole_whatever_the_code_said(tmp_path):
+    score = judged([{"case": i, "raised": {"type": "ValueError", "message": "\udcff é"}} for i in range(6)])
+    path = tmp_path / "out" / "results.json"
+    report.write_results(path, report.gradescope_results([score], seed=1))
+    raw = path.read_bytes()
+    assert all(b < 128 for b in raw) and "\udcff" in json.loads(raw)["tests"][1]["output"]
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]   # no partial file left behind
+
+
+def test_hidden_held_out_checks_keep_the_runs_output_out_of_sight():
+    score = judged([{"case": i, "output": -1} for i in range(6)], ended="it ran past the time limit (during case c5)")
+    hidden = report.gradescope_results([score], seed=1, held_out_visibility="after_due_date")
+    visible_entry = next(t for t in hidden["tests"] if t["visibility"] == "visible")
+    assert "printed this" not in visible_entry["output"] and "c5" not in visible_entry["output"]
+    assert "points (the held-out checks are shown after due date)" in hidden["output"]
+    shown = report.gradescope_results([score], seed=1)
+    assert "printed this" in shown["tests"][0]["output"] and "0 / 2 points" in shown["output"]
+
+
+@reference_only
+def test_list_fits_100_columns(capsys):
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 14 and max(len(line) for line in lines) <= cli.WIDTH, max(lines, key=len)

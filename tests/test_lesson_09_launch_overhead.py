@@ -9,6 +9,7 @@ from minillm import PRESETS
 from minillm.steps import count_ops, decode_step
 from minillm.weights import random_model
 
+from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 
@@ -33,6 +34,7 @@ def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_
         assert p["overhead_s"] == pytest.approx(p["host_per_op_s"] * p["ops"]["eager"])
     assert points[1]["ops"]["eager"] > points[0]["ops"]["eager"]  # mini is deeper: more ops per step
     assert points[1]["weight_bytes"] > points[0]["weight_bytes"]
+    assert_lesson_results(doc)
 
 
 @pytest.mark.parametrize("name", ["tiny", "mini"])

@@ -11,6 +11,7 @@ import torch
 from minillm import PRESETS
 from minillm.weights import random_model
 
+from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
@@ -130,8 +131,8 @@ def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
     assert (tmp_path / f"{lesson.NAME}.png").stat().st_size > 1000
     v, runs, s = doc["verdict"], doc["figures"]["runs"], doc["figures"]["sizes"]
     assert v["outcome"] in (HOLDS, NOT_SUPPORTED, INCONCLUSIVE) and len(v["checks"]) == 3
-    assert all(len(c["values"]) == s["repeats"] for c in v["checks"])
-    assert any(r.startswith("throughput: without caching") for r in v["reasons"])
+    assert all(len(c["values"]) >= s["repeats"] for c in v["checks"])
+    assert any("throughput: without caching" in r for r in v["reasons"])
     for off, on in zip(runs["shared off"], runs["shared on"]):
         assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"] == off["prompt_tokens"]
         assert off["hit_rate"] == 0 < on["hit_rate"]
@@ -139,6 +140,7 @@ def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
         assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] and on["hit_rate"] == 0
     assert all(r["requests"] == len(s["sweep"]) for r in runs["sweep off"])
     assert all(r["requests"] == len(s["sweep"]) + 1 for r in runs["sweep on"])
+    assert_lesson_results(doc)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from minillm.cost import decode_cost, prefill_cost, step_cost
 from minillm.memory import resident_bytes
 from models import random_prompts
 
+from lesson_checks import assert_lesson_results
 from lessons_support import LESSONS, load_lesson  # also puts lessons/ on sys.path
 
 
@@ -44,6 +45,8 @@ def test_lesson_runs_quick_and_writes_json_and_plot(module, tmp_path, capsys):
     assert v["holds"] == (v["outcome"] == "HOLDS") and "share" in v["load"]
     out = capsys.readouterr().out
     assert out.count("Verdict:") == 1  # exactly one verdict per lesson
+    assert_lesson_results(doc)
+    assert doc["predictions"] and out.index("prediction:") < out.index("Verdict:")
 
 
 def test_a_lessons_help_shows_its_whole_docstring(capsys):
@@ -160,6 +163,9 @@ def test_run_all_dry_run_passes_flags(capsys):
     assert run_all.main(["--quick", "--model", "tiny", "--dry-run", "--only", "2"]) == 0
     out = capsys.readouterr().out
     assert "02_kv_cache.py" in out and "--quick" in out and "--model tiny" in out and "01_" not in out
+    assert "--threads" not in out  # each lesson counts its free cores unless told
+    assert run_all.main(["--threads", "1", "--dry-run", "--only", "2"]) == 0
+    assert "--threads 1" in capsys.readouterr().out
 
 
 def test_run_all_reports_each_lessons_verdict_or_why_there_is_none(tmp_path):

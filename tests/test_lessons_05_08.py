@@ -16,6 +16,7 @@ from minillm.scheduler import SchedulerConfig
 from minillm.sequence import RequestMetrics
 from minillm.weights import random_model
 
+from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 import workloads  # noqa: E402
@@ -33,6 +34,8 @@ def run_quick(module, tmp_path) -> dict:
     assert doc["lesson"] == module.NAME and doc["quick"] is True
     assert (tmp_path / f"{module.NAME}.png").stat().st_size > 1000
     assert doc["verdict"]["outcome"] in ("HOLDS", "NOT SUPPORTED", "INCONCLUSIVE")
+    assert_lesson_results(doc)
+    assert doc["predictions"]
     return doc
 
 
@@ -113,7 +116,7 @@ def test_lesson_06_quick_judges_the_step_at_the_stated_point(tmp_path, one_threa
     assert f["judged_context"] == PRESETS["tiny"].n_ctx // 4
     assert {r["block_size"] for r in f["by_block_size"]} == {4, 16, 64}
     for r in f["by_context"] + f["by_block_size"]:
-        assert len(r["step_ratio"]) == 3 and r["gather_s"] > 0 and all(x > 0 for x in r["attention_ratio"])
+        assert len(r["step_ratio"]) >= 3 and r["gather_s"] > 0 and all(x > 0 for x in r["attention_ratio"])
     assert v["checks"][0]["line"] == paging.STEP_COST_LIMIT and v["checks"][0]["timed"]
 
 
@@ -134,7 +137,7 @@ def test_lesson_07_quick_writes_each_request_timeline(tmp_path, one_thread):
     f, v = doc["figures"], doc["verdict"]
     assert set(f["runs"]) == {"unchunked", f"chunked {f['setup']['chunk_budget']}"}
     for runs in f["runs"].values():
-        assert len(runs) == f["setup"]["repeats"]
+        assert len(runs) >= f["setup"]["repeats"]
         for r in runs:
             assert r["window_max_itl_s"] >= r["window_p99_itl_s"] > 0 and r["long_ttft_s"] > 0
             long = r["requests"][-1]
@@ -171,7 +174,7 @@ def test_lesson_08_quick_judges_a_fixed_large_budget_against_the_old_default(tmp
     f, v = doc["figures"], doc["verdict"]
     assert set(f["configs"]) == {"chunked 512", "chunked 4096", "unchunked 2048"}
     for c in f["configs"].values():
-        assert len(c["runs"]) == 2 and all(r["preemptions"] == 0 and r["generated_tokens"] > 0 for r in c["runs"])
+        assert len(c["runs"]) >= 2 and all(r["preemptions"] == 0 and r["generated_tokens"] > 0 for r in c["runs"])
     gains = [a["throughput"] / b["throughput"] for a, b in zip(f["configs"]["chunked 4096"]["runs"],
                                                                f["configs"]["chunked 512"]["runs"])]
     assert f["gain_per_round"] == pytest.approx(gains) and v["checks"][0]["values"] == pytest.approx(gains)

@@ -1,6 +1,6 @@
 """A student copy runs the lessons in order: lesson N needs only the exercises of lessons 01..N.
 
-Each test makes a copy (`python -m minillm.exercises make`) in which every exercise of a lesson after N is
+Each test makes a copy (`python -m minillm.classroom make`) in which every exercise of a lesson after N is
 still a stub, runs there (tiny model, --quick) every lesson before the first one that teaches a stubbed
 exercise, and checks that this one stops with one line that names the exercise, says where it is and how
 to check it.
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from minillm import exercises
-from minillm.exercises import find_exercises
+from minillm.classroom.manifest import MANIFEST
+from minillm.classroom.regions import find_exercises
 
 ROOT = Path(__file__).resolve().parents[1]
 # `make` copies what git tracks, so the copies these tests make come from the reference project, not a student copy.
-pytestmark = pytest.mark.skipif((ROOT / exercises.MANIFEST).exists(),
+pytestmark = pytest.mark.skipif((ROOT / MANIFEST).exists(),
                                 reason="a student copy: the course's lesson order is checked in the reference project")
 # The course's exercise → lesson map; an exercise not listed here is placed by its marker's lesson number.
 LESSON_OF = {"model-heads": 1, "model-causal-attention": 1, "sampling-top-k": 1, "sampling-top-p": 1,
@@ -36,7 +36,7 @@ def copy_up_to(n: int, target: Path) -> tuple[Path, list]:
     later = [ex for ex in find_exercises(ROOT) if lesson_of(ex) > n]
     if not later:
         return ROOT, []
-    subprocess.run([sys.executable, "-m", "minillm.exercises", "make", str(target), "--only",
+    subprocess.run([sys.executable, "-m", "minillm.classroom", "make", str(target), "--only",
                     ",".join(ex.id for ex in later)], cwd=ROOT, check=True, capture_output=True, text=True)
     return target, later
 
@@ -55,7 +55,7 @@ def assert_stops_at_a_stub(result, stubbed: list) -> None:
     names = [ex for ex in stubbed if f"exercise {ex.id}," in lines[0]]
     assert names, lines[0]
     ex = names[0]
-    assert f"{ex.file}:" in lines[0] and f"python -m minillm.exercises check {ex.id}" in lines[0]
+    assert f"{ex.file}:" in lines[0] and f"python -m minillm.classroom check {ex.id}" in lines[0]
 
 
 def check_course_up_to(n: int, tmp_path: Path) -> None:

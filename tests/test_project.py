@@ -22,7 +22,7 @@ def test_results_and_weights_are_ignored():
 
 # ---- the picture of the code ---------------------------------------------------------------
 
-TORCH_FREE = ("sequence", "block_manager", "scheduler", "chunked_prefill", "prefix_caching")
+TORCH_FREE = ("sequence", "block_manager", "scheduler", "chunked_prefill", "cached_blocks", "prefix_caching")
 
 
 def reading_order() -> list[str]:

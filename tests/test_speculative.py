@@ -286,19 +286,18 @@ def accept_every_guess(guesses, q, p, generator=None):
 
 
 def resample_from_p(guesses, q, p, generator=None):
-    """Rejects correctly, then draws the replacement from p instead of the residual max(0, p − q)."""
-    for i, d in enumerate(guesses):
-        if float(torch.rand(1, generator=generator)) >= float(p[i, d] / q[i, d]):
-            return guesses[:i] + [int(torch.multinomial(p[i], 1, generator=generator))]
-    return guesses + [int(torch.multinomial(p[-1], 1, generator=generator))]
+    """The real rule's accepted guesses, but a refused guess's replacement drawn from p instead of the residual."""
+    emitted = speculative_rule(guesses, q, p, generator)
+    if len(emitted) <= len(guesses):   # a guess was refused: its replacement is the last token
+        emitted[-1] = int(torch.multinomial(p[len(emitted) - 1], 1, generator=generator))
+    return emitted
 
 
 def inverted_ratio(guesses, q, p, generator=None):
-    """Accepts with probability min(1, q/p) instead of min(1, p/q)."""
-    for i, d in enumerate(guesses):
-        if float(torch.rand(1, generator=generator)) >= float(q[i, d] / p[i, d]):
-            return guesses[:i] + [int(torch.multinomial((p[i] - q[i]).clamp(min=0), 1, generator=generator))]
-    return guesses + [int(torch.multinomial(p[-1], 1, generator=generator))]
+    """The real rule with the draft's and the target's roles swapped on the guessed positions: it accepts with
+    probability min(1, q/p). (Built on the rule under test, so that this file holds no rule of its own.)"""
+    k = len(guesses)
+    return speculative_rule(guesses, p[:k], torch.cat([q, p[k:]]), generator)
 
 
 def bonus_from_the_last_guess_row(guesses, q, p, generator=None):

@@ -16,7 +16,7 @@ and two kinds of case:
                             time from a seed it chooses, so no table of answers can pass them
 
 Pytest runs `run` then `verify` in one process (`Check.pytest_test`); the
-grader (minillm/exercises.py) runs `run` in a child process that sends back
+grader (minillm/classroom/) runs `run`, cut out with what it uses, in a fresh process that sends back
 only data, and `verify` in the parent, which decides the score. Both pass the
 output through the same encoding, so a test and the grader judge the same
 values.
@@ -98,7 +98,7 @@ class Check:
         @pytest.mark.exercise(check.exercise)
         @pytest.mark.parametrize("case", list(cases))
         def test(case):
-            from minillm.exercises import over_the_wire
+            from minillm.classroom.wire import over_the_wire
             output = over_the_wire(check.run(copy.deepcopy(cases[case])))
             try:
                 check.verify(cases[case], output)

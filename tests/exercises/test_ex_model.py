@@ -119,7 +119,11 @@ class Heads(Check):
         def one_head(d):
             return heads_case(d.int(1, 3), d.int(2, 4), 1, d.choice([4, 8]), seed=d.int(0, 10**9))
 
-        return {"several heads": several, "a single head": one_head}
+        def heads_and_tokens(d):   # T, H ≥ 2 at once: a reshape straight to (B, H, T, D) mixes them up
+            return heads_case(d.int(1, 3), d.int(2, 5), d.int(2, 4), d.choice([2, 4, 8]), seed=d.int(0, 10**9))
+
+        return {"several heads": several, "several heads and several tokens at once": heads_and_tokens,
+                "a single head": one_head}
 
     def run(self, inputs):
         from minillm.config import GPT2Config

@@ -170,7 +170,14 @@ class PrefixMatch(Check):
             return {"prompt": prompt, "block_size": bs,
                     "cache": entries(longer, dict(enumerate(ids(d, len(longer) // bs))))}
 
-        return {"nothing of the prompt cached": nothing, "cached blocks, the prompt goes on": goes_on,
+        def on_the_edge(d):
+            bs = d.int(2, 6)
+            prompt = [d.int(0, 9) for _ in range(bs * d.int(2, 5))]   # ends exactly on a block boundary
+            return {"prompt": prompt, "block_size": bs,
+                    "cache": shuffled(d, entries(prompt, dict(enumerate(ids(d, len(prompt) // bs)))))}
+
+        return {"a prompt ending exactly on a block boundary, all of it cached": on_the_edge,
+                "nothing of the prompt cached": nothing, "cached blocks, the prompt goes on": goes_on,
                 "the whole prompt cached": whole, "a miss ends the walk": miss,
                 "the same tokens after another prefix": other_prefix, "a partly filled block": partial,
                 "another prompt sharing the start": shared_start, "a prompt of a block or less": short}

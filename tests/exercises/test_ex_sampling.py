@@ -131,7 +131,12 @@ class TopP(Check):
             return {"logits": distinct_logits(d.int(1, 3), d.int(4, 20), seed=d.int(0, 10**9), scale=0.05),
                     "p": 10 ** -d.int(4, 8)}
 
-        return {"p between 0.05 and 0.95": rows, "a tiny p": tiny}
+        def per_row(d):   # p as an (N, 1) column, one value per row, as the engine passes it
+            logits = distinct_logits(d.int(2, 4), d.int(5, 30), seed=d.int(0, 10**9), scale=d.choice([0.1, 0.3, 1.0]))
+            ps = [p_away_from_every_running_sum(d, logits[r:r + 1]) for r in range(len(logits))]
+            return {"logits": logits, "p": torch.tensor(ps)[:, None]}
+
+        return {"p between 0.05 and 0.95": rows, "a tiny p": tiny, "a per-row tensor p": per_row}
 
     def run(self, inputs):
         from minillm.sampling import apply_top_p
@@ -139,9 +144,11 @@ class TopP(Check):
 
     def verify(self, inputs, output):
         logits, p = inputs["logits"], inputs["p"]
-        check_kept(output, logits, [nucleus(r, p) for r in logits.tolist()],
-                   f"apply_top_p(logits of shape {tuple(logits.shape)}, p={p:.6g}) (each row keeps its most likely "
-                   f"tokens until their probability reaches p)", self.where)
+        per_row = p.flatten().tolist() if isinstance(p, torch.Tensor) else [p] * len(logits)
+        shown = f"p={p:.6g}" if not isinstance(p, torch.Tensor) else f"a per-row p of {[round(x, 4) for x in per_row]}"
+        check_kept(output, logits, [nucleus(r, q) for r, q in zip(logits.tolist(), per_row)],
+                   f"apply_top_p(logits of shape {tuple(logits.shape)}, {shown}) (each row keeps its most likely "
+                   f"tokens until their probability reaches its p)", self.where)
 
 
 TOP_K, TOP_P = TopK(), TopP()

@@ -1,0 +1,65 @@
+"""The classroom: exercises cut from the reference engine, student copies, and a grader that only the regions reach.
+
+    python -m minillm.classroom list                       # id, lesson, points, stub/written, where, in lesson order
+    python -m minillm.classroom make DIR [--only IDS] [--force]
+    python -m minillm.classroom check ID                   # one exercise: visible cases and a fresh held-out draw
+    python -m minillm.classroom grade [SUBMISSION] [--json PATH] [--user nobody]
+
+Regions (regions.py). Pieces of the reference engine are marked in place:
+
+    # >>> exercise kv-cache-write (lesson 02, 2 pts): store the new keys and values in their slots
+    # hint: <the idea and what to think about, never the steps; may end "Off limits: name, name.">
+    <reference code, at the marker's indentation or deeper>
+    # <<< exercise
+
+`make` (copies.py) writes a copy: exactly the files git tracks, each chosen
+region's code replaced by one `raise NotImplementedError('exercise <id> ...')`
+line, and a manifest, exercises.json (manifest.py), after the leak check
+(leaks.py) found no run of 8 tokens of a solution in anything the copy holds.
+
+Grading, and what it defends against
+------------------------------------
+  * Only the regions count (splice.py). `grade SUBMISSION` reads the code
+    between each assigned exercise's markers in the submission and splices
+    it into this tree's own files, in a fresh folder. Every other line, the
+    package's `__init__` and this grader included, is the instructor's; a
+    marker missing, duplicated or out of order refuses the submission, naming
+    the file and the marker, and a region must be whole statements that stay
+    inside their function. A region may not use its hint's "Off limits"
+    names, nor transformers or the checks (checked on its syntax tree).
+  * The student's code never shares a process with the answer key
+    (callers.py, runner.py, child.py). Each exercise runs in a fresh
+    interpreter, as `--user` when given, that receives only its inputs as
+    plain data and the source of the check's `run`, cut out of the test file
+    with the definitions it uses; `verify`, the oracles and the seed stay
+    here. With `--user` the grader refuses to start when that user could read
+    the checks, or could not read the interpreter, the standard library or
+    a sys.path entry (an honest solution would then fail on an import).
+  * A child costs only its own exercise (judge.py). Its output is JSON data,
+    decoded and judged here inside a guard of its exercise; a crash, a signal
+    (named, or by number), os._exit, sys.exit, an endless loop or forged
+    lines fail that exercise only, and the whole session it started is killed.
+  * The results file is always written, whole (renamed into place) and ASCII,
+    also when grading fails, with the reason (results.py).
+  * Held-out inputs are drawn from a fresh seed recorded in the results. A
+    fixed one (MINILLM_GRADE_SEED, --seed) prints a warning: a table of
+    answers built for it would pass, so it is only for reproducing a grade.
+  * With held-out results hidden (--held-out-visibility), nothing the code
+    printed, and no way its run ended, reaches the visible output.
+What no check stops: code that reads files its user can read (keep the
+reference off the image, and the checks private: the README's run_autograder
+does both), network use, and exhausting memory or disk.
+
+Adding an exercise
+------------------
+ 1. Mark the region, around whole statements of one function. Its hint asks
+    the question the code answers; the leak check fails on 8 consecutive
+    tokens of the solution (names and spacing aside) anywhere in a copy.
+ 2. Write its Check in tests/exercises/test_ex_<concept>.py (see
+    exercise_checks.py): visible cases, held-out situations, `run` (calls
+    only the function holding the region, and uses no oracle: it is sent to
+    the child), and `verify` (stays in the grader).
+ 3. Add at least three plausible wrong versions of the region to the catalogue
+    in tests/exercises/wrong.py; tests/test_exercises_tool.py holds each of
+    them below full marks on every one of 200 seeds, and the reference at full.
+"""

@@ -1,0 +1,104 @@
+"""Grading, end to end: splice the submission's regions into the instructor's package, run each exercise in a
+child of its own, judge what came back. Returns the scores and the seed the held-out inputs were drawn from."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+
+from .callers import caller_source
+from .judge import EXERCISE_TESTS, CaseResult, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
+from .manifest import MANIFEST, read_manifest
+from .regions import Exercise, ExerciseError, parse_regions
+from .runner import check_user_can_run, run_children, unreadable_for
+from .splice import spliced_folder
+from .wire import to_wire
+
+DEFAULT_TIMEOUT_S = 60   # per exercise (MINILLM_GRADE_TIMEOUT); a correct one needs a few seconds
+
+
+def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | None = None, seed: int | None = None,
+                    timeout: float = DEFAULT_TIMEOUT_S, jobs: int | None = None,
+                    user: str | None = None) -> tuple[list[Score], int]:
+    """Grade the regions of `exercises` as `submission` (default: `root` itself) wrote them, against the checks and
+    the package of the instructor's tree at `root`."""
+    root = Path(root).resolve()
+    submission = Path(submission or root).resolve()
+    seed = grade_seed() if seed is None else seed
+    checks = load_checks(root)
+    if not checks:
+        raise ExerciseError(f"{root / EXERCISE_TESTS} holds no checks, so this tree cannot grade: the held-out checks "
+                            f"run at grading, in your instructor's copy")
+    missing = [ex.id for ex in exercises if ex.id not in checks]
+    if missing:
+        raise ExerciseError(f"no check in {EXERCISE_TESTS}/ for exercise{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(missing)}; every exercise needs one (see exercise_checks.py)")
+    listed = read_manifest(root)["files"] if (root / MANIFEST).exists() else None
+    if user:
+        readable = [] if unreadable_for(user, [str(root / EXERCISE_TESTS)]) else [str(root / EXERCISE_TESTS)]
+        if readable:
+            raise ExerciseError(f"--user {user} can read the instructor's checks in {readable[0]}, oracles "
+                                f"included; make them private first: chmod -R go-rwx {readable[0]}")
+    folder = spliced_folder(root, submission, exercises, listed)
+    try:
+        if user:
+            check_user_can_run(user, folder)
+        scores: dict[str, Score] = {}
+        work = []
+        for ex in exercises:
+            check, cases = checks[ex.id], cases_of(checks[ex.id], seed)
+            body = _region_body(folder, ex)
+            banned = forbidden_calls(ex, body)
+            if banned:
+                scores[ex.id] = failed_all(ex, cases, f"the code uses {', '.join(banned)}, which this exercise puts "
+                                                      f"off limits (see its hint): write it yourself")
+                continue
+            job = {"exercise": ex.id, "caller": caller_source(check),
+                   "cases": [[i, c.name, to_wire(c.inputs)] for i, c in enumerate(cases)]}
+            work.append((ex, check, cases, job))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        runs = run_children([(ex.id, job) for ex, _, _, job in work], folder, timeout, jobs or cores, user)
+        for ex, check, cases, _ in work:
+            scores[ex.id] = judge(ex, check, cases, runs[ex.id])
+        return [scores[ex.id] for ex in exercises], seed
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _region_body(folder: Path, ex: Exercise) -> list[str]:
+    text = (folder / ex.file).read_text(encoding="utf-8")
+    return list(next(r for r in parse_regions(text, ex.file) if r.id == ex.id).body)
+
+
+def grade_timeout(given: float | None) -> float:
+    text = os.environ.get("MINILLM_GRADE_TIMEOUT", "").strip() if given is None else str(given)
+    try:
+        timeout = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout < float("inf"):
+        raise ExerciseError(f"time limit {text!r} (--timeout or MINILLM_GRADE_TIMEOUT) must be a number of seconds "
+                            f"above 0; the default is {DEFAULT_TIMEOUT_S}")
+    return timeout
+
+
+def grade_seed() -> int:
+    """MINILLM_GRADE_SEED, with a warning, or a fresh seed: a fixed seed lets a table of answers built offline
+    pass, so it is for reproducing one grade only."""
+    text = os.environ.get("MINILLM_GRADE_SEED", "").strip()
+    if not text:
+        return secrets.randbelow(2**31)
+    try:
+        seed = int(text)
+    except ValueError:
+        raise ExerciseError(f"MINILLM_GRADE_SEED={text!r} is not an integer; unset it for a fresh seed") from None
+    warn_fixed_seed(seed)
+    return seed
+
+
+def warn_fixed_seed(seed: int) -> None:
+    print(f"warning: the held-out inputs are fixed (seed {seed}): a table of answers built for this seed passes "
+          f"them. Use a fixed seed only to reproduce one grade; unset MINILLM_GRADE_SEED and drop --seed to grade.",
+          file=sys.stderr)

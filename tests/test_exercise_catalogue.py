@@ -1,0 +1,65 @@
+"""The grade catches the wrong, not only the absent: each plausible wrong version of a region in
+tests/exercises/wrong.py scores below full marks on every one of 200 held-out draws.
+
+One process per exercise: it splices each wrong version into the reference module in turn, and judges each
+seed's held-out cases with the check's own run and verify until one fails (the grader's child would send the
+same data: the outputs go through the same encoding). Instructor only: `make` leaves this file out.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minillm.classroom.manifest import MANIFEST
+from minillm.classroom.regions import ROOT, find_exercises
+
+sys.path.insert(0, str(ROOT / "tests" / "exercises"))
+from wrong import WRONG  # noqa: E402
+
+SEEDS = 200
+pytestmark = pytest.mark.skipif((ROOT / MANIFEST).exists(), reason="a copy: the catalogue is the instructor's")
+
+SCRIPT = r'''
+import copy, importlib, json, sys, textwrap
+sys.path[:0] = [ROOT, ROOT + "/tests/exercises"]
+import torch
+torch.set_num_threads(1)
+from minillm.classroom.judge import load_checks
+from minillm.classroom.regions import find_exercises, replace_region
+from minillm.classroom.wire import over_the_wire
+from wrong import WRONG
+from pathlib import Path
+ex = next(e for e in find_exercises(Path(ROOT)) if e.id == EX)
+check = load_checks(Path(ROOT))[EX]
+module = importlib.import_module(ex.file[:-3].replace("/", "."))
+original = (Path(ROOT) / ex.file).read_text()
+
+def full_marks(seed):
+    for inputs in check.held_out(seed).values():
+        try:
+            check.verify(inputs, over_the_wire(check.run(copy.deepcopy(inputs))))
+        except Exception:
+            return False
+    return True
+
+found = {"reference": [s for s in range(5) if not full_marks(s)]}
+for name, body in WRONG[EX].items():
+    lines = [ex.indent + line if line else "" for line in textwrap.dedent(body).strip("\n").splitlines()]
+    exec(compile(replace_region(original, ex.file, EX, lines), ex.file, "exec"), module.__dict__)
+    found[name] = [s for s in range(SEEDS) if full_marks(s)]
+print(json.dumps(found))
+'''
+
+
+@pytest.mark.parametrize("ex_id", sorted(WRONG))
+def test_every_wrong_version_scores_below_full_marks_on_every_seed(ex_id):
+    assert ex_id in {ex.id for ex in find_exercises(ROOT)}
+    assert len(WRONG[ex_id]) >= 3, f"{ex_id}: the catalogue needs at least three plausible mistakes"
+    code = f"ROOT = {str(ROOT)!r}\nEX = {ex_id!r}\nSEEDS = {SEEDS}\n" + SCRIPT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found.pop("reference") == [], f"{ex_id}: the reference itself misses full marks"
+    lucky = {name: seeds for name, seeds in found.items() if seeds}
+    assert not lucky, f"{ex_id}: wrong versions with full marks on some of {SEEDS} seeds: {lucky}"
