@@ -1,39 +1,44 @@
-"""The GPU check: one command that exercises every CUDA-specific path and records reference results.
+"""The GPU check: one budgeted run, most valuable stage first, that keeps every result it reaches.
 
-    python gpu_check.py              # on a machine with an NVIDIA GPU; stops itself after BUDGET_S
-    python gpu_check.py --dry-run    # anywhere: print the plan, run nothing
+    python gpu_check.py               # on a lent GPU: stops starting stages once --budget (480 s) is spent
+    python gpu_check.py --dry-run     # anywhere: the same flow on the CPU with `tiny`, CUDA-only stages skipped
 
-Everything runs in this one process, so CUDA starts once and each model is
-built once (a random init of gpt2-xl takes a while); only `pytest -m gpu`
-runs in a process of its own. In order:
+The stages, in order of value, each with its estimate for an H200 (estimates
+from reading the code, not yet measured; the first run's `seconds` replace them):
 
-1. CUDA events and memory statistics: `metrics.time_fn` and `Stopwatch` time
-   with events; the allocator's delta for a tensor and a `KVCache` equals their bytes.
-2. bf16 and fp16: a gpt2-shaped model's logits in each agree with fp32 within
-   the dtype's tolerance; the measured ceilings in every dtype.
-3. The engine (gpt2 shape, fp32): with CUDA graphs and with enforce_eager,
-   prefill-first and chunked, every request gets the greedy tokens of
-   `kv_cache.generate`; two engines sized from gpu_memory_utilization one after
-   the other both get their pool (the failure of the first GPU run), and
-   `close()` hands the memory back.
-4. The targets of the GPU path, per model (gpt2, gpt2-xl), bf16, batch 1: the
-   time per decoded token with CUDA graphs and eager, against the weight-read
-   floor (weight bytes ÷ measured bandwidth), and against transformers'
-   `GPT2LMHeadModel.generate` on the same weights and prompt, eager and with its
-   static cache; ops dispatched per step. Targets: gpt2-xl with graphs within
-   1.5× of the floor, gpt2 within 3×; gpt2-xl with graphs ≥ 3× faster than the
-   reference's eager generate and not slower than its static cache.
-5. `python -m pytest -m gpu` (a subprocess).
-6. `bench` for each model in bf16 at batch 1.
-7. Every lesson (found by file name, `lessons/NN_*.py`) with `--device cuda`,
-   on each model's shape (random init: time and memory do not depend on values).
+    correctness        pytest -m gpu tests/test_gpu_paths.py: CUDA events, memory
+                       statistics, bf16/fp16 against fp32, the engine with and
+                       without graphs against per-request generation        45 s
+    targets gpt2-xl    batch-1 bf16 decode, graphs and eager, against the
+    targets gpt2       weight-read floor and transformers' generate (eager;
+                       static cache with its compilation turned off)         50 s, 20 s
+    pytest -m gpu      every other gpu test                                  60 s
+    bench gpt2-xl/gpt2 `python -m minillm bench ... --dtype bf16 --batch 1`  20 s, 10 s
+    lessons gpt2       every lesson with --quick, one stage each             12 s each
+    compiled gpt2-xl   transformers' static-cache generate under torch.compile,
+                       compiled outside the timed part, own limit            120 s
+    lessons gpt2-xl    every lesson with --quick, while time remains         25 s each
 
-Results are small JSON files under `lessons/results/reference/<gpu-name>/`
-(plots are left out), and `gpu_check.json` with every check, every run and
-the targets, each with its measured value and whether it was met. A run still
-going when the budget ends is stopped, and runs not yet started are skipped;
-both count as failures. Exit status 0 when every check passed, every run
-finished and every target was met; 1 otherwise; 2 when there is no CUDA device.
+A stage starts only if its estimate fits in what is left of the budget, and
+runs under a limit of twice its estimate (at most what is left): an `Alarm`
+(minillm/alarm.py), a BaseException that no `except Exception` swallows and
+that is never raised inside a CUDA graph capture. Skipped gpt2-xl lessons are
+expected; any other stage skipped, failed or stopped makes the check fail.
+
+Everything but the pytest stages runs in this one process, and each random
+model is built once: the lessons and bench get the check's model cache in
+place of `random_model` (no weights are on the GPU machine).
+
+Results go to `<out>/<gpu-name>/` (default lessons/results/reference/):
+`gpu_check.json`, rewritten atomically before and after every stage, each
+lesson's JSON as soon as it ends, bench's JSON and pytest's junit XML. When
+the environment variable OUT is set, the same files are packed into
+`$OUT/gpu_check.tar.gz` after every stage, so a kill at any point leaves
+everything before it. Exit status: 0 when every stage that had to run passed,
+1 otherwise, 2 without CUDA (except --dry-run).
+
+The targets are provisional until measured; from reading the code, gpt2 is
+expected at about 10–14× its floor (target 3×) and gpt2-xl at 3–4× (target 1.5×).
 """
 from __future__ import annotations
 
@@ -43,132 +48,133 @@ import gc
 import importlib.util
 import io
 import json
+import os
 import re
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "lessons"))
+sys.path[:0] = [str(ROOT), str(ROOT / "lessons")]
 
+from gpu_targets import check_targets, compiled_reference, judge  # noqa: E402
+from minillm.alarm import Alarm, time_limit  # noqa: E402
 from run_all import discover  # noqa: E402  (lessons/run_all.py: lessons by file name)
 
-MODELS = ["gpt2", "gpt2-xl"]
-BUDGET_S = 7.5 * 60        # the whole check ends by then: nothing starts after it, and no run's limit reaches past it
-RUN_TIMEOUT_S = 150        # one lesson, one bench, the gpu tests
-# Extra flags for a lesson, by the topic in its file name (`NN_<topic>.py`), e.g. {"fragmentation": ["--requests", "64"]}.
-LESSON_ARGS: dict[str, list[str]] = {}
-TARGETS = {  # (model, figure): (bound, "max" if the figure must stay at or below it, "min" if at or above)
-    ("gpt2-xl", "graph_times_floor"): (1.5, "max"),
-    ("gpt2", "graph_times_floor"): (3.0, "max"),
-    ("gpt2-xl", "speedup_vs_reference_eager"): (3.0, "min"),
-    ("gpt2-xl", "speedup_vs_reference_static"): (1.0, "min"),
-}
-PROMPT_LEN, SHORT, LONG = 32, 16, 144  # decode time per token = (time(LONG) − time(SHORT)) / (LONG − SHORT)
+BUDGET_S = 480
+# Packages a lesson needs beyond the GPU machine's, by the topic in its file name (`NN_<topic>.py`): where one is
+# missing, the lesson is skipped and says why (lesson 12 serves over HTTP: the [serve] extra).
+LESSON_NEEDS = {"goodput": ["fastapi", "uvicorn", "httpx"]}
+CORRECTNESS_TESTS = "tests/test_gpu_paths.py"
+
+
+@dataclass
+class Stage:
+    name: str
+    estimate_s: float      # on an H200: what the budget plans with
+    run: Callable[[], dict]  # the stage's result, with "ok"
+    cuda_only: bool = False
+    required: bool = True  # skipped for lack of time counts as a failure
+    missing: tuple = ()    # packages it needs that this machine lacks: skipped, not failed
 
 
 def safe_name(gpu_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", gpu_name).strip("_")
 
 
-def topic(lesson: Path) -> str:
-    return lesson.stem.split("_", 1)[1] if "_" in lesson.stem else lesson.stem
+def write_atomically(path: Path, text: str) -> None:
+    """Write a whole new file, then rename it over the old one: a reader never sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
-def plan(lessons: list[Path], models: list[str], quick: bool) -> list[tuple[str, str, list[str]]]:
-    """(label, kind, argv) of every run after the in-process checks, in order, model by model (so each model
-    is built once); kind is bench, pytest or a lesson's path."""
-    steps = [("pytest -m gpu", "pytest", ["-m", "gpu", "-q"])]
-    for model in models:
-        steps.append((f"bench {model} bf16", "bench",
-                      ["--model", model, "--device", "cuda", "--dtype", "bf16", "--batch", "1"]))
-        for path in lessons:
-            argv = ["--device", "cuda", "--model", model, *LESSON_ARGS.get(topic(path), [])]
-            steps.append((f"{path.stem} {model}", str(path), argv + (["--quick"] if quick else [])))
-    return steps
-
-
-def command_line(kind: str, argv: list[str]) -> str:
-    """The shell command a run is equivalent to (the check itself runs lessons and bench in-process)."""
-    if kind == "pytest":
-        return " ".join(["python -m pytest", *argv])
-    if kind == "bench":
-        return " ".join(["python -m minillm bench", *argv])
-    return " ".join(["python", str(Path(kind).relative_to(ROOT)), *argv])
-
-
-# ---- one process: models built once, runs bounded by an alarm -------------------------------------
+def pack(results: Path, out: Path) -> Path:
+    """Every result file under `results` (no plots) in one tar.gz in `out`, replaced atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    dest, tmp = out / "gpu_check.tar.gz", out / ".gpu_check.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in sorted(results.rglob("*")):
+            if f.is_file() and f.suffix in (".json", ".xml") and not f.name.startswith("."):
+                tar.add(f, arcname=str(f.relative_to(results.parent)))
+    os.replace(tmp, dest)
+    return dest
 
 
 class ModelCache:
-    """load_model, memoised on (name, device, dtype), holding one model at a time: a lesson after another on
-    the same shape reuses it, and a new shape frees the old one first."""
+    """`weights.random_model`, memoised on (config, device, dtype, seed): each random model is built once per
+    process, however many lessons ask for it. Its models are never modified (lessons only read them)."""
 
-    def __init__(self, load_model):
-        self.load_model, self.key, self.model = load_model, None, None
+    def __init__(self, build):
+        self.build, self.models, self.builds = build, {}, 0
 
-    def __call__(self, name, device="auto", dtype="auto", *args, **kwargs):
+    def __call__(self, config, device="auto", dtype="auto", seed=0):
         from minillm.weights import resolve_device, resolve_dtype
         device = resolve_device(device)
-        key = (str(name), str(device), str(resolve_dtype(dtype, device)),  # the defaults (None) do not tell calls apart
-               tuple(a for a in args if a is not None), tuple(sorted(i for i in kwargs.items() if i[1] is not None)))
-        if key != self.key:
-            self.model = self.key = None
-            free_memory()
-            self.model, self.key = self.load_model(name, device, dtype, *args, **kwargs), key
-        return self.model
+        key = (repr(config), str(device), str(resolve_dtype(dtype, device)), seed)
+        if key not in self.models:
+            self.models[key], self.builds = self.build(config, device, dtype, seed), self.builds + 1
+        return self.models[key]
+
+
+@contextlib.contextmanager
+def model_cache():
+    """Route every random build (weights.load_model's, lessons/common.py's and lesson 09's, bench's) through
+    one ModelCache for as long as the block runs."""
+    import common  # lessons/common.py
+    from minillm import weights
+    cache, saved = ModelCache(weights.random_model), (weights.random_model, common.random_model)
+    weights.random_model = common.random_model = cache  # a lesson's own `from minillm.weights import` sees it too
+    try:
+        yield cache
+    finally:
+        weights.random_model, common.random_model = saved
 
 
 def free_memory() -> None:
     import torch
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise TimeoutError in this (main) thread after `seconds`."""
-    def stop(signum, frame):
-        raise TimeoutError(f"stopped after {seconds:.0f} s")
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def run_in_process(fn, timeout: float) -> tuple[int, str]:
-    """Call fn() with its output captured; (0, output) on success, (124, ...) past the limit, (1, ...) on error."""
+def in_process(fn: Callable[[], object]) -> dict:
+    """Call fn() with its output captured: ok when it returns None, 0 or a dict; the output's tail kept."""
     out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), time_limit(timeout):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             rc = fn()
-        rc = 0 if rc in (None, 0) or isinstance(rc, dict) else int(rc)
-    except TimeoutError as e:
-        rc = 124
-        out.write(f"\n{e} (limits: {RUN_TIMEOUT_S} s per run, {BUDGET_S:.0f} s for the check; see gpu_check.py)")
+        rc = 0 if rc is None or isinstance(rc, dict) else int(rc)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     except Exception:
         rc = 1
         out.write(traceback.format_exc())
-    free_memory()
-    return rc, out.getvalue()
+    except Alarm as e:  # not an Exception: it goes on up to the runner, with the output so far
+        e.output_tail = out.getvalue()[-2000:]
+        raise
+    return {"ok": rc == 0, "rc": rc, "output_tail": out.getvalue()[-2000:]}
 
 
-def run_bench(bench_module, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    bench_module.add_arguments(parser)
-    return bench_module.run(parser.parse_args(argv))
+def pytest_stage(argv: list[str], junit: Path) -> dict:
+    """`python -m pytest` in a process of its own (a CUDA error there cannot poison this one), with its counts."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", *argv, f"--junitxml={junit}", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True)
+    result = {"ok": proc.returncode == 0, "rc": proc.returncode, "command": " ".join(["python -m pytest", *argv]),
+              "output_tail": (proc.stdout + proc.stderr)[-2000:]}
+    if junit.exists():
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        result.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+    return result
 
 
 def load_lesson(path: Path):
@@ -178,338 +184,172 @@ def load_lesson(path: Path):
     return module
 
 
-# ---- in-process checks ------------------------------------------------------------
-
-
-def check_events(torch, metrics) -> dict:
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    t = metrics.time_fn(lambda: a @ a, "cuda", warmup=2, repeats=5)
-    watch = metrics.Stopwatch("cuda")
-    watch.start()
-    for _ in range(3):
-        a @ a
-        watch.lap()
-    laps = watch.laps_s()
-    ok = t.method == "cuda-events" and t.median_s > 0 and len(laps) == 3 and all(x > 0 for x in laps)
-    return {"ok": ok, "matmul_median_s": t.median_s, "method": t.method, "laps_s": laps}
-
-
-def check_memory(torch, metrics) -> dict:
-    from minillm.config import PRESETS
-    from minillm.kv_cache import KVCache
-    torch.cuda.synchronize()
-    metrics.reset_peak_memory("cuda")
-    before = torch.cuda.memory_allocated()
-    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB
-    delta_tensor = torch.cuda.memory_allocated() - before
-    y = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
-    del y
-    peak = metrics.cuda_memory("cuda")["peak_allocated"] - before
-    del x
-    cfg = PRESETS["gpt2-xl"]
-    before = torch.cuda.memory_allocated()
-    cache = KVCache(cfg, 2, 1024, "cuda", torch.bfloat16)
-    delta_cache = torch.cuda.memory_allocated() - before
-    formula = 2 * 1024 * cfg.kv_bytes_per_token(torch.bfloat16)
-    ok = delta_tensor == 64 << 20 and peak >= 96 << 20 and delta_cache == cache.nbytes == formula
-    del cache
-    return {"ok": ok, "tensor_delta": delta_tensor, "peak_delta": peak, "kv_cache_delta": delta_cache,
-            "kv_cache_formula": formula}
-
-
-def check_dtypes(torch, metrics, models) -> dict:
-    from minillm import kv_cache, naive_decode
-    from minillm.sampling import SamplingParams
-    ids = torch.randint(0, 50257, (1, 64), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.inference_mode():
-        ref_logits = models("gpt2", "cuda", torch.float32)(ids)[0, -1].float()
-    out = {"ok": True}
-    prompt = ids[0].tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    for name, dtype, tol in (("bf16", torch.bfloat16, 5e-2), ("fp16", torch.float16, 5e-2)):
-        model = models("gpt2", "cuda", dtype)
-        with torch.inference_mode():
-            logits = model(ids)[0, -1].float()
-        err = (logits - ref_logits).abs().max().item()
-        scale = max(1.0, ref_logits.abs().max().item())
-        cached = kv_cache.generate(model, [prompt], params)[0]
-        naive = naive_decode.generate(model, prompt, params)
-        same = sum(a == b for a, b in zip(cached, naive))
-        ceil = metrics.measure_ceilings("cuda", dtype)
-        ok = err <= tol * scale and bool(torch.isfinite(logits).all())
-        out[name] = {"ok": ok, "max_abs_logit_err_vs_fp32": err, "tolerance": tol * scale,
-                     "greedy_tokens_identical_to_naive": f"{same}/{len(naive)}", "ceilings": ceil.as_dict()}
-        out["ok"] &= ok
-    out["fp32_ceilings"] = metrics.measure_ceilings("cuda", torch.float32).as_dict()
-    return out
-
-
-def check_engine(torch) -> dict:
-    """LLMEngine on CUDA, graphs and eager: greedy tokens equal per-request generation; two engines sized from
-    gpu_memory_utilization in a row both get their pool; close() gives the memory back."""
-    from minillm import kv_cache
-    from minillm.config import PRESETS
-    from minillm.engine import LLMEngine
-    from minillm.sampling import SamplingParams
-    from minillm.scheduler import SchedulerConfig
-    from minillm.weights import random_model
-    cfg = PRESETS["gpt2"]
-    # fp32, and the init of the tests' context model (std 0.3): tokens that depend on their context.
-    model = random_model(cfg, "cuda", torch.float32)
-    model.init_weights(0, std=0.3)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 16, 17, 100, 300, 700)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (24, 3, 40, 9, 17, 30)]
-    want = [kv_cache.generate(model, [p], sp)[0] for p, sp in zip(prompts, params)]
-    out = {"ok": True}
-    for label, config, eager in (("prefill-first graphs", SchedulerConfig(2048, 8, enable_chunked_prefill=False), False),
-                                 ("chunked-64 graphs", SchedulerConfig(64, 8), False),
-                                 ("chunked-64 eager", SchedulerConfig(64, 8), True)):
-        t0 = time.perf_counter()
-        with LLMEngine(model, config, gpu_memory_utilization=0.4, enforce_eager=eager) as engine:
-            built = time.perf_counter() - t0
-            got = [o.output_token_ids for o in engine.generate(prompts, params)]
-            engine.check_invariants()
-            ok = got == want and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-            out[label] = {"ok": ok, "num_blocks": engine.block_manager.num_blocks, "steps": len(engine.timeline),
-                          "graphs": len(engine.decoder.graphs), "build_s": built, "memory": engine.memory,
-                          "identical_requests": f"{sum(a == b for a, b in zip(got, want))}/{len(want)}"}
-        out["ok"] &= ok
-    blocks = [out[k]["num_blocks"] for k in out if k != "ok"]
-    out["pools_in_a_row_within_10pct"] = max(blocks) <= 1.1 * min(blocks)
-    reserved = torch.cuda.memory_reserved()
-    out["reserved_after_close_bytes"] = reserved
-    out["ok"] &= out["pools_in_a_row_within_10pct"]
-    return out
-
-
-def decode_time_per_token(generate, sync, short: int = SHORT, long: int = LONG, repeats: int = 3) -> float:
-    """Seconds per decoded token: the median time to generate `long` tokens, less that of `short`, over the
-    difference, so the prefill and the setup cancel out."""
-    def timed(n):
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            generate(n)
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    generate(short)  # warm-up
-    return (timed(long) - timed(short)) / (long - short)
-
-
-def check_targets(torch, metrics, models, name: str, device: str = "cuda", dtype=None,
-                  short: int = SHORT, long: int = LONG) -> dict:
-    """Batch-1 decode of `name` (bf16 on CUDA): minillm with graphs and eager against the weight-read floor, and
-    against transformers' generate (eager and static cache) on the same weights and prompt. Off CUDA (the
-    tests) the "graph" engine decodes eagerly and the op count uses the static step instead of a replay."""
-    from minillm.cuda_graphs import DecodeRunner
-    from minillm.engine import LLMEngine
-    from minillm.kv_cache import KVCache, Segment
-    from minillm.sampling import SamplingParams
-    from minillm.scheduler import SchedulerConfig
-    device = torch.device(device)
-    dtype = dtype or torch.bfloat16
-    model = models(name, device, dtype)  # GPT-2's own init: time does not depend on the values
-    cfg = model.config
-    prompt = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-    sync = lambda: metrics.synchronize(device)  # noqa: E731
-    bandwidth = metrics.measure_ceilings(device, dtype, quick=device.type != "cuda").bandwidth
-    floor = metrics.weight_read_floor(cfg, dtype, bandwidth)
-    result = {"dtype": str(dtype), "prompt_len": PROMPT_LEN, "tokens": [short, long], "bandwidth": bandwidth,
-              "weight_read_floor_s": floor}
-    tokens = {}
-    for label, eager in (("graph", False), ("eager", True)):
-        with LLMEngine(model, SchedulerConfig(2048, 8), kv_cache_memory_bytes=1 << 30, enforce_eager=eager) as engine:
-            result[label] = {"decode_mode": engine.decoder.mode}
-
-            def generate(n, label=label, engine=engine):
-                out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
-                tokens[label] = out.output_token_ids
-                return out
-            per_token = decode_time_per_token(generate, sync, short, long)
-            itl = statistics.median(generate(long).metrics.itls)
-        result[label].update(s_per_token=per_token, median_itl_s=itl, times_floor=per_token / floor)
-    result["graph_tokens_equal_eager"] = tokens["graph"] == tokens["eager"]
-    result["graph_times_floor"] = result["graph"]["times_floor"]
-    # Ops dispatched by one decode step: eager (new metadata each step), and the host's part of a graph replay.
-    cache = KVCache(cfg, 1, PROMPT_LEN + 1, device, dtype)
-    step = [Segment(0, PROMPT_LEN, 1, True)]
-    runner = DecodeRunner(model, cache, 1, "graph" if device.type == "cuda" else "static")
-    with torch.inference_mode():
-        ids = torch.tensor([[prompt[0]]], device=device)
-        result["ops_per_step"] = {
-            "eager": metrics.count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache)).as_dict(),
-            runner.mode: metrics.count_ops(lambda: runner.run(step, [prompt[0]])).as_dict()}
-    del runner, cache
-    result.update(reference_generate(torch, model, prompt, sync, result["graph"]["s_per_token"], short, long))
+def lesson_stage(path: Path, argv: list[str], scratch: Path, dest: Path) -> dict:
+    """One lesson in this process; its JSON copied to `dest` the moment it ends (its plot left behind)."""
+    result = in_process(lambda: load_lesson(path).main([*argv, "--out", str(scratch)]))
+    for f in scratch.glob(f"{path.stem}*.json"):
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, dest / f".{f.name}.tmp")
+        os.replace(dest / f".{f.name}.tmp", dest / f.name)
     return result
 
 
-def reference_generate(torch, model, prompt, sync, ours_s_per_token: float, short: int = SHORT,
-                       long: int = LONG) -> dict:
-    """transformers' GPT2LMHeadModel on our weights: its logits must match ours, then its greedy generate is timed
-    per token, eager and with its static cache."""
-    try:
-        import transformers
-    except ImportError as e:
-        return {"reference": {"error": f"transformers is not installed: {e}"}}
-    from minillm.weights import config_to_hf
-    out = {"transformers": transformers.__version__}
-    try:
-        with torch.device(model.device):  # the random init it starts from is replaced below: build it where it runs
-            hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(model.config)))
-        hf = hf.to(model.dtype).eval()
-        missing, unexpected = hf.transformer.load_state_dict(model.state_dict(), strict=False)
-        if [k for k in missing if not k.endswith(("attn.bias", "masked_bias"))] or unexpected:
-            raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
-        ids = torch.tensor([prompt], device=model.device)
-        with torch.inference_mode():
-            err = (hf(ids).logits.float() - model(ids).float()).abs().max().item()
-        out["max_abs_logit_diff_vs_minillm"] = err
-    except Exception as e:
-        return {"reference": {"error": f"{type(e).__name__}: {e}"}}
-    for label, extra in (("reference_eager", {}), ("reference_static", {"cache_implementation": "static"})):
-        def generate(n, extra=extra):
-            with torch.inference_mode():
-                return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   pad_token_id=model.config.eos_token_id or 0, **extra)
-        try:
-            per_token = decode_time_per_token(generate, sync, short, long)
-            out[label] = {"s_per_token": per_token}
-            out[f"speedup_vs_{label}"] = per_token / ours_s_per_token
-        except Exception as e:
-            out[label] = {"error": f"{type(e).__name__}: {e}"}
-    del hf
-    return out
+def missing_packages(lesson: Path) -> tuple:
+    topic = lesson.stem.split("_", 1)[-1]
+    return tuple(m for m in LESSON_NEEDS.get(topic, []) if importlib.util.find_spec(m) is None)
 
 
-def judge(targets_in: dict) -> dict:
-    """Each target with its measured value and whether it was met (None when it could not be measured)."""
-    judged = {}
-    for (model, figure), (bound, kind) in TARGETS.items():
-        value = targets_in.get(model, {}).get(figure)
-        met = None if value is None else (value <= bound if kind == "max" else value >= bound)
-        judged[f"{model} {figure}"] = {"value": value, "bound": bound, "kind": kind, "met": met}
-    return judged
+def plan(device: str, models: list[str], lessons: list[Path], results: Path, scratch: Path) -> list[Stage]:
+    """The stages in order of value (see the docstring for each one's estimate)."""
+    import torch
+    from minillm import bench, metrics
+    from minillm.weights import load_model
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 matmuls are emulated on a CPU: slow
+    dname = "bf16" if device == "cuda" else "fp32"
+    big, small = models[0], models[-1]
+    small_only = ["--prompt-len", "32", "--context-len", "64"] if device != "cuda" else []  # tiny's n_ctx is 128
+    stages = [Stage("correctness", 45, lambda: pytest_stage(["-m", "gpu", CORRECTNESS_TESTS],
+                                                            results / "pytest_correctness.xml"))]
+    sizes = ((big, 1), (small, 0)) if big != small else ((big, 1),)  # (model, which estimate)
+    stages += [Stage(f"targets {m}", (20, 50)[i], lambda m=m: check_targets(torch, metrics, load_model, m, device,
+                                                                             dtype)) for m, i in sizes]
+    stages.append(Stage("pytest -m gpu", 60, lambda: pytest_stage(["-m", "gpu", f"--deselect={CORRECTNESS_TESTS}"],
+                                                                  results / "pytest_gpu.xml")))
+
+    def run_bench(m):
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        args = parser.parse_args(["--model", m, "--device", device, "--dtype", dname, "--batch", "1",
+                                  "--json", str(results / f"bench_{m}_{dname}.json"), *small_only])
+        return in_process(lambda: bench.run(args))
+    stages += [Stage(f"bench {m} {dname}", (10, 20)[i], lambda m=m: run_bench(m)) for m, i in sizes]
+
+    def lessons_on(m, estimate, required):
+        argv = ["--device", device, "--model", m, "--quick"]
+        return [Stage(f"{p.stem} {m}", estimate, lambda p=p: lesson_stage(p, argv, scratch / m, results / m),
+                      required=required, missing=missing_packages(p)) for p in lessons]
+    stages += lessons_on(small, 12, True)
+    stages.append(Stage(f"compiled reference {big}", 120, cuda_only=True,
+                        run=lambda: compiled_reference(torch, metrics, load_model(big, device, dtype))))
+    if big != small:
+        stages += lessons_on(big, 25, False)
+    return stages
 
 
-# ---- the check ----------------------------------------------------------------------
+def run_stages(stages: list[Stage], budget_s: float, on_cuda: bool, report: dict, save: Callable[[], None]) -> None:
+    """Run each stage that fits in the budget under its limit, saving the report before and after each."""
+    started = time.monotonic()
+    for stage in stages:
+        left = budget_s - (time.monotonic() - started)
+        entry = {"estimate_s": stage.estimate_s, "required": stage.required}
+        if stage.cuda_only and not on_cuda:
+            entry.update(status="skipped", why="needs CUDA", excused=True)
+        elif stage.missing:
+            entry.update(status="skipped", why=f"needs {', '.join(stage.missing)}, not installed here", excused=True)
+        elif left < stage.estimate_s:
+            entry.update(status="skipped", why=f"time budget: needs about {stage.estimate_s:.0f} s, {left:.0f} s left")
+        else:
+            report["running"] = stage.name
+            save()
+            t0 = time.monotonic()
+            limit = min(2 * stage.estimate_s, left)
+            try:
+                with time_limit(limit, f"stopped at its limit of {limit:.0f} s (2 × its estimate, within the budget)"):
+                    result = stage.run()
+                entry.update(result, status="ok" if result.get("ok", True) else "failed")
+            except Alarm as e:
+                entry.update(status="stopped", why=str(e), output_tail=getattr(e, "output_tail", ""))
+            except Exception as e:  # record it and go on: one broken path must not hide the others
+                entry.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+            entry["seconds"] = round(time.monotonic() - t0, 2)
+            free_memory()
+        report.pop("running", None)
+        report["stages"][stage.name] = entry
+        save()
+        print(f"[{entry['status']}] {stage.name}" + (f" ({entry['seconds']:.1f} s)" if "seconds" in entry else
+                                                     f": {entry['why']}"), flush=True)
+
+
+def passed(report: dict) -> bool:
+    return all(s["status"] == "ok" or (s["status"] == "skipped" and (not s["required"] or s.get("excused")))
+               for s in report["stages"].values())
+
+
+def models_of(args) -> list[str]:
+    names = [m.strip() for m in (args.models or ("tiny" if args.dry_run else "gpt2-xl,gpt2")).split(",")]
+    return list(dict.fromkeys(m for m in names if m))
+
+
+def print_plan(stages: list[Stage], budget_s: float) -> int:
+    """Each stage with its estimate and where the budget ends, as a run that keeps to its estimates would go."""
+    total = 0.0
+    for stage in stages:
+        fits = total + stage.estimate_s <= budget_s
+        total += stage.estimate_s if fits else 0
+        print(f"{stage.name}: ~{stage.estimate_s:.0f} s" + ("" if fits else "  (past the budget: skipped)")
+              + (" (CUDA only)" if stage.cuda_only else ""))
+    print(f"about {total:.0f} s of {budget_s:.0f} s planned; estimates for an H200, not yet measured")
+    return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="print what would run; needs no GPU")
-    parser.add_argument("--quick", action="store_true", help="lessons with --quick (a fast smoke test)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default {','.join(MODELS)})")
-    parser.add_argument("--out", default=str(ROOT / "lessons" / "results" / "reference"))
+    parser.add_argument("--plan", action="store_true", help="list the stages, their estimates and what the budget "
+                        "fits, and run nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the whole flow on the CPU with the tiny model; CUDA-only stages are skipped")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds of stages to start (default {BUDGET_S})")
+    parser.add_argument("--models", default=None, help="comma-separated, largest first (default gpt2-xl,gpt2; "
+                        "tiny with --dry-run)")
+    parser.add_argument("--out", default=None, help="results folder (default lessons/results/reference, "
+                        "lessons/results/dry-run with --dry-run)")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    steps = plan(discover(), models, args.quick)
-
-    if args.dry_run:
-        print("in-process checks: cuda-events, cuda-memory, bf16+fp16 (logits vs fp32, greedy vs naive, ceilings), "
-              "engine (graphs and eager, greedy tokens vs kv_cache.generate, two pools in a row, close)")
-        for model in models:
-            print(f"targets {model}: bf16 batch-1 decode, graphs and eager, against the weight-read floor and "
-                  "transformers' generate (eager, static cache)")
-        for label, kind, argv_ in steps:
-            print(f"{label}:  {command_line(kind, argv_)}")
-        print(f"everything in one process except pytest; budget {BUDGET_S:.0f} s; "
-              f"results → {args.out}/<gpu-name>/ (JSON only)")
-        return 0
-
     import torch
-    if not torch.cuda.is_available():
+    on_cuda = torch.cuda.is_available() and not args.dry_run
+    if args.plan:
+        return print_plan(plan("cuda" if not args.dry_run else "cpu", models_of(args), discover(), Path("."), Path(".")),
+                          args.budget)
+    if not on_cuda and not args.dry_run:
         print(f"gpu_check: no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda}). "
-              "This check exercises the CUDA paths and needs an NVIDIA GPU; run it on one, or use "
-              "`python gpu_check.py --dry-run` to see what it would run.", file=sys.stderr)
+              "This check needs an NVIDIA GPU; `python gpu_check.py --dry-run` runs its flow on the CPU.",
+              file=sys.stderr)
         return 2
+    if args.dry_run:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the pytest stages too: a dry run is the CPU's, wherever it runs
+    models = models_of(args)
+    out = Path(args.out or ROOT / "lessons" / "results" / ("dry-run" if args.dry_run else "reference"))
+    name = safe_name(torch.cuda.get_device_name(0)) if on_cuda else "cpu"
+    results = out / name
+    results.mkdir(parents=True, exist_ok=True)
+    from minillm import metrics
+    report = {"gpu": name, "dry_run": args.dry_run, "budget_s": args.budget, "models": models,
+              "environment": metrics.environment("cuda" if on_cuda else "cpu", torch.float32), "stages": {}}
+    packed = os.environ.get("OUT")
 
-    import common  # lessons/common.py
-    from minillm import bench as bench_module
-    from minillm import metrics, weights
+    def save():
+        write_atomically(results / "gpu_check.json", json.dumps(report, indent=2, default=str) + "\n")
+        if packed:
+            pack(results, Path(packed))
 
-    started = time.perf_counter()
-    gpu = torch.cuda.get_device_name(0)
-    ref_dir = Path(args.out) / safe_name(gpu)
-    ref_dir.mkdir(parents=True, exist_ok=True)
-    report = {"gpu": gpu, "environment": metrics.environment("cuda", torch.bfloat16), "checks": {}, "runs": []}
-    cached = ModelCache(weights.load_model)
-    common.load_model = bench_module.load_model = cached  # lessons and bench build each model once, here
-
-    def left() -> float:
-        return BUDGET_S - (time.perf_counter() - started)
-
-    checks = [("cuda-events", lambda: check_events(torch, metrics)),
-              ("cuda-memory", lambda: check_memory(torch, metrics)),
-              ("dtypes", lambda: check_dtypes(torch, metrics, cached)),
-              ("engine", lambda: check_engine(torch))]
-    checks += [(f"targets {m}", lambda m=m: check_targets(torch, metrics, cached, m)) for m in models]
-    for name, fn in checks:
-        t0 = time.perf_counter()
-        if left() < 1:
-            result = {"ok": False, "skipped": "time budget spent"}
-        else:
-            try:
-                with time_limit(min(RUN_TIMEOUT_S, left())):
-                    result = fn()
-                result.setdefault("ok", "error" not in result)
-            except Exception as e:  # record and go on: one broken path must not hide the others
-                result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        free_memory()
-        result["seconds"] = time.perf_counter() - t0
-        report["checks"][name] = result
-        print(f"[{'ok' if result['ok'] else 'FAIL'}] {name} ({result['seconds']:.1f} s)", flush=True)
-    report["targets"] = judge({m: report["checks"].get(f"targets {m}", {}) for m in models})
-    for label, target in report["targets"].items():
-        print(f"target {label}: {target['value']} ({target['kind']} {target['bound']}): "
-              f"{'met' if target['met'] else 'NOT MET' if target['met'] is False else 'not measured'}", flush=True)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, kind, argv_ in steps:
-            if left() < 1:
-                report["runs"].append({"label": label, "rc": None, "skipped": "time budget spent"})
-                print(f"[skip] {label}: time budget spent", flush=True)
-                continue
-            t0 = time.perf_counter()
-            timeout = min(RUN_TIMEOUT_S, left())
-            if kind == "pytest":
-                try:
-                    proc = subprocess.run([sys.executable, "-m", "pytest", *argv_], cwd=ROOT, capture_output=True,
-                                          text=True, timeout=timeout)
-                    rc, output = proc.returncode, proc.stdout + proc.stderr
-                except subprocess.TimeoutExpired:
-                    rc, output = 124, f"timed out after {timeout:.0f} s"
-            elif kind == "bench":
-                model = argv_[argv_.index("--model") + 1]
-                bench_argv = argv_ + ["--json", str(ref_dir / f"bench_{model}_bf16.json")]
-                rc, output = run_in_process(lambda: run_bench(bench_module, bench_argv), timeout)
-            else:
-                model = argv_[argv_.index("--model") + 1]
-                lesson_argv = argv_ + ["--out", str(Path(tmp) / model)]
-                rc, output = run_in_process(lambda: load_lesson(Path(kind)).main(lesson_argv), timeout)
-            run = {"label": label, "command": command_line(kind, argv_), "rc": rc, "seconds": time.perf_counter() - t0}
-            if rc != 0:
-                run["output_tail"] = output[-3000:]
-            report["runs"].append(run)
-            print(f"[{'ok' if rc == 0 else 'FAIL'}] {label} ({run['seconds']:.1f} s)", flush=True)
-            if rc != 0:
-                print(output[-3000:], file=sys.stderr)
-        for model in models:  # keep the JSON, leave the plots
-            for f in sorted((Path(tmp) / model).glob("*.json")):
-                dest = ref_dir / model
-                dest.mkdir(parents=True, exist_ok=True)
-                shutil.copy(f, dest / f.name)
-
-    report["wall_s"] = time.perf_counter() - started
-    ok = (all(c["ok"] for c in report["checks"].values()) and all(r["rc"] == 0 for r in report["runs"])
-          and all(t["met"] for t in report["targets"].values()))
-    report["ok"] = ok
-    (ref_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\n{'PASSED' if ok else 'FAILED'} in {report['wall_s']:.0f} s; results in {ref_dir}")
-    return 0 if ok else 1
+    started = time.monotonic()
+    with model_cache() as cache, tempfile.TemporaryDirectory() as scratch:
+        stages = plan("cuda" if on_cuda else "cpu", models, discover(), results, Path(scratch))
+        report["plan"] = [{"stage": s.name, "estimate_s": s.estimate_s} for s in stages]
+        run_stages(stages, args.budget, on_cuda, report, save)
+        report["random_models_built"] = cache.builds
+    report["targets"] = judge({m: report["stages"].get(f"targets {m}", {}) for m in models},
+                              report["stages"].get(f"compiled reference {models[0]}", {}))
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    report["ok"] = passed(report)
+    save()
+    for label, t in report["targets"].items():
+        met = {True: "met", False: "NOT MET", None: "not measured"}[t["met"]]
+        print(f"{label}: {t['value']}" + ("" if t["bound"] is None else
+              f" ({t['kind']} {t['bound']}, provisional" + (f"; estimated {t['estimate']}" if t["estimate"] else "")
+              + f"): {met}"))
+    print(f"\n{'PASSED' if report['ok'] else 'FAILED'} in {report['wall_s']:.0f} s; results in {results}"
+          + (f", packed in {packed}/gpu_check.tar.gz" if packed else ""))
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

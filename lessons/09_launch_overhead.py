@@ -38,8 +38,10 @@ nothing from a second, and on shared cores threads wait for each other.
 The verdict, round by round: the overhead share (twin time ÷ eager step time)
 is ≥ 1/2 for the smallest shape (overhead-bound) and ≤ 1/2 for the largest
 (memory-bound), so the crossover lies inside the ladder and the lesson names
-where. On CUDA also: the smallest shape's graph step takes ≤ 1/2 of its eager
-step. --quick judges the same lines on the same ladder, with fewer rounds.
+where. On CUDA, where the engine decodes with graphs, the shares judged are
+those of the graph step (twin replayed ÷ shape replayed): an eager step there
+is host-bound at any size. On CUDA also: the smallest shape's graph step takes
+≤ 1/2 of its eager step. --quick judges the same lines on the same ladder, with fewer rounds.
 CUDA graphs exist only on CUDA: on the CPU the lesson prints what a replay
 would remove (static ops × c) as a prediction, computed, not measured.
 
@@ -118,7 +120,10 @@ def measure(model, name: str, s: dict, bandwidth: float) -> dict:
     cfg, device = model.config, model.device
     modes = ["eager", "static"] + (["graph"] if device.type == "cuda" else [])
     steps = {m: decode_step(model, s["context"], 1, mode=m) for m in modes}
-    steps["twin"] = decode_step(random_model(twin_of(cfg), device, model.dtype), s["context"], 1)
+    twin = random_model(twin_of(cfg), device, model.dtype)
+    steps["twin"] = decode_step(twin, s["context"], 1)
+    if "graph" in modes:  # the twin replayed too: what a graph step costs whatever its bytes
+        steps["twin graph"] = decode_step(twin, s["context"], 1, mode="graph")
     ops = {m: count_ops(f) for m, f in steps.items()}
     k = {m: calls_per_turn(f, device, s["turn_s"]) for m, f in steps.items()}
     rounds = interleave({m: lambda f=f, n=k[m]: [f() for _ in range(n)] for m, f in steps.items()}, s["rounds"],
@@ -135,6 +140,7 @@ def measure(model, name: str, s: dict, bandwidth: float) -> dict:
     point["graph_removes_s"] = point["host_per_op_s"] * ops["static"].total  # what one replay saves: a prediction
     if "graph" in modes:
         point["graph_over_eager"] = [g / e for g, e in zip(times["graph"], times["eager"])]
+        point["graph_share"] = [t / g for t, g in zip(times["twin graph"], times["graph"])]
     return point
 
 
@@ -164,7 +170,7 @@ def main(argv=None) -> dict:
             points.append(measure(model, name, s, bandwidth))
             del model
 
-    modes = list(points[0]["step_s"])
+    modes = [m for m in points[0]["step_s"] if m != "twin graph"]
     print_table(["shape", "weights", "ops " + "/".join(m for m in modes if m != "twin"),
                  *[f"step {m}" for m in modes], "µs/op", "floor", "floor ÷ eager", "overhead share", "bound",
                  "a graph saves (predicted)"],
@@ -181,9 +187,11 @@ def main(argv=None) -> dict:
                 f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
                 f"{si(p['weight_bytes'], 'B')} of weights at the copy bandwidth takes {ms(p['floor_s'])}")
 
-    checks = [Check(f"overhead share of {small['name']}'s step", small["share"], OVERHEAD_BOUND, ">=", fmt="{:.2f}",
+    # Judged on the step the engine runs: eager on the CPU, the graph replay on CUDA (its twin replayed too).
+    share, step = ("graph_share", "graph step, as the engine runs it on CUDA") if on_cuda else ("share", "step")
+    checks = [Check(f"overhead share of {small['name']}'s {step}", small[share], OVERHEAD_BOUND, ">=", fmt="{:.2f}",
                     why=why(small) + ": the host's work is not what sets this step's pace"),
-              Check(f"overhead share of {large['name']}'s step", large["share"], OVERHEAD_BOUND, "<=", fmt="{:.2f}",
+              Check(f"overhead share of {large['name']}'s {step}", large[share], OVERHEAD_BOUND, "<=", fmt="{:.2f}",
                     why=why(large) + ": its ops cost the host more than its bytes cost the memory")]
     if on_cuda:
         checks.append(Check(f"{small['name']}: graph step ÷ eager step", small["graph_over_eager"], GRAPH_GAIN, "<=",

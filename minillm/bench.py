@@ -6,7 +6,8 @@ It picks its thread count (the cores free as it starts; `--threads` overrides) a
 measures the device's ceilings first (matmul FLOP/s in the working dtype,
 copy bandwidth; see `roofline.py`), then times one prefill of `--prompt-len`
 tokens per sequence and one decode step after `--context-len` cached tokens,
-both through the contiguous KV cache, and prints for each phase:
+both through the contiguous KV cache (the decode step the engine runs on the
+device: replayed as a CUDA graph on CUDA, eager elsewhere), and prints for each phase:
 
     tokens/s, achieved FLOP/s (% of the matmul ceiling), achieved bytes/s (% of the copy bandwidth)
 
@@ -160,15 +161,16 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
     ceilings = measure_ceilings(device, dtype, progress=lambda what: progress(f"measuring this device's {what}"))
     progress(f"timing the prefill: {warmup} + {repeats} passes of {batch} × {prompt_len} tokens")
     t_prefill = time_prefill(model, prompt_len, batch, warmup, repeats).median_s
-    progress(f"timing a decode step: {warmup} + {repeats} steps after {context_len} cached tokens")
-    t_decode = time_decode(model, context_len, batch, warmup, repeats).median_s
+    mode = "graph" if device.type == "cuda" else "eager"  # the step the engine decodes with on this device
+    progress(f"timing a decode step ({mode}): {warmup} + {repeats} steps after {context_len} cached tokens")
+    t_decode = time_decode(model, context_len, batch, warmup, repeats, mode=mode).median_s
     pre = achieved(prefill_cost(cfg, prompt_len, batch, dtype), t_prefill, ceilings)
     dec = achieved(decode_cost(cfg, context_len, batch, dtype), t_decode, ceilings)
     weight_floor = dec["seconds"] * dec["weight_bytes_per_s"] / ceilings.bandwidth  # weight bytes ÷ bandwidth
     progress("measuring a read-only stream and a matrix-vector product, for context")
     limits = kernel_limits(device, dtype)
     return {"kernel_limits": limits, "prefill": {**pre, "tokens_per_s": batch * prompt_len / t_prefill},
-            "decode": {**dec, "tokens_per_s": batch / t_decode,
+            "decode": {**dec, "mode": mode, "tokens_per_s": batch / t_decode,
                        "weight_frac_bandwidth": dec["weight_bytes_per_s"] / ceilings.bandwidth,
                        "weight_read_floor_s": weight_floor, "times_floor": t_decode / weight_floor},
             "ceilings": ceilings.as_dict(), "prompt_len": prompt_len, "context_len": context_len, "batch": batch}
@@ -197,7 +199,8 @@ def report(result: dict, on_gpu: bool) -> list[str]:
         f"prefill  batch {result['batch']} × {result['prompt_len']} tokens: {p['seconds'] * 1e3:.2f} ms, "
         f"{si(p['tokens_per_s'], 'tok/s')}, {si(p['flops_per_s'], 'FLOP/s')} "
         f"({p['frac_matmul_flops']:.0%} of matmul), {si(p['bytes_per_s'], 'B/s')} ({p['frac_bandwidth']:.0%} of bw)",
-        f"decode   batch {result['batch']} after {result['context_len']} tokens: {d['seconds'] * 1e3:.2f} ms, "
+        f"decode   batch {result['batch']} after {result['context_len']} tokens, {d['mode']} step (the engine's): "
+        f"{d['seconds'] * 1e3:.2f} ms, "
         f"{si(d['tokens_per_s'], 'tok/s')}, {si(d['flops_per_s'], 'FLOP/s')} ({d['frac_matmul_flops']:.0%} of matmul), "
         f"{si(d['bytes_per_s'], 'B/s')} ({d['frac_bandwidth']:.0%} of bw)",
         f"         weights read {si(d['weight_bytes_per_s'], 'B/s')} ({d['weight_frac_bandwidth']:.0%} of bw); "

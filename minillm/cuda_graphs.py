@@ -32,9 +32,11 @@ may change. So a step that can be captured must be
                        metadata made once per shape and reused
     free of syncs      nothing in the forward pass reads a value back to the host
 
-One graph per (batch, width) bucket is captured when the runner is built,
-largest first, all in one memory pool: the graph memory is about the
-activations of the largest step. vLLM needs no width buckets, because its
+A bucket's graph is captured the first time a step of its shape runs (the
+largest bucket's first of all), all in one memory pool, on one stream of the
+runner's own: the graph memory is about the activations of the largest step,
+and an engine that only ever decodes a few sequences at short contexts
+captures a few graphs, not all of them (gpt2-xl's 245 take about 20 s). vLLM needs no width buckets, because its
 attention kernel stops at each sequence's own length; here attention gathers
 the whole padded width (paged_attention.py), so a short context must not pay
 for the longest one.
@@ -49,7 +51,7 @@ where a shape is replayed. So the runner has three modes for one and the same co
              with enforce_eager; no padding, no graph
     static   shapes padded to buckets, run eagerly: what a graph replays,
              checkable on any device (and what torch.compile sees as static)
-    graph    static, captured per bucket at start (CUDA), replayed each step
+    graph    static, captured per bucket on first use (CUDA), replayed after
 
 Prefill and mixed chunked steps have a shape per step, and stay eager.
 
@@ -78,6 +80,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 def width_buckets(max_width: int) -> list[int]:
     """Block-table widths: powers of two up to `max_width`, and `max_width` itself."""
     return sorted({1 << i for i in range(max_width.bit_length()) if 1 << i <= max_width} | {max_width})
+
+
+def can_capture(device: torch.device) -> bool:
+    """CUDA graphs exist on CUDA devices only."""
+    return device.type == "cuda"
 
 
 def bucket(n: int, sizes: list[int]) -> int:
@@ -174,7 +181,7 @@ class DecodeRunner:
     def __init__(self, model: GPT2, cache, max_num_seqs: int, mode: str = "eager"):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; the modes are {', '.join(MODES)}")
-        if mode == "graph" and model.device.type != "cuda":
+        if mode == "graph" and not can_capture(model.device):
             raise ValueError(f"CUDA graphs need a CUDA device, and the model is on {model.device}; "
                              "use mode='static' to run the same padded step without a graph")
         self.model, self.cache, self.mode = model, cache, mode
@@ -183,10 +190,10 @@ class DecodeRunner:
         self.inputs = StaticInputs(cache, max_num_seqs, model.device)
         self.input_ids = StaticBuffer(max_num_seqs, model.device)
         self._ids: dict[int, torch.Tensor] = {}  # per batch size: the ids buffer shaped like the cache's positions
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.logits: torch.Tensor | None = None  # the graphs' output buffer
-        if mode == "graph":
-            self.capture()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # captured so far
+        self.logits: torch.Tensor | None = None  # the graphs' output buffer, made with the first graph
+        self._stream: torch.cuda.Stream | None = None  # warm-up and capture run here, and only here
+        self._pool = None  # the memory pool all of this runner's graphs share
 
     def shape(self, segments: list[Segment]) -> tuple[int, int]:
         """(rows, table width in width units) of the step: exact when eager, else padded to buckets."""
@@ -205,6 +212,8 @@ class DecodeRunner:
         """
         n = len(segments)
         batch, width = self.shape(segments)
+        if self.mode == "graph" and (batch, width) not in self.graphs:  # before this step's inputs are written:
+            self.capture([(self.batch_sizes[-1], self.widths[-1]), (batch, width)])  # a capture fills them too
         host = self.input_ids.host
         host[:n] = tokens
         host[n:batch] = 0  # padding rows feed token 0; nobody samples them
@@ -234,21 +243,32 @@ class DecodeRunner:
 
     @torch.inference_mode()
     def capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
-        """One CUDA graph per (batch, width) bucket, as nano-vLLM's `capture_cudagraph`: largest first, all in
-        one memory pool, so each smaller graph reuses the memory of the larger ones. `shapes` (a profile run
-        captures only the largest) defaults to every bucket."""
+        """Capture the graphs of `shapes` (default: every bucket) not captured yet, in that order, into this
+        runner's one memory pool, as nano-vLLM's `capture_cudagraph` does largest first: each smaller graph
+        then reuses the memory of the larger ones."""
         shapes = shapes or [(b, w) for b in reversed(self.batch_sizes) for w in reversed(self.widths)]
         if self.logits is None:
-            cfg, device = self.model.config, self.model.device
-            self.logits = torch.empty(self.batch_sizes[-1], cfg.vocab_size, device=device, dtype=self.model.dtype)
-        pool = None
-        for batch, width in shapes:
-            self.inputs.prepare([], batch, width)  # padding rows only: the addresses every step fills
-            ids = self._input_ids(batch)
-            self.logits[:batch] = self.forward(ids).view(batch, -1)  # warm-up: lazy initialisation stays outside
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[:batch] = self.forward(ids).view(batch, -1)
-            pool = graph.pool()
-            self.graphs[(batch, width)] = graph
-        torch.cuda.synchronize(self.model.device)
+            self.logits = torch.empty(self.batch_sizes[-1], self.model.config.vocab_size, device=self.model.device,
+                                      dtype=self.model.dtype)
+        for batch, width in dict.fromkeys(shapes):
+            if (batch, width) not in self.graphs:
+                self.graphs[(batch, width)] = self._record(batch, width)
+
+    def _record(self, batch: int, width: int) -> torch.cuda.CUDAGraph:
+        """Warm up and capture one bucket's step on padding rows (the addresses every step of it fills), both on
+        the runner's own stream: lazy initialisation stays outside the graph, and no other runner's capture or
+        freed graph shares the stream (PyTorch issue 193402: replays on a shared capture stream can crash with an
+        illegal address once another graph captured there is freed)."""
+        device = self.model.device
+        self._stream = self._stream or torch.cuda.Stream(device)
+        self.inputs.prepare([], batch, width)
+        ids = self._input_ids(batch)
+        self._stream.wait_stream(torch.cuda.current_stream(device))  # the inputs' upload comes first
+        with torch.cuda.stream(self._stream):
+            self.logits[:batch] = self.forward(ids).view(batch, -1)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            self.logits[:batch] = self.forward(ids).view(batch, -1)
+        torch.cuda.current_stream(device).wait_stream(self._stream)
+        self._pool = graph.pool()
+        return graph

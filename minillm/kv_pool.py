@@ -99,10 +99,13 @@ def _profile(model: GPT2, sc: SchedulerConfig, block_size: int, use_graphs: bool
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - base
     graph_bytes = 0
-    if use_graphs:
+    if use_graphs:  # torch.cuda.graph empties the allocator's cache on entry: measure from an empty one,
+        torch.cuda.empty_cache()  # and to one with nothing cached but the graph's pool and its output buffer
         before = torch.cuda.memory_reserved(device)
         decoder.capture([(decoder.batch_sizes[-1], decoder.widths[-1])])
-        graph_bytes = torch.cuda.memory_reserved(device) - before + decoder.logits.nbytes
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        graph_bytes = torch.cuda.memory_reserved(device) - before
     del prefill, decoder
     torch.cuda.empty_cache()
     return activation_peak, graph_bytes

@@ -13,16 +13,15 @@ and three rules for a student copy:
     its own (NotImplementedError("exercise <id> (lesson ...")) is SKIPPED
     "needs exercise <id>, still a stub", and runs for real once it is written;
   * an exercise test that runs past EXERCISE_TEST_TIMEOUT_S (an endless loop)
-    is stopped with a TimeoutError that says so, where the OS has SIGALRM.
+    is stopped with an alarm that says so, where the OS has SIGALRM (minillm/alarm.py).
 Grading does not go through pytest: `python -m minillm.classroom grade` runs the same checks in
 processes of its own (see minillm/classroom/).
 """
 from __future__ import annotations
 
-import signal
-import threading
-
 import pytest
+
+from minillm.alarm import time_limit
 
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends
 _STUBS = pytest.StashKey[list]()
@@ -82,21 +81,12 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """Stop an exercise test that runs away (a student's endless loop) with a message, where signals allow."""
-    if not exercises_of(item) or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+    if not exercises_of(item):
         yield
         return
-
-    def stop(signum, frame):
-        raise TimeoutError(f"this test ran for over {EXERCISE_TEST_TIMEOUT_S} s, when it needs well under one: "
-                           "is there a loop in your code that never ends?")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, EXERCISE_TEST_TIMEOUT_S)
-    try:
+    with time_limit(EXERCISE_TEST_TIMEOUT_S, f"this test ran for over {EXERCISE_TEST_TIMEOUT_S} s, when it needs "
+                    "well under one: is there a loop in your code that never ends?"):
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.hookimpl(hookwrapper=True)

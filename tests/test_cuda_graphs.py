@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from minillm import PRESETS, SamplingParams, kv_cache
+from minillm import PRESETS, SamplingParams, cuda_graphs, kv_cache
 from minillm.cuda_graphs import DecodeRunner, batch_buckets, bucket, width_buckets
 from minillm.engine import LLMEngine
 from minillm.kv_cache import KVCache, Segment
@@ -261,6 +261,42 @@ def test_close_frees_the_pool_and_the_engine_says_so(model):
     engine.close()  # twice is harmless
 
 
+class FakeGraph:
+    """What `DecodeRunner._record` returns, without CUDA: its replay runs the static step it would have captured."""
+
+    def __init__(self, runner, batch, replayed):
+        self.runner, self.batch, self.replayed = runner, batch, replayed
+
+    def replay(self):
+        r = self.runner
+        self.replayed.append(self.key)
+        r.logits[:self.batch] = r.forward(r._input_ids(self.batch)).view(self.batch, -1)
+
+
+def test_an_engine_captures_no_graph_until_a_bucket_is_first_used(model, monkeypatch):
+    """Lazy capture, the one CUDA call (`_record`) replaced by the static step it would capture: building captures
+    nothing; the first graph step captures the largest bucket (so the shared pool is sized by it), then its own;
+    a bucket is never captured twice; and the tokens are still those of kv_cache.generate."""
+    recorded, replayed = [], []
+
+    def record(self, batch, width):
+        recorded.append((batch, width))
+        graph = FakeGraph(self, batch, replayed)
+        graph.key = (batch, width)
+        return graph
+    monkeypatch.setattr(DecodeRunner, "_record", record)
+    monkeypatch.setattr(cuda_graphs, "can_capture", lambda device: True)  # graph mode's bookkeeping, on the CPU
+    engine = static_engine(model, SchedulerConfig(256, 8), block_size=4, num_blocks=200, mode="graph")
+    assert engine.decoder.mode == "graph" and engine.decoder.graphs == {} and recorded == [] and engine.decoder.logits is None
+    prompts = random_prompts(3, [3, 9], seed=4)
+    got = [o.output_token_ids for o in engine.generate(prompts, GREEDY)]
+    assert got == [kv_cache.generate(model, [p], GREEDY)[0] for p in prompts]
+    largest = (engine.decoder.batch_sizes[-1], engine.decoder.widths[-1])
+    assert recorded[0] == largest and len(recorded) == len(set(recorded)) == len(engine.decoder.graphs)
+    assert set(recorded) == {largest} | set(replayed) and len(set(replayed)) >= 2, (recorded, replayed)
+    assert len(recorded) < len(engine.decoder.batch_sizes) * len(engine.decoder.widths)
+
+
 # ---- on a GPU: the graphs themselves ------------------------------------------------------------------
 
 
@@ -342,7 +378,10 @@ def test_graph_memory_is_accounted_when_the_pool_is_sized():
         free, total = torch.cuda.mem_get_info()
         memory = graphs.memory
         assert memory["graph_bytes"] > 0 and memory["activation_peak"] > 0
+        assert graphs.decoder.graphs == {}  # captured on first use: none yet
+        graphs.decoder.capture()  # every bucket, to hold the engine to its share with all of them
         assert len(graphs.decoder.graphs) == len(batch_buckets(32)) * len(width_buckets(64))
+        free, total = torch.cuda.mem_get_info()
         fewer = (eager_blocks - graphs.block_manager.num_blocks) * memory["block_bytes"]
         assert 0.5 * memory["graph_bytes"] <= fewer <= 1.5 * memory["graph_bytes"] + (64 << 20)
         assert total - free <= 0.3 * total + (256 << 20), "the engine with its graphs outgrew its share"

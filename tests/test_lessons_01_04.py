@@ -192,7 +192,7 @@ def test_run_all_runs_lessons_and_writes_their_times(tmp_path, capsys):
 def test_gpu_check_plans_every_lesson_and_fails_fast_without_cuda(capsys):
     sys.path.insert(0, str(LESSONS.parent))
     import gpu_check
-    assert gpu_check.main(["--dry-run"]) == 0
+    assert gpu_check.main(["--plan"]) == 0
     out = capsys.readouterr().out
     import run_all
     for path in run_all.discover():

@@ -191,12 +191,14 @@ def test_bench_reports_both_phases_against_ceilings(monkeypatch):
     for phase in ("prefill", "decode"):
         assert r[phase]["tokens_per_s"] > 0 and 0 < r[phase]["frac_bandwidth"]
     d = r["decode"]
+    assert d["mode"] == "eager"  # the engine's decode step on a CPU
     assert d["times_floor"] == pytest.approx(d["seconds"] / d["weight_read_floor_s"])
     assert d["weight_read_floor_s"] == pytest.approx(
         decode_cost(TINY, 16).weight_bytes / r["ceilings"]["bandwidth"])
     k = r["kernel_limits"]
     assert k["read_stream_bytes_per_s"] > 0 and k["matvec_bytes_per_s"] > 0
     lines = bench.report(r, on_gpu=False)
+    assert any(line.startswith("decode") and "eager step" in line for line in lines)
     assert any(line.startswith("aims") and "≥ 80% of what one cold matrix-vector product" in line for line in lines)
     assert not any("MISSED" in line or "target" in line for line in lines)  # bench speaks to students
     assert any("of what the matrix-vector kernel alone achieves" in line for line in lines)
