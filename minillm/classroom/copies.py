@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 from .leaks import find_leaks
 from .manifest import MANIFEST, MANIFEST_FORMAT, read_manifest
-from .regions import PACKAGE, ROOT, Exercise, ExerciseError, find_exercises, replace_region, select
+from .regions import (PACKAGE, ROOT, Exercise, ExerciseError, find_exercises, replace_region, select,
+                      write_tree)
 
 # The catalogue of wrong versions is one step from the right ones: it stays with the instructor.
 INSTRUCTOR_ONLY = ("tests/exercises/wrong.py", "tests/test_exercise_catalogue.py")
@@ -56,13 +56,7 @@ def make_copy(target: Path | str, only: str | list[str] | None = None, force: bo
     texts = _stubbed_texts(root, files, chosen)
     try:
         _clear_previous_copy(target, files, force)
-        for rel in files:
-            dst = target / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if rel in texts:
-                dst.write_text(texts[rel], encoding="utf-8")
-            else:
-                shutil.copy2(root / rel, dst)
+        write_tree(root, target, files, texts)
     except OSError as e:
         raise ExerciseError(f"cannot write the copy into {target}: {e.strerror or e} ({e.filename or target}); "
                             f"choose a folder you can create and write") from None

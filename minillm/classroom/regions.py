@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 from pathlib import Path
 
 PACKAGE = "minillm"
@@ -193,3 +194,14 @@ def replace_region(text: str, file: str, ex_id: str, new_body: list[str]) -> str
     first = region.line + 1                   # 0-based index of the first body line
     lines[first:first + len(region.body)] = new_body
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+def write_tree(root: Path, target: Path, files, texts: dict[str, str]) -> None:
+    """Copy `files` (paths relative to root) into target, writing `texts[rel]` instead where one is given."""
+    for rel in files:
+        dst = target / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if rel in texts:
+            dst.write_text(texts[rel], encoding="utf-8")
+        else:
+            shutil.copy2(root / rel, dst)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
 import tempfile
 import textwrap
 from pathlib import Path
 
-from .regions import BEGIN, END, HINT, PACKAGE, Exercise, ExerciseError, replace_region
+from .regions import BEGIN, END, HINT, PACKAGE, Exercise, ExerciseError, replace_region, write_tree
 
 
 def regions_of_submission(text: str, file: str, expected: list[Exercise]) -> dict[str, list[str]]:
@@ -106,13 +105,7 @@ def spliced_folder(root: Path, submission: Path, graded: list[Exercise], listed:
             mine = replace_region(mine, rel, ex.id, bodies[ex.id])
         texts[rel] = mine
     folder = Path(tempfile.mkdtemp(prefix="minillm-graded-"))
-    for rel in package_files(root, listed):
-        dst = folder / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if rel in texts:
-            dst.write_text(texts[rel], encoding="utf-8")
-        else:
-            shutil.copyfile(root / rel, dst)
+    write_tree(root, folder, package_files(root, listed), texts)
     for path in [folder, *folder.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
     return folder
