@@ -1,10 +1,11 @@
 """The grade catches the wrong, not only the absent: each plausible wrong version of a region in
-tests/exercises/wrong.py scores below full marks on every one of 200 held-out draws.
+tests/exercises/wrong_<concept>.py scores below full marks on every one of 200 held-out draws.
 
 One process per exercise: it splices each wrong version into the reference module in turn, and judges each
 seed's held-out cases with the check's own run and verify until one fails (the grader's child would send the
 same data: the outputs go through the same encoding). Instructor only: `make` leaves this file out.
 """
+import importlib
 import json
 import subprocess
 import sys
@@ -15,7 +16,19 @@ from minillm.classroom.manifest import MANIFEST
 from minillm.classroom.regions import ROOT, find_exercises
 
 sys.path.insert(0, str(ROOT / "tests" / "exercises"))
-from wrong import WRONG  # noqa: E402
+
+
+def catalogue() -> dict[str, dict[str, str]]:
+    """Every exercise's wrong versions, gathered from tests/exercises/wrong_*.py."""
+    found: dict[str, dict[str, str]] = {}
+    for path in sorted((ROOT / "tests" / "exercises").glob("wrong_*.py")):
+        for ex_id, versions in importlib.import_module(path.stem).WRONG.items():
+            assert ex_id not in found, f"{path.name}: {ex_id} is catalogued twice"
+            found[ex_id] = versions
+    return found
+
+
+WRONG = catalogue()
 
 SEEDS = 200
 pytestmark = pytest.mark.skipif((ROOT / MANIFEST).exists(), reason="a copy: the catalogue is the instructor's")
@@ -28,8 +41,8 @@ torch.set_num_threads(1)
 from minillm.classroom.judge import load_checks
 from minillm.classroom.regions import find_exercises, replace_region
 from minillm.classroom.wire import over_the_wire
-from wrong import WRONG
 from pathlib import Path
+WRONG = importlib.import_module(MODULE).WRONG
 ex = next(e for e in find_exercises(Path(ROOT)) if e.id == EX)
 check = load_checks(Path(ROOT))[EX]
 module = importlib.import_module(ex.file[:-3].replace("/", "."))
@@ -56,10 +69,17 @@ print(json.dumps(found))
 def test_every_wrong_version_scores_below_full_marks_on_every_seed(ex_id):
     assert ex_id in {ex.id for ex in find_exercises(ROOT)}
     assert len(WRONG[ex_id]) >= 3, f"{ex_id}: the catalogue needs at least three plausible mistakes"
-    code = f"ROOT = {str(ROOT)!r}\nEX = {ex_id!r}\nSEEDS = {SEEDS}\n" + SCRIPT
+    module = next(p.stem for p in (ROOT / "tests" / "exercises").glob("wrong_*.py")
+                  if ex_id in importlib.import_module(p.stem).WRONG)
+    code = f"ROOT = {str(ROOT)!r}\nEX = {ex_id!r}\nSEEDS = {SEEDS}\nMODULE = {module!r}\n" + SCRIPT
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
     assert found.pop("reference") == [], f"{ex_id}: the reference itself misses full marks"
     lucky = {name: seeds for name, seeds in found.items() if seeds}
     assert not lucky, f"{ex_id}: wrong versions with full marks on some of {SEEDS} seeds: {lucky}"
+
+
+def test_every_exercise_has_a_catalogue_of_mistakes():
+    missing = sorted({ex.id for ex in find_exercises(ROOT)} - set(WRONG))
+    assert not missing, f"exercises with no wrong versions in tests/exercises/wrong_*.py: {missing}"

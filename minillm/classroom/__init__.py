@@ -60,6 +60,6 @@ Adding an exercise
     only the function holding the region, and uses no oracle: it is sent to
     the child), and `verify` (stays in the grader).
  3. Add at least three plausible wrong versions of the region to the catalogue
-    in tests/exercises/wrong.py; tests/test_exercises_tool.py holds each of
+    in tests/exercises/wrong_<concept>.py; tests/test_exercise_catalogue.py holds each of
     them below full marks on every one of 200 seeds, and the reference at full.
 """

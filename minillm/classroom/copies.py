@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import subprocess
 from pathlib import Path
@@ -11,8 +12,13 @@ from .manifest import MANIFEST, MANIFEST_FORMAT, read_manifest
 from .regions import (PACKAGE, ROOT, Exercise, ExerciseError, find_exercises, replace_region, select,
                       write_tree)
 
-# The catalogue of wrong versions is one step from the right ones: it stays with the instructor.
-INSTRUCTOR_ONLY = ("tests/exercises/wrong.py", "tests/test_exercise_catalogue.py")
+# The answer keys (the oracles) and the catalogue of wrong versions, one step from the right ones, stay with the
+# instructor: no copy holds them.
+INSTRUCTOR_ONLY = ("tests/exercises/key_*.py", "tests/exercises/wrong_*.py", "tests/test_exercise_catalogue.py")
+
+
+def instructor_only(rel: str) -> bool:
+    return any(fnmatch.fnmatch(rel, pattern) for pattern in INSTRUCTOR_ONLY)
 
 
 def tracked_files(root: Path) -> list[str]:
@@ -27,7 +33,7 @@ def tracked_files(root: Path) -> list[str]:
         raise ExerciseError(f"`make` copies exactly the files git tracks, but {root} is not a git checkout "
                             f"({proc.stderr.strip()}); run make from a clone of the project")
     return sorted(f for f in proc.stdout.split("\0")
-                  if f and f != MANIFEST and f not in INSTRUCTOR_ONLY and (root / f).is_file())
+                  if f and f != MANIFEST and not instructor_only(f) and (root / f).is_file())
 
 
 def untracked_files(root: Path) -> list[str]:

@@ -78,16 +78,34 @@ class Check:
         """name -> function(draw) -> inputs, one per situation a visible case shows."""
         raise TypeError(f"{type(self).__name__} must define situations()")
 
+    def edges(self) -> dict[str, dict]:
+        """Fixed held-out cases, graded on every seed besides the draws: the edge situations where a plausible
+        mistake shows (a prompt ending exactly on a block boundary, more keys than queries, a per-row p)."""
+        return {}
+
     def run(self, inputs: dict):
         raise TypeError(f"{type(self).__name__} must define run()")
 
+    def expect(self, inputs: dict):
+        """The answer key of one case: plain data (tensors, numbers, lists, dicts) that `judge` compares the
+        output with, worked out by an oracle that lives in tests/exercises/key_<concept>.py. Instructor only:
+        `make` leaves the key_ files out of every copy and writes the visible cases' answers as literal data."""
+        raise TypeError(f"{type(self).__name__} must define expect()")
+
+    def judge(self, inputs: dict, output, expected) -> None:
+        """Raise AssertionError, with the message a student reads, unless `output` is right for `inputs` given
+        the answer key `expected`. Works out nothing itself: it compares, and names a mistake it recognises."""
+        raise TypeError(f"{type(self).__name__} must define judge()")
+
     def verify(self, inputs: dict, output) -> None:
-        raise TypeError(f"{type(self).__name__} must define verify()")
+        """The grader's verdict on one case: the key worked out here, then judged."""
+        self.judge(inputs, output, self.expect(inputs))
 
     def held_out(self, seed: int | str) -> dict[str, dict]:
         draw = Draw(seed, self.exercise)
-        return {f"{name} #{i + 1}": make(draw) for name, make in self.situations().items()
-                for i in range(self.draws)}
+        drawn = {f"{name} #{i + 1}": make(draw) for name, make in self.situations().items()
+                 for i in range(self.draws)}
+        return {**{f"edge: {name}": inputs for name, inputs in self.edges().items()}, **drawn}
 
     def pytest_test(self):
         """A pytest test per visible case, marked with the exercise: `test_x = CHECK.pytest_test()`."""
