@@ -56,7 +56,7 @@ NAME = "02_kv_cache"
 def sizes(n_ctx: int, quick: bool) -> dict:
     prompt = min(32, n_ctx // 4)
     if quick:
-        return {"prompt": prompt, "new_tokens": 24, "batch_lens": [3, 7, 12], "batch_tokens": 6, "repeats": 3,
+        return {"prompt": prompt, "new_tokens": 16, "batch_lens": [3, 7, 12], "batch_tokens": 6, "repeats": 3,
                 "steps_at": (prompt, min(8 * prompt, n_ctx // 2)), "step_repeats": 5}
     return {"prompt": prompt, "new_tokens": min(64, n_ctx - prompt), "batch_lens": [5, 11, 17, 29],
             "batch_tokens": 12, "repeats": 3, "steps_at": (prompt, min(8 * prompt, n_ctx // 2)), "step_repeats": 5}

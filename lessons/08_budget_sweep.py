@@ -20,7 +20,8 @@ budget matters), arriving as a seeded Poisson process and replayed in real
 time (a request joins at the first step boundary after its arrival; its TTFT
 counts from its arrival, queueing included). The arrival rate (8/s on a CPU)
 is several times what the CPU serves, so the queue stays full and tokens/s
-measures capacity. The KV pool holds the whole trace, so no run preempts and
+measures capacity; --quick sends its 6 requests (prompt median an eighth of
+the context) at once, a full queue from the start. The KV pool holds the whole trace, so no run preempts and
 the budget is the only variable.
 
 `max_num_batched_tokens` ∈ {256, 512, 1024, 2048, 4096} with chunking (512 and
@@ -65,7 +66,7 @@ def serve(model, trace, budget: int, chunked: bool):
 
 def sizes(n_ctx: int, quick: bool, on_gpu: bool) -> dict:
     if quick:
-        return {"requests": 6, "rate": 8.0, "prompt_median": n_ctx / 4, "output_median": 6,
+        return {"requests": 6, "rate": None, "prompt_median": n_ctx / 8, "output_median": 4,
                 "budgets": [OLD_DEFAULT, LARGE], "repeats": 2}
     return {"requests": 64 if on_gpu else 12, "rate": 200.0 if on_gpu else 8.0, "prompt_median": n_ctx / 4,
             "output_median": 16, "budgets": [256, 512, 1024, 2048, 4096], "repeats": 3}
@@ -82,14 +83,19 @@ def main(argv=None) -> dict:
     configs = {f"chunked {b}": (b, True) for b in s["budgets"]}
     configs[f"unchunked {UNCHUNKED_BUDGET}"] = (max(UNCHUNKED_BUDGET, stats["longest"]), False)
     last = max(r.arrival_s for r in trace)
+    arrivals = f"Poisson {s['rate']:g}/s" if s["rate"] else "all at t = 0"
     large, old = f"chunked {LARGE}", f"chunked {OLD_DEFAULT}"
-    predict(lesson, f"the trace offers {stats['requests']} requests over {last:.2f} s of arrivals; a bigger budget "
+    predict(lesson, f"the trace offers {stats['requests']} requests " + (f"over {last:.2f} s of arrivals" if last else
+                                                                      "queued at once") + "; a bigger budget "
             f"packs more prompt tokens into a step, which gains throughput only where a step's time grows more "
             f"slowly than its tokens (a GPU's spare compute) and only while requests queue: an engine that keeps "
             f"up with the arrivals serves them at their rate whatever its budget")
 
     def ratio(a, b, key) -> float:
         return statistics.median(r[key] for r in a) / statistics.median(r[key] for r in b)
+
+    def m_of(runs, key) -> int:
+        return round(statistics.median(r[key] for r in runs))
 
     def make_check(rounds) -> Check:
         a, b = rounds.results(large), rounds.results(old)
@@ -101,15 +107,21 @@ def main(argv=None) -> dict:
                     f"{m('seconds'):.2f} s ({ms(m('seconds') / m('steps'))} a step)")
         return Check(f"tokens/s at budget {LARGE} ÷ at {OLD_DEFAULT}, chunked", gain, 1 + CLAIM_GAIN - CLAIM_SLACK,
                      ">=", fmt="{:.2f}",
-                     why=f"where the time went: {budget(a, large)}; {budget(b, old)}; the last request arrived at "
-                         f"{last:.2f} s, {last / statistics.median(r['seconds'] for r in a):.0%} of the {LARGE} "
-                         "run; " + (
-                             "both budgets ran steps of about the same size, so the larger one never bound: the "
-                             "requests did not queue enough prompt tokens to fill even the smaller"
-                             if ratio(a, b, "mean_tokens_per_step") < 1.2 else
-                             f"{LARGE} ran steps {ratio(a, b, 'mean_tokens_per_step'):.1f}× as large, each "
-                             f"{ratio(a, b, 'seconds') / ratio(a, b, 'steps'):.1f}× as long: a step's time grew "
-                             "with its tokens"))
+                     why=f"where the time went: {budget(a, large)}; {budget(b, old)}; " + (
+                         f"the last request arrived at {last:.2f} s, "
+                         f"{last / statistics.median(r['seconds'] for r in a):.0%} of the {LARGE} run; "
+                         if last else "every request was queued at t = 0; ") + (
+                             f"both budgets ran steps of at most {m_of(a, 'max_tokens_per_step')} tokens, so the "
+                             "larger one never bound: the requests did not queue enough prompt tokens to fill even "
+                             "the smaller"
+                             if ratio(a, b, "max_tokens_per_step") < 1.2 else
+                             f"{LARGE} fed steps of up to {m_of(a, 'max_tokens_per_step')} tokens against "
+                             f"{m_of(b, 'max_tokens_per_step')}, in {m_of(a, 'steps')} steps against "
+                             f"{m_of(b, 'steps')}: " + (
+                                 "as many, since the longest output sets their count, so there was no step's fixed "
+                                 "cost to save" if m_of(a, "steps") >= m_of(b, "steps") else
+                                 "a step's time grew with its tokens, so larger steps saved only the fixed cost of "
+                                 "the steps they removed")))
 
     serve(model, trace[:2], 512, True)()  # warm-up, untimed
     rounds = interleave({name: serve(model, trace, *c) for name, c in configs.items()}, s["repeats"], warmup=0,
@@ -123,7 +135,7 @@ def main(argv=None) -> dict:
                   f"{min(p['throughput'] for p in points[n]):.1f}–{max(p['throughput'] for p in points[n]):.1f}",
                   ms(med(n, "ttft_p50_s")), ms(med(n, "ttft_p99_s")), ms(med(n, "itl_p50_s")), ms(med(n, "itl_p99_s")),
                   points[n][0]["steps"], f"{points[n][0]['mean_tokens_per_step']:.0f}"] for n, (b, c) in configs.items()],
-                f"{stats['requests']} requests, Poisson {s['rate']:g}/s, prompt mean {stats['prompt_mean']:.0f}, output "
+                f"{stats['requests']} requests, {arrivals}, prompt mean {stats['prompt_mean']:.0f}, output "
                 f"mean {stats['output_mean']:.0f} (medians of {rounds.count} rounds; steps: round 1):")
 
     check = make_check(rounds)

@@ -120,6 +120,7 @@ class Replay:
         return {"seconds": self.seconds, "generated_tokens": self.generated, "throughput": self.throughput,
                 "steps": self.steps, "preemptions": self.preemptions,
                 "mean_tokens_per_step": statistics.mean(self.step_tokens) if self.step_tokens else 0.0,
+                "max_tokens_per_step": max(self.step_tokens, default=0),
                 **{f"{k}_p{q}_s": self.percentile(k, q) for k in ("ttft", "itl") for q in (50, 99)}}
 
 
