@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from key_model import attention, visible_keys
+from key_model import attention, key, visible_keys
 
 
 # ---------------------------------------------------------------- write
@@ -39,10 +39,11 @@ def written(inputs: dict, slot=None, row_of=None, layers=None) -> dict:
 
 
 def write_key(inputs: dict) -> dict:
-    """The key of one kv-cache-write case: both caches after the write, and after each classic mistake."""
+    """The key of one kv-cache-write case: both caches after the write, and the key cache after each classic
+    mistake (each mistake puts the values where it puts the keys: the keys alone name it)."""
     lengths, rows = inputs["lengths"], inputs["rows"]
     first = lengths[rows[0]]
-    return {"want": written(inputs), "mistakes": {
+    mistakes = {
         "every row's tokens went to slot 0 on: a row's new tokens go right after what it has cached "
         "(m.positions says where)": written(inputs, slot=lambda i, t: t),
         "every row's tokens went after the first row's length: in a ragged step each row starts at its own "
@@ -52,7 +53,9 @@ def write_key(inputs: dict) -> dict:
         "the step's i-th row went to cache row i: it belongs in row m.rows[i]": written(inputs, row_of=lambda i: i),
         "every layer was written: each layer's attention writes its own keys, in its own layer":
             written(inputs, layers=range(inputs["cached_k"].shape[0])),
-    }}
+    }
+    want = written(inputs)
+    return {"want": want, "mistakes": key(want["k"], {name: cache["k"] for name, cache in mistakes.items()})["mistakes"]}
 
 
 # ---------------------------------------------------------------- read
@@ -106,4 +109,4 @@ def read_key(inputs: dict) -> dict:
         if other != layer:
             mistakes[f"the keys of layer {other} were read: each layer attends over its own keys (layer "
                      f"{layer} here)"] = each_row(inputs, lambda i, at=other: slots_of(rows[i], longest, at), own)
-    return {"want": want, "mistakes": mistakes}
+    return key(want, mistakes)

@@ -9,6 +9,26 @@ from __future__ import annotations
 
 import torch
 
+# ---------------------------------------------------------------- keys
+
+
+def same(a, b) -> bool:
+    """Two answers alike within fp32 tolerance: tensors, or dicts of them (alike in what `a` holds)."""
+    if isinstance(a, dict):
+        return all(n in b and same(a[n], b[n]) for n in a)
+    return a.shape == b.shape and bool(torch.isclose(a.double(), b.double(), atol=1e-6, rtol=1e-5).all())
+
+
+def key(want, mistakes: dict) -> dict:
+    """An answer key: the answer, and the mistakes whose answers differ from it and from each other's (a
+    mistake that gives the right answer on a case cannot be named there, and need not travel)."""
+    kept: dict = {}
+    for name, answer in mistakes.items():
+        if not same(answer, want) and not any(same(answer, other) for other in kept.values()):
+            kept[name] = answer
+    return {"want": want, "mistakes": kept}
+
+
 # ---------------------------------------------------------------- attention
 
 
@@ -66,7 +86,7 @@ def causal_attention_key(inputs: dict) -> dict:
     else:
         mistakes["the given mask is ignored: a ragged batch's mask says which keys each query may see"] = \
             attention(q, k, v, visible_keys(T, L))
-    return {"want": attention(q, k, v, rule), "mistakes": mistakes}
+    return key(attention(q, k, v, rule), mistakes)
 
 
 # ---------------------------------------------------------------- heads
@@ -91,13 +111,13 @@ def heads_key(inputs: dict) -> dict:
     D = C // H
     thirds = [fused[:, :, i * C:(i + 1) * C] for i in range(3)]
     want = {name: split_heads(third, H).float() for name, third in zip("qkv", thirds)}
-    straight = {name: third.reshape(B, H, T, D).float() for name, third in zip("qkv", thirds)}
-    interleaved = {name: third.reshape(B, T, D, H).permute(0, 3, 1, 2).float() for name, third in zip("qkv", thirds)}
-    return {"want": want, "mistakes": {
-        "heads reshaped straight to (B, H, T, D): the columns of c_attn(x) are (token, head, dim), so split "
-        "them as (B, T, H, D), then move the heads ahead of the tokens": straight,
+    straight = {"q": thirds[0].reshape(B, H, T, D).float()}   # a split done wrong is done wrong for all three:
+    interleaved = {"q": thirds[0].reshape(B, T, D, H).permute(0, 3, 1, 2).float()}   # q alone names it
+    return key(want, {
+        "heads reshaped straight to (B, H, T, D): in c_attn(x) each token's row holds its heads side by side, "
+        "so a reshape that puts the heads before the tokens mixes tokens into heads": straight,
         "the heads' columns are interleaved: head h is the h-th block of D consecutive columns, not every "
         "H-th column": interleaved,
         "q and k are taken in the wrong order: c_attn(x) holds q's C columns first, then k's, then v's":
-            {"q": want["k"], "k": want["q"], "v": want["v"]},
-    }}
+            {"q": want["k"], "k": want["q"]},
+    })
