@@ -3,9 +3,9 @@ classic mistakes, so that a message can name the one a student made.
 
 Instructor only: `make` leaves every key_*.py out of a student copy. A case is a step (test_ex_kv_cache.py
 builds it): `lengths` (tokens each row holds before it), `rows` (the rows in the step, in the step's order), T
-new tokens for each, and the cache's contents. The keys below replay the step one token at a time: token t of
-the i-th row of the step lands in slot lengths[row] + t of that row, and its query sees that row's slots
-0 .. lengths[row] + t, in the step's layer only.
+new tokens for each, and the cache's contents. The keys below work the step out from its definition: token t
+of the i-th row of the step lands in slot lengths[row] + t of that row, and its query sees that row's slots
+0 .. lengths[row] + t, in the step's layer only (attention from key_model.py).
 """
 from __future__ import annotations
 
