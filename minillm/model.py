@@ -26,7 +26,8 @@ call; adding a fourth never means editing this file. Anything a cache needs to
 know about the step (where each sequence's tokens go, how long each context
 is) it is told by its owner before the forward pass, never by the model.
 Every answer ends in the same `causal_attention` below: the math is written
-once, and the caches differ only in where the keys and values come from.
+once (`attention_by_hand` spells it out), and the caches differ only in where
+the keys and values come from.
 
 Logits for chosen positions only
 --------------------------------
@@ -64,23 +65,55 @@ class AttentionCache(Protocol):
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q·kᵀ/√d, masked)·v: queries (B, H, T, D) over keys and values (B, H, L, D).
+    """The engine's attention: `attention_by_hand`'s contract, computed by torch's fused kernel.
 
-    The queries are the last T of the L tokens whose keys are given, so query t
-    sits at position L − T + t and may look at keys 0 .. L − T + t, never at a
-    later one: that is what lets a model trained on whole texts generate them
-    one token at a time. With T == L this is the familiar lower triangle; with
-    T == 1 (a decode step) the one query sees every key. A ragged batch, whose
-    rows end at different positions, passes `mask` instead: a bool tensor that
-    broadcasts to (B, H, T, L), True where a query may look at a key
-    (`causal_mask` builds it from positions).
+    Queries (B, H, T, D) over keys and values (B, H, L, D); the queries are the
+    last T of the L tokens unless `mask` says otherwise (the contract is
+    written out, as math, in `attention_by_hand`). One call to
+    F.scaled_dot_product_attention computes the same numbers; its fused
+    backends (FlashAttention's idea) take the keys a block at a time with a
+    running softmax, so the (T, L) scores never exist in memory: at
+    T = L = 1,024 in fp32 that is 4 MiB per head neither written nor read
+    back. Every cache ends here; tests/test_model.py holds it equal to
+    `attention_by_hand`.
     """
-    # >>> exercise model-causal-attention (lesson 01, 2 pts): masked scaled dot-product attention
-    # hint: scores are (B, H, T, L), scaled by 1/√D; without a mask, query t may see key s only when s ≤ L − T + t; hidden scores get -inf before the softmax over keys; then weight the values
     T, L = q.shape[-2], k.shape[-2]
     if mask is None and T not in (1, L):  # queries at the end of a longer context: the triangle starts at L − T
         mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+
+
+def attention_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ/√D, masked)·v, written out: queries (B, H, T, D) over keys and values (B, H, L, D).
+
+    Each query scores every key with a dot product, divided by √D so that the
+    scores of D-dimensional vectors stay near unit size and the softmax does
+    not saturate; the scores of keys it may not see become -inf, so that their
+    weight is exactly zero; the softmax over the keys turns each query's
+    scores into weights that sum to one, and its output is the weighted sum
+    of the values. The result has q's shape.
+
+    Which keys a query sees: the queries are the last T of the L tokens whose
+    keys are given, so query t sits at position L − T + t and may look at keys
+    0 .. L − T + t, never at a later one: that is what lets a model trained on
+    whole texts generate them one token at a time. With T == L this is the
+    familiar lower triangle; with T == 1 (a decode step) the one query sees
+    every key. A ragged batch, whose rows end at different positions, passes
+    `mask` instead: a bool tensor that broadcasts to (B, H, T, L), True where
+    a query may look at a key (`causal_mask` builds it from positions).
+
+    This holds the whole (B, H, T, L) score tensor in memory; `causal_attention`
+    gets the same numbers from a fused kernel that never does.
+    """
+    # >>> exercise model-causal-attention (lesson 01, 2 pts): masked scaled dot-product attention, written out
+    # hint: where among the L keys does query t sit when no mask is given, and which keys may it see? How large do dot products of D-dimensional vectors grow, and what keeps the softmax from saturating? Over which dimension must each query's weights sum to one, and what score makes a hidden key's weight exactly zero? Off limits: scaled_dot_product_attention, causal_attention, multi_head_attention_forward, transformers.
+    T, L = q.shape[-2], k.shape[-2]
+    if mask is None:  # the queries are the last T positions: query t sees keys 0 .. L − T + t
+        mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])    # (B, H, T, L)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return weights @ v
     # <<< exercise
 
 

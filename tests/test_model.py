@@ -6,7 +6,7 @@ import torch
 from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
 from minillm import kv_cache, naive_decode
 from minillm.kv_cache import KVCache, Segment
-from minillm.model import causal_attention, causal_mask
+from minillm.model import attention_by_hand, causal_attention, causal_mask
 from minillm.sampling import NonFiniteLogitsError, apply_top_k, apply_top_p, finish_reason, sample
 from models import context_model
 
@@ -288,6 +288,22 @@ def test_causal_attention_with_queries_at_the_end_of_the_keys():
     whole = causal_attention(torch.cat([torch.randn(1, 2, 4, 8, generator=g), q], dim=2), k, v)
     torch.testing.assert_close(causal_attention(q, k, v), whole[:, :, 4:])
     torch.testing.assert_close(causal_attention(q, k, v, causal_mask(torch.arange(4, 7), 7)), whole[:, :, 4:])
+
+
+@pytest.mark.parametrize("B, H, T, L, D, ends", [
+    (2, 3, 5, 5, 8, None),             # a prompt: T == L, the lower triangle
+    (1, 4, 3, 9, 16, None),            # queries at the end of a longer context: the triangle starts at L − T
+    (3, 2, 1, 7, 8, None),             # a decode step: the one query sees every key
+    (3, 2, 2, 9, 8, [3, 8, 5]),        # a ragged chunk: each row's mask ends at its own last position
+    (2, 2, 1, 6, 4, [2, 5]),           # a ragged decode
+])
+def test_the_fused_kernel_computes_attention_by_hand(B, H, T, L, D, ends):
+    """causal_attention (the engine's, one fused call) and attention_by_hand (the math, scores in memory) are
+    the same function: on a prompt, on queries at the end of more keys, on a decode step, and with a mask."""
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + L)
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
+    mask = None if ends is None else causal_mask(torch.tensor([[e - T + 1 + t for t in range(T)] for e in ends]), L)
+    torch.testing.assert_close(causal_attention(q, k, v, mask), attention_by_hand(q, k, v, mask), atol=1e-5, rtol=1e-4)
 
 
 def test_seeded_generation_is_reproducible(model):

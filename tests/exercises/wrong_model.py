@@ -29,14 +29,18 @@ v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
     },
     "model-causal-attention": {
         "aligns the causal triangle top-left, ignoring the L - T cached keys": """
-T = q.shape[-2]
-return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+T, L = q.shape[-2], k.shape[-2]
+if mask is None:
+    mask = causal_mask(torch.arange(T, device=q.device), L)
+scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
 """,
         "lets each query see one key too many": """
 T, L = q.shape[-2], k.shape[-2]
-if mask is None and T > 1:
+if mask is None:
     mask = causal_mask(torch.arange(L - T, L, device=q.device) + 1, L)
-return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
 """,
         "forgets to scale the scores by 1/sqrt(D)": """
 T, L = q.shape[-2], k.shape[-2]
@@ -44,6 +48,33 @@ if mask is None:
     mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
 scores = (q @ k.transpose(-2, -1)).masked_fill(~mask, float("-inf"))
 return scores.softmax(dim=-1) @ v
+""",
+        "scales the scores by 1/D instead of 1/sqrt(D)": """
+T, L = q.shape[-2], k.shape[-2]
+if mask is None:
+    mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
+scores = (q @ k.transpose(-2, -1)) / q.shape[-1]
+return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+""",
+        "takes the softmax over the queries instead of the keys": """
+T, L = q.shape[-2], k.shape[-2]
+if mask is None:
+    mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
+scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+return torch.nan_to_num(scores.masked_fill(~mask, float("-inf")).softmax(dim=-2)) @ v
+""",
+        "ignores the given mask and always builds the causal one": """
+T, L = q.shape[-2], k.shape[-2]
+mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
+scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+""",
+        "zeroes the hidden keys' weights after the softmax instead of their scores before it": """
+T, L = q.shape[-2], k.shape[-2]
+if mask is None:
+    mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
+scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+return scores.softmax(dim=-1).masked_fill(~mask, 0.0) @ v
 """,
     },
 }
