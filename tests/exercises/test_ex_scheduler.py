@@ -163,13 +163,15 @@ class Preempt(Check):
 
     def edges(self):
         return {
-            # c, the newest, holds a planned token: b goes (a is `who`).
+            # d, the newest, has its token in this step's plan: c goes, the newest of the others (a is `who`).
             "the newest running sequence is in this step's plan":
                 self.case(14, [decoding("a", 3), decoding("b", 4), decoding("c", 5), decoding("d", 2)], 1,
                           planned=["d"], waiting=[seq("w", 2)]),
             "the only victim is the sequence itself": self.case(7, [decoding("a", 4), decoding("b", 3)], 2,
                                                                planned=["b"], waiting=[seq("w", 3)]),
-            "room after exactly one preemption": self.case(10, [decoding("a", 2), decoding("b", 5), decoding("c", 3)], 3),
+            "room after exactly one preemption":
+                self.case(10, [decoding("a", 2), decoding("b", 5), decoding("c", 3)], 3),
+            # 9 of 9 tokens held and b needs 4 more: d, then c, go; a, older than b, stays.
             "several preemptions, the sequence in the middle":
                 self.case(9, [decoding("a", 2), decoding("b", 3), seq("c", 6, computed=2), decoding("d", 2)], 4,
                           who="b"),
@@ -320,12 +322,12 @@ class BudgetFill(Check):
 
         def reserve(s, n, out):
             """Stands in for _reserve (exercise scheduler-preempt): when room is short it preempts the case's victim."""
-            if not sched.blocks.can_append(s, n) and victim in sched.running and victim is not s:
+            if victim in sched.running and victim is not s and not sched.blocks.can_append(s, n):
                 sched._preempt(victim, out)
-            if not sched.blocks.can_append(s, n):
-                return False
-            sched.blocks.append_slots(s, n)
-            return True
+            fits = sched.blocks.can_append(s, n)
+            if fits:
+                sched.blocks.append_slots(s, n)
+            return fits
 
         sched._reserve = reserve
         steps = []
