@@ -98,6 +98,7 @@ def reserve(case: dict, newest_first=True, spare_planned=True, until_room=True, 
 
 
 def preempt_key(case: dict) -> dict:
+    """scheduler-preempt's answer for one case: the queues and return value of `reserve`, and its mistakes'."""
     return with_mistakes(reserve(case), lambda **switches: reserve(case, **switches), PREEMPT_MISTAKES)
 
 
@@ -196,8 +197,8 @@ def step(case, r: Replay, decodes_first, decodes_counted, partials_first, seat_l
         return budget
 
     if not decodes_first:
-        budget = admissions(partials(budget)) if partials_first else partials(admissions(budget))
-        decodes()
+        admissions(partials(budget)) if partials_first else partials(admissions(budget))
+        decodes()   # unbudgeted: they come after the prompts took the whole budget
         return plan
     used = decodes()
     if decodes_counted:
@@ -210,4 +211,5 @@ def step(case, r: Replay, decodes_first, decodes_counted, partials_first, seat_l
 
 
 def budget_fill_key(case: dict) -> dict:
+    """scheduler-budget-fill's answer for one case: each step's plan and queues, and its mistakes'."""
     return with_mistakes(plan_steps(case), lambda **switches: plan_steps(case, **switches), BUDGET_FILL_MISTAKES)
