@@ -4,9 +4,11 @@
 No model and no real cache: the scheduler gets a fake block space that only
 counts tokens, and the queues are set up by hand. A case lists its sequences
 as plain data; a plan is written as (request, tokens, kind) in the order the
-scheduler put it in the batch. The checks replay each case on plain lists.
+scheduler put it in the batch. The answers come from replaying each case on
+plain lists (tests/exercises/key_scheduler.py, which stays with the
+instructor); a check compares, and names a mistake it recognises.
 """
-from exercise_checks import Check, kind
+from exercise_checks import Check, call_recording_errors, kind, raised
 
 
 class TokenCountingBlocks:
@@ -77,39 +79,6 @@ def queues(sched, out) -> dict:
             "held": {names.get(i, str(i)): n for i, n in sched.blocks.held.items()}}
 
 
-class Replay:
-    """A case's queues on plain data, for the checks' own replay of a step."""
-
-    def __init__(self, case: dict):
-        self.seqs = {s["name"]: dict(s) for s in [*case["running"], *case["waiting"]]}
-        self.running = [s["name"] for s in case["running"]]
-        self.waiting = [s["name"] for s in case["waiting"]]
-        self.held = {s["name"]: s["computed"] for s in case["running"]}
-        self.capacity = case["capacity"]
-        self.preempted: list[str] = []
-
-    def remaining(self, name: str) -> int:
-        s = self.seqs[name]
-        return s["prompt"] + s["output"] - s["computed"]
-
-    def decoding(self, name: str) -> bool:
-        return self.remaining(name) == 1 and self.seqs[name]["output"] > 0
-
-    def room(self, n: int) -> bool:
-        return sum(self.held.values()) + n <= self.capacity
-
-    def preempt(self, name: str) -> None:
-        """Recompute mode: off the running list, its KV freed, to the front of the waiting queue."""
-        self.running.remove(name)
-        self.held.pop(name, None)
-        self.seqs[name]["computed"] = 0
-        self.waiting.insert(0, name)
-        self.preempted.append(name)
-
-    def queues(self) -> dict:
-        return {"preempted": self.preempted, "running": self.running, "waiting": self.waiting, "held": self.held}
-
-
 def first_difference(got: dict, want: dict, keys: list[str]) -> str | None:
     for key in keys:
         if got.get(key) != want[key]:
@@ -117,12 +86,27 @@ def first_difference(got: dict, want: dict, keys: list[str]) -> str | None:
     return None
 
 
-def describe(r: "Replay") -> str:
-    """The queues of a replay as a sentence: who runs, who waits, and the KV room."""
-    def show(name):
-        return f"{name} (decoding)" if r.decoding(name) else f"{name} ({r.remaining(name)} tokens to prefill)"
-    return (f"running {[show(n) for n in r.running]}, waiting {[show(n) for n in r.waiting]}, "
-            f"KV room for {r.capacity} tokens, {sum(r.held.values())} held")
+def same(got, answer: dict, keys: list[str]) -> bool:
+    """`got` is the answer `answer` on `keys` (or raised the same type of error)."""
+    if "raised" in answer:
+        return raised(got) and got["raised"] == answer["raised"]
+    return isinstance(got, dict) and not raised(got) and all(got.get(key) == answer[key] for key in keys)
+
+
+def describe(case: dict) -> str:
+    """A case's queues as a sentence, read off its inputs: who runs, who waits, and the KV room."""
+    def show(s):
+        left = s["prompt"] + s["output"] - s["computed"]
+        return f"{s['name']} (decoding)" if left == 1 and s["output"] else f"{s['name']} ({left} tokens to prefill)"
+    return (f"running {[show(s) for s in case['running']]}, waiting {[show(s) for s in case['waiting']]}, "
+            f"KV room for {case['capacity']} tokens, {sum(s['computed'] for s in case['running'])} held")
+
+
+def naming(mistakes: list[str]) -> str:
+    """The mistakes whose answers the output matches, as the first lines of a message."""
+    if len(mistakes) < 2:
+        return "".join(f"\n  {what}" for what in mistakes)
+    return "\n  one of these mistakes:" + "".join(f"\n  - {what}" for what in mistakes)
 
 
 # ------------------------------------------------------------------ preemption
@@ -177,38 +161,55 @@ class Preempt(Check):
         return {"the newest running sequence goes first": newest, "as many as it takes": several,
                 "sequences in this step's plan are spared": planned, "no one else can go": itself}
 
+    def edges(self):
+        return {
+            # d, the newest, has its token in this step's plan: c goes, the newest of the others (a is `who`).
+            "the newest running sequence is in this step's plan":
+                self.case(14, [decoding("a", 3), decoding("b", 4), decoding("c", 5), decoding("d", 2)], 1,
+                          planned=["d"], waiting=[seq("w", 2)]),
+            "the only victim is the sequence itself": self.case(7, [decoding("a", 4), decoding("b", 3)], 2,
+                                                               planned=["b"], waiting=[seq("w", 3)]),
+            "room after exactly one preemption":
+                self.case(10, [decoding("a", 2), decoding("b", 5), decoding("c", 3)], 3),
+            # 9 of 9 tokens held and b needs 4 more: d, then c, go; a, older than b, stays.
+            "several preemptions, the sequence in the middle":
+                self.case(9, [decoding("a", 2), decoding("b", 3), seq("c", 6, computed=2), decoding("d", 2)], 4,
+                          who="b"),
+            "everyone else goes, then the sequence itself":
+                self.case(7, [decoding("a", 3), decoding("b", 2), decoding("c", 2)], 5, waiting=[seq("w", 1)]),
+        }
+
     def run(self, case):
         from minillm.scheduler import ScheduledChunk, SchedulerOutput
         sched, by_name = build(case, "base")
         out = SchedulerOutput()
         for name in case["planned"]:
             out.chunks.append(ScheduledChunk(by_name[name], 1, is_decode=True))
-        ok = sched._reserve(by_name[case["reserve"]], case["tokens"], out)
-        return {"returned": ok, **queues(sched, out)}
+        ok = call_recording_errors(sched._reserve, by_name[case["reserve"]], case["tokens"], out)
+        return ok if raised(ok) else {"returned": ok, **queues(sched, out)}
 
-    def verify(self, case, output):
-        who, n = case["reserve"], case["tokens"]
-        replay, ok = Replay(case), True
-        # Oracle: free room by preempting, newest first, the running sequences that are neither `who` nor planned;
-        # with none left, `who` gives way itself and gets no room.
-        while not replay.room(n):
-            victims = [s for s in replay.running if s not in case["planned"] and s != who]
-            replay.preempt(victims[-1] if victims else who)
-            if not victims:
-                ok = False
-                break
-        if ok:
-            replay.held[who] += n
-        want = {"returned": ok, **replay.queues()}
-        situation = (f"_reserve({who}, {n}) with {describe(Replay(case))}"
+    def expect(self, case):
+        from key_scheduler import preempt_key
+        return preempt_key(case)
+
+    KEYS = ["preempted", "returned", "running", "waiting", "held"]
+
+    def judge(self, case, output, expected):
+        who, n, want = case["reserve"], case["tokens"], expected["want"]
+        situation = (f"_reserve({who}, {n}) with {describe(case)}"
                      + (f", {case['planned']} already in this step's plan" if case["planned"] else ""))
-        if not isinstance(output, dict):
-            raise AssertionError(f"{situation}: the check got back {kind(output)}. Look at {self.where}.")
-        problem = first_difference(output, want, ["preempted", "returned", "running", "waiting", "held"])
-        if problem:
-            raise AssertionError(f"{situation}:\n  {problem}\n(the victims are the newest running sequences not in this "
-                                 f"step's plan, preempted one at a time until there is room; the return value says "
-                                 f"whether {who} got its room). Look at {self.where}.")
+        if same(output, want, self.KEYS):
+            return
+        named = naming([what for what, answer in expected["mistakes"].items() if same(output, answer, self.KEYS)])
+        if raised(output):
+            problem = f"it raised {output['raised']}: {output['message']}"
+        elif isinstance(output, dict):
+            problem = first_difference(output, want, self.KEYS)
+        else:
+            problem = f"the check got back {kind(output)}"
+        raise AssertionError(f"{situation}:{named}\n  {problem}\n(the victims are the newest running sequences "
+                             f"not in this step's plan, preempted one at a time until there is room; the return "
+                             f"value says whether {who} got its room). Look at {self.where}.")
 
 
 # ------------------------------------------------------------------ budget fill
@@ -295,23 +296,45 @@ class BudgetFill(Check):
                 "decodes use the whole budget": whole_budget, "a prompt without room is not overtaken": no_room,
                 "a step that preempted admits no one": preempted, "a long prompt in chunks over several steps": chunks}
 
+    def edges(self):
+        return {
+            "decodes fill the whole budget": self.case(4, [decoding(f"d{i}", 2 + i) for i in range(4)],
+                                                       [seq("p", 3)]),
+            "a prompt chunk exactly fits the budget left":
+                self.case(6, [decoding("a"), decoding("b")], [seq("p", 4), seq("q", 3)]),
+            "a partial prefill exactly fits the budget left":
+                self.case(5, [decoding("a"), seq("half", 7, computed=3)], [seq("w", 2)]),
+            "max_num_seqs reached": self.case(10, [decoding("a"), decoding("b")], [seq("x", 2), seq("y", 2)],
+                                              max_num_seqs=3),
+            "a partly prefilled prompt continues before a waiting one":
+                self.case(8, [decoding("a"), seq("half", 9, computed=4)], [seq("new", 3)]),
+            # a's decode preempts c (2 + 5 + 1 tokens in a pool of 7): there is budget and room for a chunk of c
+            # or w, but memory is short, so no one is admitted this step.
+            "no admission in a step that preempted":
+                self.case(3, [decoding("a", 2), decoding("c", 5)], [seq("w", 2)], capacity=7, victim="c"),
+            "a budget of 1": self.case(1, waiting=[seq("p", 3)], steps=4),
+            "several steps in a row": self.case(4, [decoding("a")], [seq("p", 7), seq("q", 2)], steps=4),
+        }
+
     def run(self, case):
         sched, by_name = build(case, "chunked")
         victim = by_name.get(case["victim"])
 
         def reserve(s, n, out):
             """Stands in for _reserve (exercise scheduler-preempt): when room is short it preempts the case's victim."""
-            if not sched.blocks.can_append(s, n) and victim in sched.running and victim is not s:
+            if victim in sched.running and victim is not s and not sched.blocks.can_append(s, n):
                 sched._preempt(victim, out)
-            if not sched.blocks.can_append(s, n):
-                return False
-            sched.blocks.append_slots(s, n)
-            return True
+            fits = sched.blocks.can_append(s, n)
+            if fits:
+                sched.blocks.append_slots(s, n)
+            return fits
 
         sched._reserve = reserve
         steps = []
         for _ in range(case["steps"]):
-            out = sched.schedule()
+            out = call_recording_errors(sched.schedule)
+            if raised(out):
+                return steps + [out]
             steps.append({"plan": [[c.seq.request_id, c.num_tokens, "decode" if c.is_decode else "prefill"]
                                    for c in out.chunks], **queues(sched, out)})
             for c in out.chunks:   # what the engine does after the forward pass
@@ -320,62 +343,37 @@ class BudgetFill(Check):
                     c.seq.output_token_ids.append(1)
         return steps
 
-    def replay_step(self, case: dict, r: Replay) -> dict:
-        """Oracle: one step of the decode-first policy on plain data, with the check's stand-in for _reserve."""
-        plan, r.preempted = [], []
-        status = {name: "running" for name in r.running}
+    def expect(self, case):
+        from key_scheduler import budget_fill_key
+        return budget_fill_key(case)
 
-        def reserve(name, n):
-            victim = case["victim"]
-            if not r.room(n) and victim in r.running and victim != name:
-                r.preempt(victim)
-                status[victim] = "waiting"
-            if not r.room(n):
-                return False
-            r.held[name] += n
-            return True
+    KEYS = ["plan", "preempted", "running", "waiting"]
 
-        for name in list(r.running):      # 1. every running decode, oldest first
-            if status[name] == "running" and r.decoding(name) and reserve(name, 1):
-                plan.append([name, 1, "decode"])
-        budget = case["budget"] - len(plan)
-        for name in list(r.running):      # 2. the next chunk of each partly prefilled prompt, oldest first
-            if budget and status[name] == "running" and not r.decoding(name):
-                n = min(r.remaining(name), budget)
-                if reserve(name, n):
-                    plan.append([name, n, "prefill"])
-                    budget -= n
-        while not r.preempted and r.waiting and budget > 0 and len(r.running) < case["max_num_seqs"]:
-            name = r.waiting[0]           # 3. waiting prompts in arrival order, while budget, seats and room last
-            n = min(r.remaining(name), budget)
-            if not r.room(n):
-                break
-            r.waiting.pop(0)
-            r.running.append(name)
-            r.held[name] = r.held.get(name, 0) + n
-            plan.append([name, n, "prefill"])
-            budget -= n
-        return {"plan": plan, **{k: list(v) if isinstance(v, list) else dict(v) for k, v in r.queues().items()}}
-
-    def verify(self, case, output):
-        r = Replay(case)
-        if not isinstance(output, list) or len(output) != case["steps"]:
-            raise AssertionError(f"the check runs {case['steps']} step(s); it got back {kind(output)}. Look at {self.where}.")
+    def judge(self, case, output, expected):
+        situation = f"budget {case['budget']}, max_num_seqs {case['max_num_seqs']}, {describe(case)}"
+        if not isinstance(output, list) or not 0 < len(output) <= case["steps"]:
+            raise AssertionError(f"{situation}: the check runs {case['steps']} step(s); it got back {kind(output)}. "
+                                 f"Look at {self.where}.")
         for i, got in enumerate(output):
-            situation = f"budget {case['budget']}, max_num_seqs {case['max_num_seqs']}, {describe(r)}"
-            want = self.replay_step(case, r)
-            problem = first_difference(got, want, ["plan", "preempted", "running", "waiting"]) \
-                if isinstance(got, dict) else f"got {kind(got)}"
-            if problem:
-                step = f"step {i + 1} of {case['steps']}: " if case["steps"] > 1 else ""
-                raise AssertionError(f"{step}{situation}:\n  {problem}\n(a plan is [request, tokens, kind] in batch "
-                                     f"order: decodes first, then chunks of partly prefilled prompts, then waiting "
-                                     f"prompts in arrival order; no admission in a step that preempted). "
-                                     f"Look at {self.where}.")
-            for name, n, _ in want["plan"]:   # what the engine does after the forward pass
-                r.seqs[name]["computed"] += n
-                if r.remaining(name) == 0:
-                    r.seqs[name]["output"] += 1
+            want = expected["want"][i]
+            if same(got, want, self.KEYS):
+                continue
+            named = naming([what for what, answer in expected["mistakes"].items()
+                            if all(same(g, a, self.KEYS) for g, a in zip(output[:i + 1], answer[:i + 1]))])
+            if raised(got):
+                problem = f"schedule() raised {got['raised']}: {got['message']}"
+            elif isinstance(got, dict):
+                problem = first_difference(got, want, self.KEYS)
+            else:
+                problem = f"got {kind(got)}"
+            step = f"; at step {i + 1} of {case['steps']}" if case["steps"] > 1 else ""
+            raise AssertionError(f"{situation}{step}:{named}\n  {problem}\n(a plan is [request, tokens, kind] in "
+                                 f"batch order: decodes first, then chunks of partly prefilled prompts, then waiting "
+                                 f"prompts in arrival order; no admission in a step that preempted). "
+                                 f"Look at {self.where}.")
+        if len(output) < case["steps"]:
+            raise AssertionError(f"{situation}: the check runs {case['steps']} steps; it got back {len(output)}. "
+                                 f"Look at {self.where}.")
 
 
 PREEMPT, BUDGET_FILL = Preempt(), BudgetFill()
