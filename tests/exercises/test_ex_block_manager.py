@@ -65,11 +65,13 @@ def same_step(key_step: dict, got: dict) -> bool:
 
 
 def mistake_named(mistakes: dict, steps: list, upto: int) -> str:
-    """The first mistake in the key whose steps match those that came back, up to and including step `upto`."""
-    for name, wrong in mistakes.items():
-        if len(wrong) > upto and all(same_step(wrong[i], steps[i]) for i in range(upto + 1)):
-            return f" This is a known mistake: {name}."
-    return ""
+    """The sentence naming the key's mistakes whose steps match those that came back, up to and including step
+    `upto` ("" if none does; a case may not tell two apart, and then it names both)."""
+    names = [name for name, wrong in mistakes.items()
+             if len(wrong) > upto and all(same_step(wrong[i], steps[i]) for i in range(upto + 1))]
+    if len(names) > 1:
+        return f" This is what more than one known mistake does: {'; or '.join(names)}."
+    return f" This is a known mistake: {names[0]}." if names else ""
 
 
 class AllocatorCheck(Check):
@@ -88,7 +90,7 @@ class AllocatorCheck(Check):
             raise AssertionError(f"{self.call_text(inputs, 0)}: the check records each call's result and state; "
                                  f"it got back {kind(output)}. Look at {self.where}.")
         for i, key_step in enumerate(want):
-            before = want[i - 1] if i else inputs
+            before = inputs if i == 0 else want[i - 1]
             situation = f"{self.call_text(inputs, i)} with {state_text(before['free'], before['ref_counts'])}"
             got = output[i] if i < len(output) else None
             if got is None:
