@@ -66,25 +66,8 @@ def slot_key(inputs: dict) -> dict:
 
 # ---------------------------------------------------------------- the gather
 
-def read_through(pool: torch.Tensor, rows: list[list[int]], context_len: int, token_axis_first: bool = False):
-    """K and V (rows, H, context_len, D) of each row whose blocks are `rows[r]`, copied one token at a time
-    (blocks walked slot by slot). `token_axis_first` gives the layout (rows, context_len, H, D) instead."""
-    _, bs, _, H, D = pool.shape
-    out = torch.zeros(2, len(rows), context_len, H, D, dtype=pool.dtype)
-    for r, blocks in enumerate(rows):
-        entry, offset = 0, 0
-        for p in range(context_len):
-            out[:, r, p] = pool[blocks[entry], offset]
-            offset += 1
-            if offset == bs:
-                entry, offset = entry + 1, 0
-    if token_axis_first:
-        return out[0], out[1]
-    return out[0].permute(0, 2, 1, 3).contiguous(), out[1].permute(0, 2, 1, 3).contiguous()
-
-
 def gather_places(tables: list[list[int]], context_len: int, bs: int) -> list[list[list[int]]]:
-    """[block, slot] of every token of every row."""
+    """[block, slot] of each of the first `context_len` tokens of every row, walking its table's blocks slot by slot."""
     places = []
     for table in tables:
         row, entry, offset = [], 0, 0
@@ -95,6 +78,19 @@ def gather_places(tables: list[list[int]], context_len: int, bs: int) -> list[li
                 entry, offset = entry + 1, 0
         places.append(row)
     return places
+
+
+def read_through(pool: torch.Tensor, tables: list[list[int]], context_len: int, token_axis_first: bool = False):
+    """K and V (rows, H, context_len, D) of rows whose blocks are `tables`, copied one token at a time.
+    `token_axis_first` gives the layout (rows, context_len, H, D) instead."""
+    _, bs, _, H, D = pool.shape
+    out = torch.zeros(2, len(tables), context_len, H, D, dtype=pool.dtype)
+    for r, row in enumerate(gather_places(tables, context_len, bs)):
+        for p, (block, slot) in enumerate(row):
+            out[:, r, p] = pool[block, slot]
+    if token_axis_first:
+        return out[0], out[1]
+    return out[0].permute(0, 2, 1, 3).contiguous(), out[1].permute(0, 2, 1, 3).contiguous()
 
 
 def gather_key(inputs: dict) -> dict:
@@ -109,7 +105,7 @@ def gather_key(inputs: dict) -> dict:
             mistakes[name] = {"k": pair[0], "v": pair[1]}
 
     add("K and V are swapped: a slot holds K at index 0 and V at index 1", (v, k))
-    if width * bs >= L and pool.shape[0] >= width:
+    if pool.shape[0] >= width:   # else the pool has too few blocks for this mistake to read
         add("the blocks were read by their place in the sequence, not through the block table: entry j of a "
             "row's table names the pool block that holds its j-th block", read_through(pool, [list(range(width))] * rows, L))
     add("every row was read through the first row's table: each row has its own",

@@ -92,9 +92,12 @@ class SlotMapping(Check):
 
 
 def gather_case(tables, context_len, num_blocks=6, block_size=4, H=2, D=3, seed=0):
+    """A pool whose values are all different (quarters, exact in float32), so that each value says where it
+    was read from and no wrong read can hit a right value by chance."""
     g = torch.Generator().manual_seed(seed)
-    return {"pool": torch.randn(num_blocks, block_size, 2, H, D, generator=g), "tables": torch.tensor(tables),
-            "context_len": context_len}
+    shape = (num_blocks, block_size, 2, H, D)
+    pool = torch.randperm(num_blocks * block_size * 2 * H * D, generator=g).float().div(4).view(shape)
+    return {"pool": pool, "tables": torch.tensor(tables), "context_len": context_len}
 
 
 class Gather(Check):
@@ -146,6 +149,9 @@ class Gather(Check):
             if not isinstance(got, torch.Tensor):
                 raise AssertionError(f"{name} from gather_kv: expected a tensor of shape {tuple(want.shape)} = "
                                      f"(rows, H, context_len, D), got {kind(got)}. Look at {where}.")
+            if got.dtype != want.dtype:
+                raise AssertionError(f"{name} from gather_kv: expected {want.dtype}, the pool's dtype (a gather copies "
+                                     f"values, it does not convert them), got {got.dtype}. Look at {where}.")
             if got.shape != want.shape:
                 padded = (got.dim() == 4 and got.shape[2] == expected["all_slots"] != context_len)
                 why = (f" All {expected['all_slots']} slots of the tables' blocks came back: only the first "
