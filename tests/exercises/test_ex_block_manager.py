@@ -77,10 +77,12 @@ def mistake_named(mistakes: dict, steps: list, upto: int) -> str:
 class AllocatorCheck(Check):
     """What allocate's and free's checks share: a case is a few calls on a state set by hand, judged step by step."""
 
+    returns_a_block = False   # whether each call's returned value is judged too
+
     def call_text(self, inputs: dict, i: int) -> str:
         raise TypeError(f"{type(self).__name__} must define call_text()")
 
-    def must_raise(self, inputs: dict, i: int, expected: dict) -> str:
+    def must_raise(self, inputs: dict, i: int, expected: dict) -> tuple[str, str]:
         """Why call i must raise, and what its message must name: (why, the text the message must hold or "")."""
         raise TypeError(f"{type(self).__name__} must define must_raise()")
 
@@ -176,7 +178,6 @@ class Allocate(AllocatorCheck):
 class Free(AllocatorCheck):
     exercise = "paged-free"
     where = "minillm/block_manager.py, BlockAllocator.free"
-    returns_a_block = False
 
     def visible(self):
         return {"a shared block only drops a reference": {"free": [0], "ref_counts": [0, 2, 1], "calls": [1]},
