@@ -65,7 +65,12 @@ class HoldsKV(Protocol):
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list and counts references to each block."""
+    """Hands out block ids from a free list and counts references to each block.
+
+    The free list is a queue, first freed first reused, as vLLM's is (there it also orders eviction): a
+    block is taken from its head and recycled to its tail, so the ids a run hands out follow from the
+    order of its calls alone, and a test can name them.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
@@ -79,9 +84,9 @@ class BlockAllocator:
         return len(self.free_blocks)
 
     def allocate(self) -> int:
-        """Take a free block; its reference count becomes 1."""
+        """Take the block at the head of the free list, the one freed longest ago; its reference count becomes 1."""
         # >>> exercise paged-allocate (lesson 05, 2 pts): take a block from the free list with one reference
-        # hint: an empty free list is an error the scheduler should have prevented: raise a RuntimeError that names the pool size; otherwise the block you take starts with one owner
+        # hint: an empty free list is an error the scheduler should have prevented: raise a RuntimeError that names the pool size; otherwise, which end of the queue holds the block that has waited longest, and how many owners does it start with?
         if not self.free_blocks:
             raise RuntimeError(f"out of KV blocks: all {self.num_blocks} are in use; "
                                "the scheduler must preempt a sequence before allocating")
@@ -91,9 +96,9 @@ class BlockAllocator:
         # <<< exercise
 
     def free(self, block: int) -> None:
-        """Drop one reference; the block returns to the free list when none are left."""
+        """Drop one reference; when none are left, the block joins the tail of the free list."""
         # >>> exercise paged-free (lesson 05, 2 pts): drop a reference and recycle the block at zero
-        # hint: a block with no references left cannot be freed again (a double free: raise RuntimeError before changing anything); a block still referenced elsewhere stays out of the free list
+        # hint: a block with no references left cannot be freed again (a double free: raise RuntimeError before changing anything); a block still referenced elsewhere stays out of the free list; at which end does a recycled block wait its turn?
         if self.ref_counts[block] < 1:
             raise RuntimeError(f"double free: block {block} has no references left")
         self.ref_counts[block] -= 1

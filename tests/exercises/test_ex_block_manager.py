@@ -1,8 +1,9 @@
 """Lesson 05 exercises in minillm/block_manager.py: the block allocator.
 
-Each case sets the free list and reference counts by hand, makes a few calls,
-and the check replays them on plain lists: `allocate` and `free` are each
-tested alone.
+Each case sets the free list and reference counts by hand and makes a few calls of one method, so `allocate`
+and `free` are each tested alone. After every call the check records what came back and both lists, and
+compares them with the answer key: the free list is a queue (`allocate` takes its head, `free` recycles a
+block to its tail), so every step has one right state.
 """
 from exercise_checks import Check, call_recording_errors, kind, raised
 
@@ -40,16 +41,93 @@ def state_text(free, refs) -> str:
     return f"ref counts {refs}, free list {free}"
 
 
-def check_steps(output, expected_calls: int, where: str, what: str) -> list:
-    if not isinstance(output, list) or not all(isinstance(s, dict) for s in output) or len(output) != expected_calls:
-        raise AssertionError(f"{what}: the case makes {expected_calls} calls; the check got back {kind(output)}. "
-                             f"Look at {where}.")
-    return output
+def same(a, b) -> bool:
+    """Equal as plain data, types included: the integer 3 is not True, 3.0 or a tensor holding 3."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
 
 
-class Allocate(Check):
+def same_step(key_step: dict, got: dict) -> bool:
+    """A step of the key and a step that came back agree: the same exception type raised, or the same value
+    returned, and the same state after it."""
+    if raised(key_step) != raised(got):
+        return False
+    if raised(key_step):
+        outcome = got.get("raised") == key_step["raised"]
+    else:
+        outcome = same(got.get("returned"), key_step["returned"])
+    return outcome and same(got.get("ref_counts"), key_step["ref_counts"]) and same(got.get("free"), key_step["free"])
+
+
+def mistake_named(mistakes: dict, steps: list, upto: int) -> str:
+    """The sentence naming the key's mistakes whose steps match those that came back, up to and including step
+    `upto` ("" if none does; a case may not tell two apart, and then it names both)."""
+    names = [name for name, wrong in mistakes.items()
+             if len(wrong) > upto and all(same_step(wrong[i], steps[i]) for i in range(upto + 1))]
+    if len(names) > 1:
+        return f" This is what more than one known mistake does: {'; or '.join(names)}."
+    return f" This is a known mistake: {names[0]}." if names else ""
+
+
+class AllocatorCheck(Check):
+    """What allocate's and free's checks share: a case is a few calls on a state set by hand, judged step by step."""
+
+    returns_a_block = False   # whether each call's returned value is judged too
+
+    def call_text(self, inputs: dict, i: int) -> str:
+        raise TypeError(f"{type(self).__name__} must define call_text()")
+
+    def must_raise(self, inputs: dict, i: int, expected: dict) -> tuple[str, str]:
+        """Why call i must raise, and what its message must name: (why, the text the message must hold or "")."""
+        raise TypeError(f"{type(self).__name__} must define must_raise()")
+
+    def judge(self, inputs, output, expected):
+        want = expected["steps"]
+        if not isinstance(output, list) or not all(isinstance(s, dict) for s in output) or not output:
+            raise AssertionError(f"{self.call_text(inputs, 0)}: the check records each call's result and state; "
+                                 f"it got back {kind(output)}. Look at {self.where}.")
+        for i, key_step in enumerate(want):
+            before = inputs if i == 0 else want[i - 1]
+            situation = f"{self.call_text(inputs, i)} with {state_text(before['free'], before['ref_counts'])}"
+            got = output[i] if i < len(output) else None
+            if got is None:
+                raise AssertionError(f"{situation}: no result came back for it. Look at {self.where}.")
+            problem = self.problem(inputs, i, key_step, got, expected)
+            if problem:
+                raise AssertionError(f"{situation}: {problem}{mistake_named(expected['mistakes'], output, i)} "
+                                     f"Look at {self.where}.")
+
+    def problem(self, inputs, i, key_step, got, expected) -> str:
+        """What is wrong with step i that came back, or "" when it matches the key."""
+        left = f"it left {state_text(got.get('free'), got.get('ref_counts'))}"
+        should = f"it should leave {state_text(key_step['free'], key_step['ref_counts'])}"
+        state_ok = same(got.get("ref_counts"), key_step["ref_counts"]) and same(got.get("free"), key_step["free"])
+        if raised(key_step):
+            why, named = self.must_raise(inputs, i, expected)
+            if not got.get("runtime_error"):
+                did = f"raised {got['raised']}: {got.get('message')}" if raised(got) else f"returned {got.get('returned')!r}"
+                return f"{why}, so it must raise a RuntimeError; it {did}, and {left}."
+            if named and named not in str(got.get("message")):
+                return (f"{why}; the error should name the pool size ({named} blocks) so the reader can act; it "
+                        f"says {got.get('message')!r}.")
+            return "" if state_ok else f"a call that raises must change nothing first; {left}."
+        if raised(got):
+            return f"raised {got['raised']}: {got.get('message')}."
+        if self.returns_a_block and not same(got.get("returned"), key_step["returned"]):
+            return (f"expected block {key_step['returned']}, the head of the free list (the block freed longest "
+                    f"ago), got {got.get('returned')!r}; {left}.")
+        return "" if state_ok else f"{should}; {left}."
+
+
+class Allocate(AllocatorCheck):
     exercise = "paged-allocate"
     where = "minillm/block_manager.py, BlockAllocator.allocate"
+    returns_a_block = True
 
     def visible(self):
         return {"every block handed out once, with one reference": {"free": [0, 1, 2, 3], "ref_counts": [0] * 4, "calls": 4},
@@ -72,44 +150,32 @@ class Allocate(Check):
 
         return {"a fresh pool handed out in full": fresh, "a pool in use": in_use, "until the pool runs out": runs_out}
 
+    def edges(self):
+        return {
+            # the free list as two sequences left it, finishing in another order than they were given blocks
+            "blocks recycled out of order are reused in the order they were freed":
+                {"free": [5, 1, 3], "ref_counts": [1, 0, 2, 0, 1, 0, 1], "calls": 3},
+            "the last free block, then an empty pool": {"free": [6], "ref_counts": [1, 2, 1, 1, 3, 1, 0], "calls": 2},
+            "interleaved sequences and a shared block, until the pool runs out":
+                {"free": [4, 0, 7, 2], "ref_counts": [0, 1, 0, 2, 0, 1, 3, 0, 1, 1, 2], "calls": 5},
+        }
+
     def run(self, inputs):
         alloc = allocator(inputs)
         return observe(alloc, alloc.allocate, [()] * inputs["calls"])
 
-    def verify(self, inputs, output):
-        free, refs = list(inputs["free"]), list(inputs["ref_counts"])
-        n = len(refs)
-        steps = check_steps(output, inputs["calls"], self.where, f"allocate() from {state_text(free, refs)}")
-        for i, got in enumerate(steps):
-            situation = f"allocate() call {i + 1} with {state_text(free, refs)}"
-            if not free:
-                if not got.get("runtime_error"):
-                    raise AssertionError(f"{situation}: no block is free, so it must raise a RuntimeError; it "
-                                         f"{'raised ' + got['raised'] if raised(got) else 'returned ' + repr(got.get('returned'))}. "
-                                         f"Look at {self.where}.")
-                if str(n) not in got["message"]:
-                    raise AssertionError(f"{situation}: the error for an empty pool should name the pool size ({n} "
-                                         f"blocks) so the reader can act; it says {got['message']!r}. Look at {self.where}.")
-                if (got["ref_counts"], got["free"]) != (refs, free):
-                    raise AssertionError(f"{situation}: a failed allocate() must change nothing; it left "
-                                         f"{state_text(got['free'], got['ref_counts'])}. Look at {self.where}.")
-                return
-            if raised(got):
-                raise AssertionError(f"{situation}: raised {got['raised']}: {got['message']}. Look at {self.where}.")
-            block = got["returned"]
-            if not isinstance(block, int) or isinstance(block, bool) or block not in free:
-                raise AssertionError(f"{situation}: expected one of the free blocks {free}, got {block!r}. "
-                                     f"Look at {self.where}.")
-            free.remove(block)
-            refs[block] = 1
-            if got["ref_counts"] != refs or sorted(got["free"]) != sorted(free):
-                raise AssertionError(f"{situation} returned block {block}: it should leave {state_text(free, refs)} "
-                                     f"(the block taken off the free list, with one reference); it left "
-                                     f"{state_text(got['free'], got['ref_counts'])}. Look at {self.where}.")
-            free = list(got["free"])
+    def expect(self, inputs):
+        from key_block_manager import allocate_key
+        return allocate_key(inputs)
+
+    def call_text(self, inputs, i):
+        return f"allocate() call {i + 1}"
+
+    def must_raise(self, inputs, i, expected):
+        return "no block is free", str(expected["pool_size"])
 
 
-class Free(Check):
+class Free(AllocatorCheck):
     exercise = "paged-free"
     where = "minillm/block_manager.py, BlockAllocator.free"
 
@@ -143,36 +209,28 @@ class Free(Check):
         return {"a shared block": shared, "every reference of a few blocks": every_reference,
                 "one free too many": double}
 
+    def edges(self):
+        return {
+            "a block shared by two sequences, freed by one": {"free": [3], "ref_counts": [1, 2, 1, 0], "calls": [1]},
+            "blocks freed in another order than they were allocated":
+                {"free": [6], "ref_counts": [1, 1, 1, 1, 1, 1, 0], "calls": [3, 0, 5, 1]},
+            "the last reference of a shared block, then one free too many":
+                {"free": [0], "ref_counts": [0, 2, 1], "calls": [1, 2, 1, 1]},
+        }
+
     def run(self, inputs):
         alloc = allocator(inputs)
         return observe(alloc, alloc.free, [(b,) for b in inputs["calls"]])
 
-    def verify(self, inputs, output):
-        free, refs = list(inputs["free"]), list(inputs["ref_counts"])
-        steps = check_steps(output, len(inputs["calls"]), self.where, f"free() calls {inputs['calls']} from "
-                            f"{state_text(free, refs)}")
-        for block, got in zip(inputs["calls"], steps):
-            situation = f"free({block}) with {state_text(free, refs)}"
-            if refs[block] == 0:
-                if not got.get("runtime_error"):
-                    raise AssertionError(f"{situation}: block {block} has no reference left, so this is a double "
-                                         f"free and must raise a RuntimeError; it "
-                                         f"{'raised ' + got['raised'] if raised(got) else 'did not raise'}. Look at {self.where}.")
-                if (got["ref_counts"], got["free"]) != (refs, free):
-                    raise AssertionError(f"{situation}: a double free must raise before changing anything; it left "
-                                         f"{state_text(got['free'], got['ref_counts'])}. Look at {self.where}.")
-                return
-            if raised(got):
-                raise AssertionError(f"{situation}: raised {got['raised']}: {got['message']}. Look at {self.where}.")
-            refs[block] -= 1
-            if refs[block] == 0:
-                free.append(block)
-            recycled = "is recycled: back on the free list, once" if refs[block] == 0 else "is still in use: off the free list"
-            if got["ref_counts"] != refs or sorted(got["free"]) != sorted(free):
-                raise AssertionError(f"{situation}: it should drop one reference and leave {state_text(free, refs)} "
-                                     f"(block {block} {recycled}); it left "
-                                     f"{state_text(got['free'], got['ref_counts'])}. Look at {self.where}.")
-            free = list(got["free"])
+    def expect(self, inputs):
+        from key_block_manager import free_key
+        return free_key(inputs)
+
+    def call_text(self, inputs, i):
+        return f"free({inputs['calls'][i]})"
+
+    def must_raise(self, inputs, i, expected):
+        return f"block {inputs['calls'][i]} has no reference left: this is a double free", ""
 
 
 ALLOCATE, FREE = Allocate(), Free()
