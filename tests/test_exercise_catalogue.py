@@ -83,3 +83,21 @@ def test_every_wrong_version_scores_below_full_marks_on_every_seed(ex_id):
 def test_every_exercise_has_a_catalogue_of_mistakes():
     missing = sorted({ex.id for ex in find_exercises(ROOT)} - set(WRONG))
     assert not missing, f"exercises with no wrong versions in tests/exercises/wrong_*.py: {missing}"
+
+
+def test_no_held_out_case_is_the_same_on_two_seeds():
+    """A table of answers built offline for one seed (MINILLM_GRADE_SEED fixed once) must answer no case of
+    another seed's grade: every held-out case, edges included, draws its values from the seed."""
+    from minillm.classroom.judge import load_checks
+    from minillm.classroom.wire import to_wire
+
+    def cases(check, seed):
+        return {json.dumps(to_wire(inputs), sort_keys=True): name for name, inputs in check.held_out(seed).items()}
+
+    repeated = {}
+    for ex_id, check in load_checks(ROOT).items():
+        a, b = cases(check, 1), cases(check, 2)
+        same = sorted(a[key] for key in a.keys() & b.keys())
+        if same:
+            repeated[ex_id] = same
+    assert not repeated, f"held-out cases that seeds 1 and 2 share, so a table of answers would pass them: {repeated}"

@@ -78,9 +78,11 @@ class Check:
         """name -> function(draw) -> inputs, one per situation a visible case shows."""
         raise TypeError(f"{type(self).__name__} must define situations()")
 
-    def edges(self) -> dict[str, dict]:
-        """Fixed held-out cases, graded on every seed besides the draws: the edge situations where a plausible
-        mistake shows (a prompt ending exactly on a block boundary, more keys than queries, a per-row p)."""
+    def edges(self) -> dict:
+        """name -> function(draw) -> inputs: the edge situations where a plausible mistake shows (a prompt ending
+        exactly on a block boundary, more keys than queries, a per-row p), one case each on every seed besides
+        the situations' draws. The situation is fixed, its values are drawn (the numbers, the block ids, the
+        names): a table of answers built offline for one seed then answers no case of another."""
         return {}
 
     def run(self, inputs: dict):
@@ -105,7 +107,7 @@ class Check:
         draw = Draw(seed, self.exercise)
         drawn = {f"{name} #{i + 1}": make(draw) for name, make in self.situations().items()
                  for i in range(self.draws)}
-        return {**{f"edge: {name}": inputs for name, inputs in self.edges().items()}, **drawn}
+        return {**{f"edge: {name}": make(draw) for name, make in self.edges().items()}, **drawn}
 
     def pytest_test(self):
         """A pytest test per visible case, marked with the exercise: `test_x = CHECK.pytest_test()`."""
