@@ -3,9 +3,18 @@
 A case describes the cache by what its blocks hold: each entry is "block j of
 these tokens, in block id b". `run` turns the entries into the real cache, keyed
 by the module's own `hash_block` chain (the key format is given code, not the
-exercise), and calls `prefix_match`. The check never hashes: two chained keys
-are equal exactly when they key the same block index of the same token prefix,
-so the expected answer is a walk over plain lists.
+exercise), and calls `prefix_match`. The answer key
+(tests/exercises/key_prefix_caching.py, instructor only) never hashes: two
+chained keys are equal exactly when they key the same block index of the same
+token prefix, so the expected answer is a walk over plain lists. It also
+carries the answers of the plausible mistakes, so that a message can name the
+one a wrong output matches.
+
+Fixed edges, graded on every seed: a prompt that ends exactly on a block
+boundary (its last block is recomputed), one exactly a block long, one shorter
+than a block, a miss with cached blocks after it, the same tokens in every
+block (only the chain tells the blocks apart), and block_size 16 one token past
+an edge.
 """
 from exercise_checks import Check, kind
 
@@ -15,53 +24,6 @@ PROMPT = list(range(100, 120))   # 20 distinct token ids
 def entries(tokens: list[int], block_ids: dict[int, int]) -> list[dict]:
     """A cache holding block j of `tokens` in block id block_ids[j]."""
     return [{"tokens": list(tokens), "block": j, "id": b} for j, b in block_ids.items()]
-
-
-def cache_by_prefix(inputs) -> dict[tuple, int]:
-    """The cache as the check sees it: (block index, the tokens up to the end of that block) → block id. Built in
-    the entries' order, so a repeated key keeps its first place and its last id, as a dict of hashes does."""
-    bs, cache = inputs["block_size"], {}
-    for e in inputs["cache"]:
-        cache[(e["block"], tuple(e["tokens"][:(e["block"] + 1) * bs]))] = e["id"]
-    return cache
-
-
-def expected_blocks(inputs) -> tuple[list[int], str]:
-    """The blocks to reuse, and why the walk stopped there."""
-    prompt, bs, cache = inputs["prompt"], inputs["block_size"], cache_by_prefix(inputs)
-    usable = (len(prompt) - 1) // bs   # whole blocks before the last token
-    blocks = []
-    for i in range(usable):
-        block = cache.get((i, tuple(prompt[:(i + 1) * bs])))
-        if block is None:
-            lacks = f"block {i} after this prompt's first {i * bs} tokens" if i else "this prompt's first block"
-            return blocks, f"the cache lacks {lacks}, so the walk ends there, whatever is cached after it"
-        blocks.append(block)
-    if usable * bs + bs <= len(prompt):
-        return blocks, (f"block {usable} holds the prompt's last token, which is always computed for its logits, so "
-                        f"it is never reused even when cached")
-    return blocks, f"the prompt has {plural(usable, 'whole block')} before its last token"
-
-
-def plural(n: int, thing: str) -> str:
-    return f"{n} {thing}{'' if n == 1 else 's'}"
-
-
-def described(inputs) -> str:
-    """The case in words: which of the prompt's own blocks the cache holds, and how many other entries."""
-    prompt, bs = inputs["prompt"], inputs["block_size"]
-    own, other = [], 0
-    for (j, prefix), block in cache_by_prefix(inputs).items():
-        if list(prefix) == prompt[:(j + 1) * bs]:
-            own.append((j, block))
-        else:
-            other += 1
-    own.sort()
-    held = (f"this prompt's block{'s' if len(own) > 1 else ''} {', '.join(str(j) for j, _ in own)} in block id"
-            f"{'s' if len(own) > 1 else ''} {', '.join(str(b) for _, b in own)}" if own else "none of this prompt's blocks")
-    if other:
-        held += f" and {plural(other, 'block')} of other token prefixes"
-    return f"prefix_match(a prompt of {plural(len(prompt), 'token')}, block_size={bs}, a cache holding {held})"
 
 
 class PrefixMatch(Check):
@@ -182,6 +144,26 @@ class PrefixMatch(Check):
                 "the same tokens after another prefix": other_prefix, "a partly filled block": partial,
                 "another prompt sharing the start": shared_start, "a prompt of a block or less": short}
 
+    def edges(self):
+        def case(prompt, bs, cache):
+            return {"prompt": list(prompt), "block_size": bs, "cache": cache}
+
+        p, long = PROMPT, list(range(200, 250))
+        same = [7, 8, 9] * 5 + [1]   # five blocks of the same three tokens, then the last token
+        return {
+            # the last block holds the last token: cached, yet recomputed for its logits
+            "a prompt ending exactly on a block boundary, all of it cached":
+                case(p[:12], 4, entries(p, {0: 7, 1: 3, 2: 5})),
+            "a prompt exactly one block long, cached": case(p[:5], 5, entries(p, {0: 7, 1: 3})),
+            "a prompt shorter than one block": case(p[:3], 8, entries(p, {0: 7, 1: 3})),
+            "a miss in the middle, cached blocks after it": case(p[:16], 3, entries(p, {0: 7, 1: 3, 3: 5, 4: 9})),
+            # only its first block is cached: a key of the tokens alone would match every block of it
+            "the same tokens in every block": case(same, 3, entries(same, {0: 4}) + entries([1, 2, 3] + same, {1: 6})),
+            # and the tokens of its block 1 cached as the first block of another prompt
+            "block_size 16, one token past a block edge":
+                case(long[:33], 16, entries(long, {0: 12, 1: 13, 2: 14}) + entries(long[16:32], {0: 20})),
+        }
+
     def run(self, inputs):
         from minillm.prefix_caching import ROOT, hash_block
         from minillm.prefix_caching import prefix_match
@@ -197,22 +179,28 @@ class PrefixMatch(Check):
         return {"blocks": blocks, "cache_after": [cached.get(k) for k in keys], "cache_size": len(cached),
                 "prompt_after": prompt}
 
-    def verify(self, inputs, output):
-        want, why = expected_blocks(inputs)
-        call = described(inputs)
+    def expect(self, inputs):
+        from key_prefix_caching import answer
+        return answer(inputs)
+
+    def judge(self, inputs, output, expected):
+        want, call = expected["blocks"], expected["call"]
         got = output["blocks"]
         ok = isinstance(got, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in got)
         if not ok or got != want:
-            raise AssertionError(f"{call} should return the block ids {want} ({why}); got "
-                                 f"{got!r:.200}{'' if ok else f' ({kind(got)}, not a list of block ids)'}. "
-                                 f"Look at {self.where}.")
-        cache = cache_by_prefix(inputs)
-        if output["cache_after"] != list(cache.values()) or output["cache_size"] != len(cache):
-            raise AssertionError(f"{call} changed the cache it was given (it held {len(cache)} "
-                                 f"{'entry' if len(cache) == 1 else 'entries'}, "
+            like = [mistake for mistake, blocks in expected["mistakes"].items() if got == blocks]
+            named = (f" It looks like this mistake: {like[0]}." if len(like) == 1 else
+                     f" It looks like one of these mistakes: {'; or '.join(like)}." if like else "")
+            raise AssertionError(f"{call} should return the block ids {want} ({expected['why']}); got "
+                                 f"{got!r:.200}{'' if ok else f' ({kind(got)}, not a list of block ids)'}."
+                                 f"{named} Look at {self.where}.")
+        size = expected["cache_size"]
+        if output["cache_after"] != expected["cache_after"] or output["cache_size"] != size:
+            raise AssertionError(f"{call} changed the cache it was given (it held {size} "
+                                 f"{'entry' if size == 1 else 'entries'}, "
                                  f"{output['cache_size']} after the call): matching only reads it. "
                                  f"Look at {self.where}.")
-        if output["prompt_after"] != inputs["prompt"]:
+        if output["prompt_after"] != expected["prompt_after"]:
             raise AssertionError(f"{call} changed the prompt it was given: matching only reads it. "
                                  f"Look at {self.where}.")
 

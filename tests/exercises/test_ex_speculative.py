@@ -5,30 +5,41 @@ distributions q they were drawn from, and the target's distributions p at the
 same positions plus one more. No model runs: a case writes p and q by hand (or
 draws them, every probability a multiple of 1/32, so that float32 holds them
 exactly and "p ≥ q" is never a rounding question) and plays many rounds, each
-with its own seeded generator. The check judges what came back on what any
-correct rule must do, whichever way it draws its random numbers:
+with its own seeded generator. A correct rule may draw its random numbers any
+way it likes, so the answer key (tests/exercises/key_speculative.py, instructor
+only) gives what must hold of the tokens, as probabilities: how often each
+guess is kept once the round reaches it, the distribution of the token after a
+rejection, and the target's own rows. The judge compares what came back with
+them:
 
   * exactly, round by round: the tokens are the accepted guesses in order, then
-    one more; a guess with p ≥ q at it is always accepted, one the target never
-    makes (p = 0) never; the token after a rejection is one where p exceeds q;
-    the bonus token after accepting every guess is one the target's next
-    distribution can make; the same seed gives the same round again, whatever
-    torch's global random stream did in between;
-  * in frequency, over the rounds: each guess is accepted as often as p/q says
-    (capped at 1), the tokens after a rejection follow the normalised excess of
-    p over q, the bonus tokens follow the last row of p, and, when the guesses
-    were drawn from q as a draft would, every token emitted follows p. Each is a
-    test at significance LEVEL, run only where the counts are large enough for
-    its approximation (χ² cells expecting MIN_EXPECTED tokens, counts whose
-    variance is MIN_VARIANCE), so a correct rule fails one about once in a
-    million (a few times that at worst: the approximations are not exact so far
-    out in the tail).
+    one more; a guess kept with probability 1 (p ≥ q at it) is always kept, one
+    kept with probability 0 (p = 0) never; the token after a rejection is one
+    the residual can make; the bonus token after accepting every guess is one
+    the target's next distribution can make; the same seed gives the same
+    round again, whatever torch's global random stream did in between;
+  * in frequency, over the rounds: the guesses kept, the tokens after a
+    rejection, the bonus tokens and, when the guesses were drawn from q as a
+    draft would draw them, every token emitted, against the key's
+    probabilities. Each is a test at significance LEVEL, run only where the
+    counts are large enough for its approximation (χ² cells expecting
+    MIN_EXPECTED tokens, counts whose variance is MIN_VARIANCE), so a correct
+    rule fails one about once in a million (a few times that at worst: the
+    approximations are not exact so far out in the tail).
+
+The key also holds what the plausible mistakes would give (an inverted ratio,
+a test the wrong way round, a draw shared by the guesses, a replacement drawn
+from p, a bonus from the wrong row), and a message names the one that a wrong
+output fits. Fixed edges, graded on every seed: every guess kept then the bonus
+(γ = 4), the first guess one the target never makes, q equal to p (γ = 1, every
+round replayed), a guess kept a quarter of the time, two guesses that each need
+a draw of their own, and γ = 6 with guesses drawn from q.
 """
 import math
 
 import torch
 
-from exercise_checks import Check, kind
+from exercise_checks import Check, Draw, kind
 
 LEVEL = 1e-6       # a correct rule fails a frequency test this rarely
 MIN_EXPECTED = 10  # a χ² cell expects at least this many tokens (smaller ones are pooled)
@@ -74,11 +85,6 @@ def p_value_chi2(counts: dict[int, int], probs: list[float]) -> tuple[float, int
 
 def shown(row: list[float]) -> str:
     return "[" + ", ".join(f"{x:.3g}" for x in row) + "]"
-
-
-def residual(p_row: list[float], q_row: list[float]) -> list[float]:
-    excess = [max(0.0, a - b) for a, b in zip(p_row, q_row)]
-    return [e / sum(excess) for e in excess] if sum(excess) > 0 else excess
 
 
 # ---------------------------------------------------------------- drawn cases
@@ -252,6 +258,43 @@ class Accept(Check):
                 "a draw for each guess": own_draws,
                 "the same seeds again": replayed, "guesses drawn from q": drawn}
 
+    def edges(self):
+        quarter = dist([0.5, 0.5, 0.0, 0.0])
+        cases = {
+            # p ≥ q at every guess (twice q at the first: an inverted ratio keeps it half the time); the bonus
+            # row makes 2 and 3 only, which the last guess's row never makes
+            "every guess kept, then the bonus (γ = 4)":
+                {"q": dist([0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]),
+                 "p": dist([0.25, 0.5, 0.25, 0.0], [0.25, 0.25, 0.5, 0.0], [0.5, 0.5, 0.0, 0.0],
+                           [0.75, 0.25, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]),
+                 **rounds_of([1, 2, 0, 0], 40), "replays": 40},
+            # p(0) = 0: always refused, then token 3, the only one where p exceeds q; the later guesses are sure
+            "the first guess refused: the target never makes it (γ = 3)":
+                {"q": dist([0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.25] * 4),
+                 "p": dist([0.0, 0.25, 0.25, 0.5], [0.25] * 4, [0.25] * 4, [0.25] * 4), **rounds_of([0, 1, 2], 30)},
+            "q equal to p: always kept (γ = 1), every round replayed":
+                {"q": dist([0.25] * 4), "p": dist([0.25] * 4, [0.125, 0.375, 0.25, 0.25]),
+                 **rounds_of([2], 200), "replays": 200},
+            # kept with probability 0.125/0.5; then token 2, the only one where p exceeds q
+            "a guess kept a quarter of the time (γ = 1)":
+                {"q": quarter, "p": dist([0.125, 0.375, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0]), **rounds_of([0], 400)},
+            # each kept half the time: one draw for both would keep guess 1 whenever guess 0 was kept
+            "two guesses, each kept half the time by a draw of its own (γ = 2)":
+                {"q": torch.cat([quarter, quarter]),
+                 "p": dist([0.25, 0.25, 0.5, 0.0], [0.25, 0.25, 0.0, 0.5], [0.25] * 4), **rounds_of([0, 1], 600)},
+        }
+        for c in cases.values():
+            c.setdefault("drawn", False)
+            c.setdefault("replays", 5)
+        d = Draw("edges", self.exercise)   # fixed rows, the same on every seed
+        V, k = 5, 6
+        q = [dyadic(d, V, some(d, V)) for _ in range(k)]
+        p = [dyadic(d, V, some(d, V)) for _ in range(k + 1)]
+        cases["γ = 6, the guesses drawn from q"] = {
+            "q": torch.tensor(q), "p": torch.tensor(p), "seeds": list(range(100, 700)), "drawn": True, "replays": 10,
+            "rounds": [[draw_from(d, row) for row in q] for _ in range(600)]}
+        return cases
+
     def run(self, inputs):
         from minillm.speculative import rejection_sample
         q, p = inputs["q"], inputs["p"]
@@ -266,94 +309,141 @@ class Accept(Check):
         torch.manual_seed(inputs["seeds"][0] + 2)   # torch's global stream moves; a seeded round must not
         return {"rounds": first, "again": play(inputs["rounds"][:n], inputs["seeds"][:n])}
 
-    def verify(self, inputs, output):
+    def expect(self, inputs):
+        from key_speculative import answer
+        return answer(inputs)
+
+    def judge(self, inputs, output, expected):
         q, p = inputs["q"].double().tolist(), inputs["p"].double().tolist()
         rounds, seeds = inputs["rounds"], inputs["seeds"]
         outs = output["rounds"]
+        if not isinstance(outs, list) or len(outs) != len(rounds):
+            raise AssertionError(f"the check played {len(rounds)} rounds but got {kind(outs)} back. "
+                                 f"Look at {self.where}.")
         for guesses, seed, out in zip(rounds, seeds, outs):
-            self.verify_round(q, p, guesses, seed, out)
+            self.judge_round(q, p, guesses, seed, out, expected)
         for guesses, seed, out, again in zip(rounds, seeds, outs, output["again"]):
             if again != out:
                 raise AssertionError(f"the round with guesses {guesses} and a generator seeded {seed} returned {out} "
                                      f"and then, seeded the same, {again}: draw every random number (each guess's "
                                      f"test and the last token) from `generator`, not from torch's global stream. "
                                      f"Look at {self.where}.")
-        self.verify_frequencies(q, p, rounds, outs, inputs["drawn"])
+        self.judge_frequencies(q, p, rounds, outs, inputs["drawn"], expected)
 
-    def verify_round(self, q, p, guesses, seed, out):
+    def judge_round(self, q, p, guesses, seed, out, expected):
         k, V = len(guesses), len(p[0])
+        keep, keep_if = expected["keep"], expected["keep_if"]
         at = f"the round with guesses {guesses} (generator seeded {seed})"
         if not isinstance(out, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
             raise AssertionError(f"{at} returned {kind(out)} {out!r:.100}: expected a list of Python ints (the "
                                  f"accepted guesses, then one token of the target's own). Look at {self.where}.")
+        if k and out == guesses:
+            raise AssertionError(f"{at} returned exactly its guesses, {out}: a round always ends with one token of "
+                                 f"the target's own. After every guess is kept it is the bonus, from the next row of "
+                                 f"p (p has {k + 1} rows for {k} guess{'es' if k > 1 else ''}); after a rejection it "
+                                 f"comes from where p exceeds q, which is never the refused guess itself. "
+                                 f"Look at {self.where}.")
         if not 1 <= len(out) <= k + 1:
             raise AssertionError(f"{at} returned {len(out)} tokens, {out}: a round emits between 1 and {k + 1} (the "
                                  f"accepted guesses, then exactly one more). Look at {self.where}.")
         n = len(out) - 1
         if out[:n] != guesses[:n]:
+            went_on = " (it looks as if the round went on after a rejection)" if n == k else ""
             raise AssertionError(f"{at} returned {out}: every token but the last must be a guess, in order (the ones "
-                                 f"accepted before the first rejection). Look at {self.where}.")
+                                 f"accepted before the first rejection; the guesses after a refused one are never "
+                                 f"judged){went_on}. Look at {self.where}.")
         if not 0 <= out[-1] < V:
             raise AssertionError(f"{at} returned {out}: token {out[-1]} is outside the vocabulary of {V}. "
                                  f"Look at {self.where}.")
         for i in range(n):
-            if p[i][guesses[i]] == 0:
+            if keep[i][guesses[i]] == 0:
                 raise AssertionError(f"{at} returned {out}: it accepted guess {guesses[i]} at position {i}, where the "
                                      f"target's p is 0 (p = {shown(p[i])}); a token the target never makes is never "
-                                     f"accepted. Look at {self.where}.")
+                                     f"accepted.{self.named(keep_if, lambda t: t[i][guesses[i]] > 0)} "
+                                     f"Look at {self.where}.")
         if n < k:
             g, x = guesses[n], out[n]
-            if p[n][g] >= q[n][g]:
+            if keep[n][g] == 1:
                 raise AssertionError(f"{at} returned {out}: it rejected guess {g} at position {n}, where p = "
                                      f"{p[n][g]:.3g} ≥ q = {q[n][g]:.3g}; there p/q ≥ 1, so the guess is always "
-                                     f"accepted. Look at {self.where}.")
-            if not p[n][x] > q[n][x]:
+                                     f"accepted.{self.named(keep_if, lambda t: t[n][g] < 1)} Look at {self.where}.")
+            if expected["residual"][n][x] == 0:
                 raise AssertionError(f"{at} returned {out}: after rejecting guess {g} at position {n} it emitted "
                                      f"token {x}, where p = {p[n][x]:.3g} does not exceed q = {q[n][x]:.3g}; the "
                                      f"token after a rejection comes from where p exceeds q (p = {shown(p[n])}, "
-                                     f"q = {shown(q[n])}). Look at {self.where}.")
-        elif p[k][out[k]] == 0:
+                                     f"q = {shown(q[n])})."
+                                     f"{self.named(expected['replaced_if'], lambda rows: rows[n][x] > 0)} "
+                                     f"Look at {self.where}.")
+        elif expected["target"][k][out[k]] == 0:
             raise AssertionError(f"{at} returned {out}: after accepting every guess it emitted token {out[k]}, which "
                                  f"the target's next distribution p = {shown(p[k])} never makes; the bonus token comes "
-                                 f"from the row after the last guess. Look at {self.where}.")
+                                 f"from the row after the last guess."
+                                 f"{self.named(expected['bonus_if'], lambda row: row[out[k]] > 0)} "
+                                 f"Look at {self.where}.")
 
-    def verify_frequencies(self, q, p, rounds, outs, drawn):
+    @staticmethod
+    def named(mistakes: dict, fits) -> str:
+        """' It looks like this mistake: ...' for the mistakes whose table `fits` the output, or ''."""
+        like = [name for name, table in mistakes.items() if fits(table)]
+        if not like:
+            return ""
+        return (f" It looks like this mistake: {like[0]}." if len(like) == 1 else
+                f" It looks like one of these mistakes: {'; or '.join(like)}.")
+
+    def judge_frequencies(self, q, p, rounds, outs, drawn, expected):
         k = len(rounds[0])
         about = f"over {len(rounds)} rounds"
+        per_round = {name: {tuple(g): probs for g, probs in table}
+                     for name, table in expected["keep_per_round_if"].items()}
         for j in range(k + 1):
             reached = [(g, out) for g, out in zip(rounds, outs) if len(out) > j]   # the first j guesses were kept
             if j < k:
-                ratios = [min(1.0, p[j][g[j]] / q[j][g[j]]) for g, _ in reached]
                 kept = sum(len(out) > j + 1 for _, out in reached)
-                mean, var = sum(ratios), sum(r * (1 - r) for r in ratios)
+                mean, var = counted([expected["keep"][j][g[j]] for g, _ in reached])
                 if var >= MIN_VARIANCE and p_value_normal(kept, mean, var) < LEVEL:
+                    fitting = {name: [t[j][g[j]] for g, _ in reached] for name, t in expected["keep_if"].items()}
+                    fitting.update({name: [t[tuple(g)][j] for g, _ in reached] for name, t in per_round.items()})
                     raise AssertionError(
-                        f"{about}, {len(reached)} reached position {j} and {kept} kept its guess; with p = {shown(p[j])} "
-                        f"and q = {shown(q[j])} a guess is kept with probability p/q at it (at most 1), so about "
-                        f"{mean:.0f} ± {math.sqrt(var):.1f} should have been. Look at {self.where}.")
+                        f"{about}, {len(reached)} reached position {j} and {kept} kept its guess; with "
+                        f"p = {shown(p[j])} and q = {shown(q[j])} a guess is kept with probability p/q at it (at "
+                        f"most 1), so about {mean:.0f} ± {math.sqrt(var):.1f} should have been."
+                        f"{self.named(fitting, lambda probs: fits_count(kept, probs))} Look at {self.where}.")
                 replaced = [out[j] for _, out in reached if len(out) == j + 1]
-                self.follows(replaced, residual(p[j], q[j]),
+                self.follows(replaced, expected["residual"][j],
                              f"{about}, the {len(replaced)} tokens emitted after a rejection at position {j}",
-                             f"the normalised excess of p = {shown(p[j])} over q = {shown(q[j])}")
+                             f"the normalised excess of p = {shown(p[j])} over q = {shown(q[j])}",
+                             {name: rows[j] for name, rows in expected["replaced_if"].items()})
             else:
-                self.follows([out[k] for _, out in reached], p[k],
+                self.follows([out[k] for _, out in reached], expected["target"][k],
                              f"{about}, the {len(reached)} bonus tokens after every guess was kept",
-                             f"the target's next distribution p = {shown(p[k])}")
+                             f"the target's next distribution p = {shown(p[k])}", expected["bonus_if"])
             if drawn and j < k:
-                self.follows([out[j] for _, out in reached], p[j],
+                self.follows([out[j] for _, out in reached], expected["target"][j],
                              f"{about}, with the guesses drawn from q = {shown(q[j])}, the "
                              f"{len(reached)} tokens emitted at position {j}",
                              f"p = {shown(p[j])}, the target's own distribution there: that is the point of the rule")
 
-    def follows(self, tokens, probs, what, should):
+    def follows(self, tokens, probs, what, should, mistakes=None):
         counts = {}
         for t in tokens:
             counts[t] = counts.get(t, 0) + 1
         p_value, n = p_value_chi2(counts, probs)
         if p_value < LEVEL:
             got = [round(counts.get(t, 0) / n, 3) for t in range(len(probs))]
+            named = self.named(mistakes or {}, lambda row: p_value_chi2(counts, row)[0] >= LEVEL)
             raise AssertionError(f"{what} came out with frequencies {got}; they should follow {should} (χ² p-value "
-                                 f"{p_value:.1e}). Look at {self.where}.")
+                                 f"{p_value:.1e}).{named} Look at {self.where}.")
+
+
+def counted(probs: list[float]) -> tuple[float, float]:
+    """The mean and variance of how many of independent events with these probabilities happen."""
+    return sum(probs), sum(r * (1 - r) for r in probs)
+
+
+def fits_count(observed: int, probs: list[float]) -> bool:
+    """Whether `observed` events are a plausible count for these probabilities (exactly their sum when sure)."""
+    mean, var = counted(probs)
+    return abs(observed - mean) < 1e-9 if var == 0 else p_value_normal(observed, mean, var) >= LEVEL
 
 
 ACCEPT = Accept()

@@ -34,5 +34,14 @@ for start in range(0, len(token_ids) - block_size, block_size):
         blocks.append(cached[parent])
 return blocks
 """,
+        "stops a block short when the prompt is one token past a block edge": """
+blocks, parent = [], ROOT
+for start in range(0, len(token_ids) - block_size - 1, block_size):
+    parent = hash_block(parent, token_ids[start:start + block_size])
+    if parent not in cached:
+        break
+    blocks.append(cached[parent])
+return blocks
+""",
     },
 }
