@@ -366,9 +366,9 @@ class BudgetFill(Check):
             return s["prompt"] + s["output"] - s["computed"]
 
         def whole_budget(d):
-            # as many decodes as the budget, and seats to spare: a waiting prompt gets no token.
+            # as many decodes as the budget (max_num_seqs may not exceed it): a waiting prompt gets no token.
             names, k = drawn_names(d), d.int(2, 6)
-            return self.case(k, decodes(d, k, names), [seq(next(names), d.int(1, 6))], max_num_seqs=k + d.int(1, 3))
+            return self.case(k, decodes(d, k, names), [seq(next(names), d.int(1, 6))])
 
         def chunk_fits(d):
             # what the decodes leave is exactly the first waiting prompt: the next one waits.
