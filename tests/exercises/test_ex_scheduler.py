@@ -43,6 +43,12 @@ def decoding(name: str, prompt: int = 5) -> dict:
     return seq(name, prompt, computed=prompt, output=1)
 
 
+def drawn_names(d) -> iter:
+    """Distinct request ids drawn from the seed ("r417", ...), taken with next(): a held-out case's sequences
+    are named afresh on every seed, so a table of answers built offline for one seed fits no case of another."""
+    return iter(f"r{n}" for n in d.sample(range(100, 1000), 16))
+
+
 def build(case: dict, scheduler_class: str):
     """The scheduler of a case, with its queues and a token-counting block space; and its sequences by name."""
     from minillm.sampling import SamplingParams
@@ -128,56 +134,102 @@ class Preempt(Check):
                 "the sequence preempts itself when no one else can go": self.case(5, [decoding("a")], 1)}
 
     def situations(self):
-        def running(d, count):
-            return [seq(f"s{i}", p, computed=p, output=1) if d.int(0, 1) else seq(f"s{i}", p + 3, computed=p)
-                    for i, p in enumerate(d.int(2, 8) for _ in range(count))]
+        def running(d, count, names):
+            """`count` running sequences, each decoding or partway through its prompt, holding 2..8 tokens."""
+            return [seq(next(names), p, computed=p, output=1) if d.int(0, 1) else seq(next(names), p + 3, computed=p)
+                    for p in (d.int(2, 8) for _ in range(count))]
 
-        def waiting(d):
-            return [seq(f"w{i}", d.int(1, 6)) for i in range(d.int(0, 2))]
+        def waiting(d, names, most=2):
+            return [seq(next(names), d.int(1, 6)) for _ in range(d.int(0, most))]
+
+        def held(r):
+            return sum(s["computed"] for s in r)
 
         def newest(d):
-            r = running(d, d.int(2, 5))
-            total, n = sum(s["computed"] for s in r), d.int(1, 2)
-            return self.case(total + n - 1, r, n, waiting=waiting(d), who=r[0]["name"])
+            names = drawn_names(d)
+            r = running(d, d.int(2, 5), names)
+            n = d.int(1, 2)
+            return self.case(held(r) + n - 1, r, n, waiting=waiting(d, names), who=r[0]["name"])
 
         def several(d):
-            r = running(d, d.int(3, 5))
-            total = sum(s["computed"] for s in r)
+            names = drawn_names(d)
+            r = running(d, d.int(3, 5), names)
             n = r[-1]["computed"] + r[-2]["computed"] - d.int(0, 1)
-            return self.case(total, r, n, waiting=waiting(d), who=r[0]["name"])
+            return self.case(held(r), r, n, waiting=waiting(d, names), who=r[0]["name"])
 
         def planned(d):
-            r = running(d, d.int(3, 5))
-            total, who = sum(s["computed"] for s in r), d.int(0, len(r) - 2)
+            names = drawn_names(d)
+            r = running(d, d.int(3, 5), names)
+            who = d.int(0, len(r) - 2)
             spared = d.sample([s["name"] for i, s in enumerate(r) if i != who], d.int(1, len(r) - 2))
-            return self.case(total, r, d.int(1, 3), planned=spared, waiting=waiting(d), who=r[who]["name"])
+            return self.case(held(r), r, d.int(1, 3), planned=spared, waiting=waiting(d, names), who=r[who]["name"])
 
         def itself(d):
-            r = running(d, d.int(1, 3))
-            total, who = sum(s["computed"] for s in r), d.int(0, len(r) - 1)
+            names = drawn_names(d)
+            r = running(d, d.int(1, 3), names)
+            who = d.int(0, len(r) - 1)
             others = [s["name"] for i, s in enumerate(r) if i != who]
-            return self.case(total, r, d.int(1, 3), planned=others, waiting=waiting(d), who=r[who]["name"])
+            return self.case(held(r), r, d.int(1, 3), planned=others, waiting=waiting(d, names), who=r[who]["name"])
 
         return {"the newest running sequence goes first": newest, "as many as it takes": several,
                 "sequences in this step's plan are spared": planned, "no one else can go": itself}
 
     def edges(self):
-        return {
-            # d, the newest, has its token in this step's plan: c goes, the newest of the others (a is `who`).
-            "the newest running sequence is in this step's plan":
-                self.case(14, [decoding("a", 3), decoding("b", 4), decoding("c", 5), decoding("d", 2)], 1,
-                          planned=["d"], waiting=[seq("w", 2)]),
-            "the only victim is the sequence itself": self.case(7, [decoding("a", 4), decoding("b", 3)], 2,
-                                                               planned=["b"], waiting=[seq("w", 3)]),
-            "room after exactly one preemption":
-                self.case(10, [decoding("a", 2), decoding("b", 5), decoding("c", 3)], 3),
-            # 9 of 9 tokens held and b needs 4 more: d, then c, go; a, older than b, stays.
-            "several preemptions, the sequence in the middle":
-                self.case(9, [decoding("a", 2), decoding("b", 3), seq("c", 6, computed=2), decoding("d", 2)], 4,
-                          who="b"),
-            "everyone else goes, then the sequence itself":
-                self.case(7, [decoding("a", 3), decoding("b", 2), decoding("c", 2)], 5, waiting=[seq("w", 1)]),
-        }
+        """Each edge's situation is fixed (who reserves, who is planned, how many preemptions make room); the
+        names, the lengths, the slack in the pool and the tokens asked for are drawn."""
+        def decodes(d, count, names):
+            return [decoding(next(names), d.int(2, 8)) for _ in range(count)]
+
+        def held(r):
+            return sum(s["computed"] for s in r)
+
+        def newest_planned(d):
+            # the newest has its token in this step's plan: the one before it goes, not the oldest (`who`)
+            # nor any in between; one preemption makes room.
+            names = drawn_names(d)
+            r, slack = decodes(d, d.int(4, 5), names), d.int(0, 1)
+            n = d.int(slack + 1, slack + r[-2]["computed"])
+            return self.case(held(r) + slack, r, n, planned=[r[-1]["name"]],
+                             waiting=[seq(next(names), d.int(1, 6))], who=r[0]["name"])
+
+        def only_itself(d):
+            # every other running sequence is in this step's plan: `who` gives way itself and returns False.
+            names = drawn_names(d)
+            r, slack = decodes(d, d.int(2, 3), names), d.int(0, 1)
+            who = d.int(0, len(r) - 1)
+            others = [s["name"] for i, s in enumerate(r) if i != who]
+            return self.case(held(r) + slack, r, d.int(slack + 1, slack + 3), planned=others,
+                             waiting=[seq(next(names), d.int(1, 6))], who=r[who]["name"])
+
+        def exactly_one(d):
+            # the newest's tokens freed leave exactly the room asked for.
+            names = drawn_names(d)
+            r, slack = decodes(d, d.int(3, 4), names), d.int(0, 2)
+            return self.case(held(r) + slack, r, slack + r[-1]["computed"], who=r[0]["name"])
+
+        def in_the_middle(d):
+            # `who` has older and newer sequences: the newest two go, one is not enough; the older ones stay.
+            names = drawn_names(d)
+            count, slack = d.int(4, 5), d.int(0, 1)
+            r = decodes(d, count, names)
+            partial = d.int(0, count - 1)   # one of them is partway through its prompt
+            r[partial] = seq(r[partial]["name"], r[partial]["computed"] + d.int(1, 4), computed=r[partial]["computed"])
+            who = d.int(1, count - 3)
+            n = d.int(slack + r[-1]["computed"] + 1, slack + r[-1]["computed"] + r[-2]["computed"])
+            return self.case(held(r) + slack, r, n, who=r[who]["name"])
+
+        def everyone_then_itself(d):
+            # freeing every other sequence is still not enough: they all go, then `who` itself.
+            names = drawn_names(d)
+            r, slack = decodes(d, d.int(3, 4), names), d.int(0, 1)
+            n = slack + held(r[1:]) + d.int(1, 3)
+            return self.case(held(r) + slack, r, n, waiting=[seq(next(names), d.int(1, 6))], who=r[0]["name"])
+
+        return {"the newest running sequence is in this step's plan": newest_planned,
+                "the only victim is the sequence itself": only_itself,
+                "room after exactly one preemption": exactly_one,
+                "several preemptions, the sequence in the middle": in_the_middle,
+                "everyone else goes, then the sequence itself": everyone_then_itself}
 
     def run(self, case):
         from minillm.scheduler import ScheduledChunk, SchedulerOutput
@@ -246,49 +298,52 @@ class BudgetFill(Check):
         }
 
     def situations(self):
-        def decodes(d, count):
-            return [decoding(f"d{i}", d.int(2, 6)) for i in range(count)]
+        def decodes(d, count, names):
+            return [decoding(next(names), d.int(2, 6)) for _ in range(count)]
 
-        def prompts(d, count, first=0):
-            return [seq(f"p{first + i}", d.int(1, 9)) for i in range(count)]
+        def prompts(d, count, names):
+            return [seq(next(names), d.int(1, 9)) for _ in range(count)]
 
         def fill_the_rest(d):
-            k = d.int(1, 4)
-            return self.case(k + d.int(1, 5), decodes(d, k), [seq("p0", d.int(6, 20))] + prompts(d, d.int(0, 1), 1))
+            names, k = drawn_names(d), d.int(1, 4)
+            return self.case(k + d.int(1, 5), decodes(d, k, names),
+                             [seq(next(names), d.int(6, 20))] + prompts(d, d.int(0, 1), names))
 
         def partly_prefilled(d):
-            prompt = d.int(4, 12)
-            running = decodes(d, d.int(0, 2)) + [seq("half", prompt, computed=d.int(1, prompt - 1))]
-            return self.case(d.int(3, 12), running, prompts(d, d.int(1, 2)))
+            names, prompt = drawn_names(d), d.int(4, 12)
+            running = decodes(d, d.int(0, 2), names) + [seq(next(names), prompt, computed=d.int(1, prompt - 1))]
+            return self.case(d.int(3, 12), running, prompts(d, d.int(1, 2), names))
 
         def arrival_order(d):
-            waiting = prompts(d, d.int(3, 5))
+            waiting = prompts(d, d.int(3, 5), drawn_names(d))
             return self.case(d.int(3, sum(s["prompt"] for s in waiting) - 1), waiting=waiting)
 
         def max_num_seqs(d):
-            k = d.int(1, 3)
-            return self.case(12, decodes(d, k), prompts(d, d.int(2, 3)), max_num_seqs=k + d.int(0, 1))
+            names, k = drawn_names(d), d.int(1, 3)
+            return self.case(12, decodes(d, k, names), prompts(d, d.int(2, 3), names), max_num_seqs=k + d.int(0, 1))
 
         def whole_budget(d):
-            k = d.int(2, 5)
-            return self.case(k, decodes(d, k), prompts(d, d.int(1, 2)))
+            names, k = drawn_names(d), d.int(2, 5)
+            return self.case(k, decodes(d, k, names), prompts(d, d.int(1, 2), names))
 
         def no_room(d):
-            running = decodes(d, d.int(1, 2))
+            names = drawn_names(d)
+            running = decodes(d, d.int(1, 2), names)
             held = sum(s["computed"] for s in running) + len(running)
             room = d.int(1, 4)
-            waiting = [seq("big", room + d.int(1, 4)), seq("small", d.int(1, room))]
+            waiting = [seq(next(names), room + d.int(1, 4)), seq(next(names), d.int(1, room))]
             return self.case(20, running, waiting, capacity=held + room)
 
         def preempted(d):
-            running = decodes(d, d.int(2, 3))
+            names = drawn_names(d)
+            running = decodes(d, d.int(2, 3), names)
             held = sum(s["computed"] for s in running)
-            return self.case(d.int(len(running), 8), running, prompts(d, d.int(1, 2)), max_num_seqs=len(running),
-                             capacity=held, victim=running[-1]["name"])
+            return self.case(d.int(len(running), 8), running, prompts(d, d.int(1, 2), names),
+                             max_num_seqs=len(running), capacity=held, victim=running[-1]["name"])
 
         def chunks(d):
             prompt, budget = d.int(5, 20), d.int(2, 6)
-            return self.case(budget, waiting=[seq("p", prompt)], steps=-(-prompt // budget))
+            return self.case(budget, waiting=[seq(next(drawn_names(d)), prompt)], steps=-(-prompt // budget))
 
         return {"decodes first, then a new prompt fills the rest": fill_the_rest,
                 "a partly prefilled prompt continues before a new one": partly_prefilled,
@@ -297,24 +352,78 @@ class BudgetFill(Check):
                 "a step that preempted admits no one": preempted, "a long prompt in chunks over several steps": chunks}
 
     def edges(self):
-        return {
-            "decodes fill the whole budget": self.case(4, [decoding(f"d{i}", 2 + i) for i in range(4)],
-                                                       [seq("p", 3)]),
-            "a prompt chunk exactly fits the budget left":
-                self.case(6, [decoding("a"), decoding("b")], [seq("p", 4), seq("q", 3)]),
-            "a partial prefill exactly fits the budget left":
-                self.case(5, [decoding("a"), seq("half", 7, computed=3)], [seq("w", 2)]),
-            "max_num_seqs reached": self.case(10, [decoding("a"), decoding("b")], [seq("x", 2), seq("y", 2)],
-                                              max_num_seqs=3),
-            "a partly prefilled prompt continues before a waiting one":
-                self.case(8, [decoding("a"), seq("half", 9, computed=4)], [seq("new", 3)]),
-            # a's decode preempts c (2 + 5 + 1 tokens in a pool of 7): there is budget and room for a chunk of c
-            # or w, but memory is short, so no one is admitted this step.
-            "no admission in a step that preempted":
-                self.case(3, [decoding("a", 2), decoding("c", 5)], [seq("w", 2)], capacity=7, victim="c"),
-            "a budget of 1": self.case(1, waiting=[seq("p", 3)], steps=4),
-            "several steps in a row": self.case(4, [decoding("a")], [seq("p", 7), seq("q", 2)], steps=4),
-        }
+        """Each edge's situation is fixed (the decodes spend the budget, a chunk fits it exactly, the seats run
+        out, a step preempts, a budget of 1); the names, the lengths and the budget around them are drawn."""
+        def decodes(d, count, names):
+            return [decoding(next(names), d.int(2, 6)) for _ in range(count)]
+
+        def partial(d, names):
+            """A running prompt partway through its prefill, with 2..6 tokens left."""
+            computed = d.int(1, 5)
+            return seq(next(names), computed + d.int(2, 6), computed=computed)
+
+        def left(s):
+            return s["prompt"] + s["output"] - s["computed"]
+
+        def whole_budget(d):
+            # as many decodes as the budget (max_num_seqs may not exceed it): a waiting prompt gets no token.
+            names, k = drawn_names(d), d.int(2, 6)
+            return self.case(k, decodes(d, k, names), [seq(next(names), d.int(1, 6))])
+
+        def chunk_fits(d):
+            # what the decodes leave is exactly the first waiting prompt: the next one waits.
+            names, k = drawn_names(d), d.int(1, 3)
+            running, first = decodes(d, k, names), seq(next(names), d.int(2, 8))
+            return self.case(k + first["prompt"], running, [first, seq(next(names), d.int(1, 5))],
+                             max_num_seqs=k + 2)
+
+        def partial_fits(d):
+            # what the decodes leave is exactly the partly prefilled prompt's rest: the waiting one waits.
+            names, k = drawn_names(d), d.int(1, 2)
+            running = decodes(d, k, names) + [partial(d, names)]
+            return self.case(k + left(running[-1]), running, [seq(next(names), d.int(1, 5))], max_num_seqs=k + 2)
+
+        def seats(d):
+            # budget for every prompt, seats for only some: the first ones in arrival order join.
+            names, k, free = drawn_names(d), d.int(1, 3), d.int(1, 2)
+            running, waiting = decodes(d, k, names), [seq(next(names), d.int(1, 4)) for _ in range(free + d.int(1, 2))]
+            return self.case(k + sum(s["prompt"] for s in waiting), running, waiting, max_num_seqs=k + free)
+
+        def partial_first(d):
+            # the partly prefilled prompt takes its rest before the waiting one gets what is left, in part.
+            names, k = drawn_names(d), d.int(1, 2)
+            running, new = decodes(d, k, names) + [partial(d, names)], seq(next(names), d.int(2, 6))
+            return self.case(k + left(running[-1]) + d.int(1, new["prompt"] - 1), running, [new], max_num_seqs=k + 2)
+
+        def preempted(d):
+            # the pool is full: the first decode preempts the newest (the victim), which frees room, and the
+            # budget has tokens left for a chunk of the victim or the waiting prompt; yet no one is admitted.
+            names = drawn_names(d)
+            running = decodes(d, d.int(1, 2), names) + [decoding(next(names), d.int(4, 8))]
+            victim = running[-1]
+            budget = d.int(len(running), victim["prompt"])   # what the decodes leave fits the room they leave
+            return self.case(budget, running, [seq(next(names), d.int(1, 3))], max_num_seqs=budget,
+                             capacity=sum(s["computed"] for s in running), victim=victim["name"])
+
+        def budget_of_1(d):
+            # one token a step: a prompt of p tokens takes p steps, then it decodes.
+            prompt = d.int(2, 5)
+            return self.case(1, waiting=[seq(next(drawn_names(d)), prompt)], steps=prompt + 1)
+
+        def steps_in_a_row(d):
+            # a decode and two prompts over four steps: chunks, a prompt finishing mid-budget, the next joining.
+            names, budget = drawn_names(d), d.int(3, 5)
+            return self.case(budget, decodes(d, 1, names), [seq(next(names), d.int(budget + 2, 2 * budget + 1)),
+                                                            seq(next(names), d.int(1, 3))], steps=4)
+
+        return {"decodes fill the whole budget": whole_budget,
+                "a prompt chunk exactly fits the budget left": chunk_fits,
+                "a partial prefill exactly fits the budget left": partial_fits,
+                "max_num_seqs reached": seats,
+                "a partly prefilled prompt continues before a waiting one": partial_first,
+                "no admission in a step that preempted": preempted,
+                "a budget of 1": budget_of_1,
+                "several steps in a row": steps_in_a_row}
 
     def run(self, case):
         sched, by_name = build(case, "chunked")
