@@ -8,7 +8,9 @@ import torch
 from exercise_checks import Check, as_int_list, kind
 
 
-def random_table(d, length: int, num_blocks: int = 64) -> list[int]:
+def random_table(d, length: int, num_blocks: int = 1024) -> list[int]:
+    """`length` different block ids of a pool of `num_blocks`: a pool this large, so that two seeds (a grade's
+    and one a table of answers was built for) about never draw the same table."""
     return d.sample(range(num_blocks), length)
 
 
@@ -22,8 +24,9 @@ def known_mistake(mistakes: dict, matches) -> str:
 
 
 # The edge situations of the slot mapping, one case each on every seed: (table length, start, num_tokens,
-# block_size) fixed, the table's block ids drawn. Drawn, not fixed: a table of answers built offline for one
-# seed (the README warns of MINILLM_GRADE_SEED) must pass none of the held-out cases, and it would pass a fixed one.
+# block_size) fixed, the table's block ids drawn (from 4096 blocks: a decode edge's table is only 2 long).
+# Drawn, not fixed: a table of answers built offline for one seed (the README warns of MINILLM_GRADE_SEED)
+# must pass none of the held-out cases, and it would pass a fixed one.
 EDGE_SHAPES = {"a prompt ending exactly on a block boundary, block_size 8": (3, 0, 16, 8),
                "a prompt one token past a block boundary, block_size 3": (4, 0, 7, 3),
                "a decode token in the last slot of a block, block_size 32": (2, 31, 1, 32),
@@ -68,8 +71,8 @@ class SlotMapping(Check):
 
     def edges(self):
         def edge(blocks, start, num_tokens, block_size):
-            return lambda d: {"table": random_table(d, blocks, num_blocks=512), "start": start, "num_tokens": num_tokens,
-                              "block_size": block_size}
+            return lambda d: {"table": random_table(d, blocks, num_blocks=4096), "start": start,
+                              "num_tokens": num_tokens, "block_size": block_size}
 
         return {name: edge(*shape) for name, shape in EDGE_SHAPES.items()}
 
