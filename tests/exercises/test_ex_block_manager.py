@@ -37,6 +37,13 @@ def random_state(d, num_blocks: int, num_free: int) -> dict:
     return {"free": free, "ref_counts": [0 if b in free else d.int(1, 3) for b in range(num_blocks)]}
 
 
+def held(d, num_blocks: int, num_free: int | None = None) -> tuple[dict, list[int]]:
+    """A random state of `num_free` free blocks (drawn if None, at least one block held) and the held blocks' ids."""
+    num_free = d.int(0, num_blocks - 1) if num_free is None else num_free
+    state = random_state(d, num_blocks, num_free)
+    return state, [b for b in range(num_blocks) if state["ref_counts"][b]]
+
+
 def state_text(free, refs) -> str:
     return f"ref counts {refs}, free list {free}"
 
@@ -135,12 +142,13 @@ class Allocate(AllocatorCheck):
                 "an empty pool raises, naming its size": {"free": [], "ref_counts": [1, 2, 1], "calls": 1}}
 
     def situations(self):
-        def fresh(d):
-            n = d.int(1, 8)
-            return {"free": list(range(n)), "ref_counts": [0] * n, "calls": n}
+        def all_free(d):
+            # every block free, in the order the pool's history left them
+            n = d.int(6, 12)
+            return {"free": d.sample(range(n), n), "ref_counts": [0] * n, "calls": n}
 
         def in_use(d):
-            n = d.int(3, 12)
+            n = d.int(6, 14)
             return {**random_state(d, n, d.int(1, n - 1)), "calls": 1}
 
         def runs_out(d):
@@ -148,17 +156,32 @@ class Allocate(AllocatorCheck):
             state = random_state(d, n, d.int(0, 3))
             return {**state, "calls": len(state["free"]) + 1}
 
-        return {"a fresh pool handed out in full": fresh, "a pool in use": in_use, "until the pool runs out": runs_out}
+        return {"every block free, handed out in full": all_free, "a pool in use": in_use, "until the pool runs out": runs_out}
 
     def edges(self):
-        return {
-            # the free list as two sequences left it, finishing in another order than they were given blocks
-            "blocks recycled out of order are reused in the order they were freed":
-                {"free": [5, 1, 3], "ref_counts": [1, 0, 2, 0, 1, 0, 1], "calls": 3},
-            "the last free block, then an empty pool": {"free": [6], "ref_counts": [1, 2, 1, 1, 3, 1, 0], "calls": 2},
-            "interleaved sequences and a shared block, until the pool runs out":
-                {"free": [4, 0, 7, 2], "ref_counts": [0, 1, 0, 2, 0, 1, 3, 0, 1, 1, 2], "calls": 5},
-        }
+        def out_of_order(d):
+            # the free list as a few sequences left it: neither in id order nor in reverse
+            n = d.int(7, 14)
+            state = random_state(d, n, d.int(3, 4))
+            if state["free"] in (sorted(state["free"]), sorted(state["free"], reverse=True)):
+                state["free"] = state["free"][1:] + state["free"][:1]
+            return {**state, "calls": len(state["free"])}
+
+        def last_block(d):
+            n = d.int(5, 40)
+            return {**random_state(d, n, 1), "calls": 2}
+
+        def interleaved(d):
+            # blocks held once, a block shared by two or three sequences, and a free list in no particular order
+            n = d.int(8, 16)
+            state = random_state(d, n, d.int(3, 5))
+            shared = d.choice([b for b in range(n) if state["ref_counts"][b]])
+            state["ref_counts"][shared] = d.int(2, 3)
+            return {**state, "calls": len(state["free"]) + 1}
+
+        return {"blocks recycled out of order are reused in the order they were freed": out_of_order,
+                "the last free block, then an empty pool": last_block,
+                "interleaved sequences and a shared block, until the pool runs out": interleaved}
 
     def run(self, inputs):
         alloc = allocator(inputs)
@@ -185,24 +208,20 @@ class Free(AllocatorCheck):
                 "a double free raises and changes nothing": {"free": [0, 2], "ref_counts": [0, 1, 0], "calls": [2]}}
 
     def situations(self):
-        def held(d, n):
-            state = random_state(d, n, d.int(0, n - 1))
-            return state, [b for b in range(n) if state["ref_counts"][b]]
-
         def shared(d):
-            state, used = held(d, d.int(3, 10))
+            state, used = held(d, d.int(6, 14))
             block = d.choice(used)
             state["ref_counts"][block] = d.int(2, 3)
             return {**state, "calls": [block]}
 
         def every_reference(d):
-            state, used = held(d, d.int(2, 10))
+            state, used = held(d, d.int(6, 14))
             calls = [b for b in d.sample(used, min(len(used), 3)) for _ in range(state["ref_counts"][b])]
             d.random.shuffle(calls)
             return {**state, "calls": calls}
 
         def double(d):
-            state, used = held(d, d.int(2, 10))
+            state, used = held(d, d.int(6, 14))
             block = d.choice(used)
             return {**state, "calls": [block] * (state["ref_counts"][block] + 1)}
 
@@ -210,13 +229,33 @@ class Free(AllocatorCheck):
                 "one free too many": double}
 
     def edges(self):
-        return {
-            "a block shared by two sequences, freed by one": {"free": [3], "ref_counts": [1, 2, 1, 0], "calls": [1]},
-            "blocks freed in another order than they were allocated":
-                {"free": [6], "ref_counts": [1, 1, 1, 1, 1, 1, 0], "calls": [3, 0, 5, 1]},
-            "the last reference of a shared block, then one free too many":
-                {"free": [0], "ref_counts": [0, 2, 1], "calls": [1, 2, 1, 1]},
-        }
+        def shared_by_two(d):
+            state, used = held(d, d.int(6, 14))
+            block = d.choice(used)
+            state["ref_counts"][block] = 2
+            return {**state, "calls": [block]}
+
+        def another_order(d):
+            # every held block has one reference; four of them freed in an order that is not their id order
+            n = d.int(6, 14)
+            state = random_state(d, n, d.int(1, 2))
+            state["ref_counts"] = [min(r, 1) for r in state["ref_counts"]]
+            calls = d.sample([b for b in range(n) if state["ref_counts"][b]], 4)
+            if calls == sorted(calls):
+                calls = calls[1:] + calls[:1]
+            return {**state, "calls": calls}
+
+        def last_then_too_many(d):
+            # block a held twice, block b once: a, b, a recycle them; a's next free is a double free
+            n = d.int(4, 12)
+            state, used = held(d, n, d.int(0, n - 2))
+            a, b = d.sample(used, 2)
+            state["ref_counts"][a], state["ref_counts"][b] = 2, 1
+            return {**state, "calls": [a, b, a, a]}
+
+        return {"a block shared by two sequences, freed by one": shared_by_two,
+                "blocks freed in another order than they were allocated": another_order,
+                "the last reference of a shared block, then one free too many": last_then_too_many}
 
     def run(self, inputs):
         alloc = allocator(inputs)

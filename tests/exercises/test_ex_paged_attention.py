@@ -8,7 +8,9 @@ import torch
 from exercise_checks import Check, as_int_list, kind
 
 
-def random_table(d, length: int, num_blocks: int = 64) -> list[int]:
+def random_table(d, length: int, num_blocks: int = 1024) -> list[int]:
+    """`length` different block ids of a pool of `num_blocks`: a pool this large, so that two seeds (a grade's
+    and one a table of answers was built for) about never draw the same table."""
     return d.sample(range(num_blocks), length)
 
 
@@ -21,9 +23,10 @@ def known_mistake(mistakes: dict, matches) -> str:
     return f" This is a known mistake: {names[0]}." if names else ""
 
 
-# The edge situations of the slot mapping, graded on every seed: (table length, start, num_tokens, block_size)
-# fixed, the table's block ids drawn. Drawn, not fixed: a table of answers built offline for one seed (the
-# README warns of MINILLM_GRADE_SEED) must pass none of the held-out cases, and it would pass a fixed one.
+# The edge situations of the slot mapping, one case each on every seed: (table length, start, num_tokens,
+# block_size) fixed, the table's block ids drawn (from 4096 blocks: a decode edge's table is only 2 long).
+# Drawn, not fixed: a table of answers built offline for one seed (the README warns of MINILLM_GRADE_SEED)
+# must pass none of the held-out cases, and it would pass a fixed one.
 EDGE_SHAPES = {"a prompt ending exactly on a block boundary, block_size 8": (3, 0, 16, 8),
                "a prompt one token past a block boundary, block_size 3": (4, 0, 7, 3),
                "a decode token in the last slot of a block, block_size 32": (2, 31, 1, 32),
@@ -63,13 +66,15 @@ class SlotMapping(Check):
             start = d.int(0, blocks - 2)
             return {"table": random_table(d, blocks), "start": start, "num_tokens": d.int(1, blocks - start), "block_size": 1}
 
-        def edge(blocks, start, num_tokens, block_size):
-            return lambda d: {"table": random_table(d, blocks), "start": start, "num_tokens": num_tokens,
-                              "block_size": block_size}
-
         return {"a prompt from position 0": from_zero, "a chunk starting mid-block": mid_block,
-                "one decode token at a block edge": decode_at_edge, "block_size 1": block_size_1,
-                **{name: edge(*shape) for name, shape in EDGE_SHAPES.items()}}
+                "one decode token at a block edge": decode_at_edge, "block_size 1": block_size_1}
+
+    def edges(self):
+        def edge(blocks, start, num_tokens, block_size):
+            return lambda d: {"table": random_table(d, blocks, num_blocks=4096), "start": start,
+                              "num_tokens": num_tokens, "block_size": block_size}
+
+        return {name: edge(*shape) for name, shape in EDGE_SHAPES.items()}
 
     def run(self, inputs):
         from minillm.paged_attention import slot_mapping
@@ -128,15 +133,38 @@ class Gather(Check):
                 "block_size 1": lambda d: batch(d, 1, d.int(2, 6), "whole")}
 
     def edges(self):
-        # Rows of 1 token, of exactly one block and of 9 tokens, as a decode step holds them: the shorter
-        # rows' tables padded with the pad block (6), the step's context that of its longest row.
-        return {"a ragged batch: rows of one token, one block and more, tables padded":
-                    gather_case([[2, 6, 6], [5, 6, 6], [1, 4, 0]], 9, num_blocks=7, block_size=4, H=2, D=3, seed=11),
-                "one row of exactly one block, block_size 8": gather_case([[4]], 8, num_blocks=5, block_size=8, seed=12),
-                "block_size 1, three heads": gather_case([[3, 0, 5, 2], [1, 1, 4, 6]], 4, num_blocks=7, block_size=1,
-                                                         H=3, D=2, seed=13),
-                "a table wider than the context, block_size 3": gather_case([[4, 0, 2, 1], [1, 5, 3, 3]], 7,
-                                                                            num_blocks=6, block_size=3, seed=14)}
+        def ragged(d):
+            # Rows of 1 token, of exactly one block and of 9 tokens, in a drawn order, as a decode step holds
+            # them: the shorter rows' tables padded with the pad block (the pool's last), the step's context
+            # that of its longest row.
+            num_blocks = d.int(6, 10)
+            pad = num_blocks - 1
+            one, block, *long = d.sample(range(pad), 5)
+            rows = [[one, pad, pad], [block, pad, pad], long]
+            tables = [rows[i] for i in d.randperm(3).tolist()]
+            return gather_case(tables, 9, num_blocks, block_size=4, H=2, D=3, seed=d.int(0, 10**9))
+
+        def one_block(d):
+            num_blocks = d.int(3, 8)
+            return gather_case([[d.int(0, num_blocks - 1)]], 8, num_blocks, block_size=8, seed=d.int(0, 10**9))
+
+        def block_size_1(d):
+            # one row's blocks all different, the other's with a block it holds twice
+            num_blocks = d.int(6, 10)
+            first, (a, b, c) = d.sample(range(num_blocks), 4), d.sample(range(num_blocks), 3)
+            second = [a, a, b, c] if d.int(0, 1) else [a, b, b, c]
+            return gather_case([first, second], 4, num_blocks, block_size=1, H=3, D=2, seed=d.int(0, 10**9))
+
+        def wider(d):
+            # a context of 7 at block_size 3 fills 3 blocks: the table's 4th entry is padding, never read
+            num_blocks = d.int(6, 10)
+            tables = [d.sample(range(num_blocks), 4), [d.int(0, num_blocks - 1) for _ in range(4)]]
+            return gather_case(tables, 7, num_blocks, block_size=3, seed=d.int(0, 10**9))
+
+        return {"a ragged batch: rows of one token, one block and more, tables padded": ragged,
+                "one row of exactly one block, block_size 8": one_block,
+                "block_size 1, three heads": block_size_1,
+                "a table wider than the context, block_size 3": wider}
 
     def run(self, inputs):
         from minillm.paged_attention import gather_kv
