@@ -10,15 +10,16 @@ token prefix, so the expected answer is a walk over plain lists. It also
 carries the answers of the plausible mistakes, so that a message can name the
 one a wrong output matches.
 
-Fixed edges, graded on every seed: a prompt that ends exactly on a block
-boundary (its last block is recomputed), one exactly a block long, one shorter
-than a block, a miss with cached blocks after it, the same tokens in every
-block (only the chain tells the blocks apart), and block_size 16 one token past
-an edge.
+Edges, graded on every seed: a prompt that ends exactly on a block boundary
+(its last block is recomputed), one exactly a block long, one shorter than a
+block, a miss with cached blocks after it, the same tokens in every block (only
+the chain tells the blocks apart), and block_size 16 one token past an edge.
+Each situation is fixed; its token ids and block ids are drawn from the seed.
 """
 from exercise_checks import Check, kind
 
 PROMPT = list(range(100, 120))   # 20 distinct token ids
+VOCAB = 50257                    # GPT-2's: the edges draw their token ids from it
 
 
 def entries(tokens: list[int], block_ids: dict[int, int]) -> list[dict]:
@@ -148,21 +149,45 @@ class PrefixMatch(Check):
         def case(prompt, bs, cache):
             return {"prompt": list(prompt), "block_size": bs, "cache": cache}
 
-        p, long = PROMPT, list(range(200, 250))
-        same = [7, 8, 9] * 5 + [1]   # five blocks of the same three tokens, then the last token
-        return {
+        def tokens(d, n):
+            return d.sample(range(VOCAB), n)   # n distinct token ids
+
+        def ids(d, n):
+            return d.sample(range(100), n)     # block ids unrelated to positions
+
+        def on_the_edge(d):
             # the last block holds the last token: cached, yet recomputed for its logits
-            "a prompt ending exactly on a block boundary, all of it cached":
-                case(p[:12], 4, entries(p, {0: 7, 1: 3, 2: 5})),
-            "a prompt exactly one block long, cached": case(p[:5], 5, entries(p, {0: 7, 1: 3})),
-            "a prompt shorter than one block": case(p[:3], 8, entries(p, {0: 7, 1: 3})),
-            "a miss in the middle, cached blocks after it": case(p[:16], 3, entries(p, {0: 7, 1: 3, 3: 5, 4: 9})),
-            # only its first block is cached: a key of the tokens alone would match every block of it
-            "the same tokens in every block": case(same, 3, entries(same, {0: 4}) + entries([1, 2, 3] + same, {1: 6})),
+            p, b = tokens(d, 20), ids(d, 3)
+            return case(p[:12], 4, entries(p, dict(enumerate(b))))
+
+        def one_block(d):
+            p, b = tokens(d, 10), ids(d, 2)
+            return case(p[:5], 5, entries(p, dict(enumerate(b))))
+
+        def shorter(d):
+            p, b = tokens(d, 16), ids(d, 2)
+            return case(p[:3], 8, entries(p, dict(enumerate(b))))
+
+        def miss(d):
+            p, b = tokens(d, 20), ids(d, 4)
+            return case(p[:16], 3, entries(p, dict(zip([0, 1, 3, 4], b))))
+
+        def same_tokens(d):
+            # five blocks of the same three tokens, then one more; only its first block is cached: a key of the
+            # tokens alone would match every block of it. Its block 1 is cached too, after another first block.
+            a, b, c, last, *other = tokens(d, 7)
+            same, first = [a, b, c] * 5 + [last], ids(d, 2)
+            return case(same, 3, entries(same, {0: first[0]}) + entries(other + same, {1: first[1]}))
+
+        def past_the_edge(d):
             # and the tokens of its block 1 cached as the first block of another prompt
-            "block_size 16, one token past a block edge":
-                case(long[:33], 16, entries(long, {0: 12, 1: 13, 2: 14}) + entries(long[16:32], {0: 20})),
-        }
+            long, b = tokens(d, 50), ids(d, 4)
+            return case(long[:33], 16, entries(long, dict(enumerate(b[:3]))) + entries(long[16:32], {0: b[3]}))
+
+        return {"a prompt ending exactly on a block boundary, all of it cached": on_the_edge,
+                "a prompt exactly one block long, cached": one_block, "a prompt shorter than one block": shorter,
+                "a miss in the middle, cached blocks after it": miss, "the same tokens in every block": same_tokens,
+                "block_size 16, one token past a block edge": past_the_edge}
 
     def run(self, inputs):
         from minillm.prefix_caching import ROOT, hash_block

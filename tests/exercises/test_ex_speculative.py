@@ -30,16 +30,18 @@ them:
 The key also holds what the plausible mistakes would give (an inverted ratio,
 a test the wrong way round, a draw shared by the guesses, a replacement drawn
 from p, a bonus from the wrong row), and a message names the one that a wrong
-output fits. Fixed edges, graded on every seed: every guess kept then the bonus
+output fits. Edges, graded on every seed: every guess kept then the bonus
 (γ = 4), the first guess one the target never makes, q equal to p (γ = 1, every
 round replayed), a guess kept a quarter of the time, two guesses that each need
-a draw of their own, and γ = 6 with guesses drawn from q.
+a draw of their own, and γ = 6 with guesses drawn from q. Each situation is
+fixed; its tokens, the rows where the situation allows, and every round's seed
+are drawn from the grade's seed.
 """
 import math
 
 import torch
 
-from exercise_checks import Check, Draw, kind
+from exercise_checks import Check, kind
 
 LEVEL = 1e-6       # a correct rule fails a frequency test this rarely
 MIN_EXPECTED = 10  # a χ² cell expects at least this many tokens (smaller ones are pooled)
@@ -259,41 +261,64 @@ class Accept(Check):
                 "the same seeds again": replayed, "guesses drawn from q": drawn}
 
     def edges(self):
-        quarter = dist([0.5, 0.5, 0.0, 0.0])
-        cases = {
+        def relabelled(d, q, p, guesses, n, drawn=False, replays=5):
+            """The situation's rows over 4 tokens, written into a drawn vocabulary of 4 to 8 (the extra tokens
+            never made) under a drawn relabelling of the tokens, with the guesses relabelled the same way; each
+            of the n rounds with a drawn seed. The probabilities, and so how reliable each test is, stay."""
+            V = d.int(4, 8)
+            label = d.sample(range(V), 4)
+
+            def row(old):
+                new = [0.0] * V
+                for t, x in enumerate(old):
+                    new[label[t]] = x
+                return new
+
+            return case(d, [row(r) for r in q], [row(r) for r in p], [[label[g] for g in guesses]] * n, drawn,
+                        replays)
+
+        quarter = [0.5, 0.5, 0.0, 0.0]
+        even = [0.25] * 4
+
+        def all_kept(d):
             # p ≥ q at every guess (twice q at the first: an inverted ratio keeps it half the time); the bonus
             # row makes 2 and 3 only, which the last guess's row never makes
-            "every guess kept, then the bonus (γ = 4)":
-                {"q": dist([0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]),
-                 "p": dist([0.25, 0.5, 0.25, 0.0], [0.25, 0.25, 0.5, 0.0], [0.5, 0.5, 0.0, 0.0],
-                           [0.75, 0.25, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]),
-                 **rounds_of([1, 2, 0, 0], 40), "replays": 40},
+            return relabelled(d, [[0.5, 0.25, 0.25, 0.0], even, quarter, quarter],
+                              [[0.25, 0.5, 0.25, 0.0], [0.25, 0.25, 0.5, 0.0], quarter, [0.75, 0.25, 0.0, 0.0],
+                               [0.0, 0.0, 0.5, 0.5]], [1, 2, 0, 0], 40, replays=40)
+
+        def first_refused(d):
             # p(0) = 0: always refused, then token 3, the only one where p exceeds q; the later guesses are sure
-            "the first guess refused: the target never makes it (γ = 3)":
-                {"q": dist([0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.25] * 4),
-                 "p": dist([0.0, 0.25, 0.25, 0.5], [0.25] * 4, [0.25] * 4, [0.25] * 4), **rounds_of([0, 1, 2], 30)},
-            "q equal to p: always kept (γ = 1), every round replayed":
-                {"q": dist([0.25] * 4), "p": dist([0.25] * 4, [0.125, 0.375, 0.25, 0.25]),
-                 **rounds_of([2], 200), "replays": 200},
+            return relabelled(d, [[0.5, 0.25, 0.25, 0.0], even, even],
+                              [[0.0, 0.25, 0.25, 0.5], even, even, even], [0, 1, 2], 30)
+
+        def q_is_p(d):
+            V = d.int(3, 8)
+            q0 = dyadic(d, V, some(d, V))
+            return case(d, [q0], [q0, dyadic(d, V, some(d, V))], [[draw_from(d, q0)]] * 200, drawn=False,
+                        replays=200)
+
+        def a_quarter(d):
             # kept with probability 0.125/0.5; then token 2, the only one where p exceeds q
-            "a guess kept a quarter of the time (γ = 1)":
-                {"q": quarter, "p": dist([0.125, 0.375, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0]), **rounds_of([0], 400)},
+            return relabelled(d, [quarter], [[0.125, 0.375, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0]], [0], 400)
+
+        def own_draws(d):
             # each kept half the time: one draw for both would keep guess 1 whenever guess 0 was kept
-            "two guesses, each kept half the time by a draw of its own (γ = 2)":
-                {"q": torch.cat([quarter, quarter]),
-                 "p": dist([0.25, 0.25, 0.5, 0.0], [0.25, 0.25, 0.0, 0.5], [0.25] * 4), **rounds_of([0, 1], 600)},
-        }
-        for c in cases.values():
-            c.setdefault("drawn", False)
-            c.setdefault("replays", 5)
-        d = Draw("edges", self.exercise)   # fixed rows, the same on every seed
-        V, k = 5, 6
-        q = [dyadic(d, V, some(d, V)) for _ in range(k)]
-        p = [dyadic(d, V, some(d, V)) for _ in range(k + 1)]
-        cases["γ = 6, the guesses drawn from q"] = {
-            "q": torch.tensor(q), "p": torch.tensor(p), "seeds": list(range(100, 700)), "drawn": True, "replays": 10,
-            "rounds": [[draw_from(d, row) for row in q] for _ in range(600)]}
-        return cases
+            return relabelled(d, [quarter, quarter], [[0.25, 0.25, 0.5, 0.0], [0.25, 0.25, 0.0, 0.5], even],
+                              [0, 1], 600)
+
+        def six(d):
+            V, k = 5, 6
+            q = [dyadic(d, V, some(d, V)) for _ in range(k)]
+            p = [dyadic(d, V, some(d, V)) for _ in range(k + 1)]
+            return case(d, q, p, [[draw_from(d, row) for row in q] for _ in range(600)], drawn=True)
+
+        return {"every guess kept, then the bonus (γ = 4)": all_kept,
+                "the first guess refused: the target never makes it (γ = 3)": first_refused,
+                "q equal to p: always kept (γ = 1), every round replayed": q_is_p,
+                "a guess kept a quarter of the time (γ = 1)": a_quarter,
+                "two guesses, each kept half the time by a draw of its own (γ = 2)": own_draws,
+                "γ = 6, the guesses drawn from q": six}
 
     def run(self, inputs):
         from minillm.speculative import rejection_sample
