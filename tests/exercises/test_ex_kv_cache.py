@@ -46,6 +46,13 @@ def step(lengths, rows, T, shape=TINY, max_seq_len=8, layer=1, seed=0) -> dict:
             "cached_k": cached_k, "cached_v": cached_v}
 
 
+def edge(lengths, rows, T, shape=TINY, max_seq_len=8, layer=1):
+    """An edge step, name -> function(draw) -> inputs: its lengths, rows, T, shape and layer are the situation,
+    fixed; the cache's contents, q and the new keys and values are drawn from the seed, so that a table of
+    answers built for one seed answers no edge of another."""
+    return lambda d: step(lengths, rows, T, shape, max_seq_len, layer, seed=d.int(0, 10**9))
+
+
 def named_mistake(output, expected: dict, what: str, where: str, same) -> None:
     """Fail naming the mistake when `output` is not the answer but is what a known mistake gives (`same`
     compares an output with an answer)."""
@@ -108,12 +115,12 @@ class Write(Check):
     def edges(self):
         return {
             "a write that ends exactly at the reserved length: 3 new tokens after 5 of 8":
-                step([5, 5], [0, 1], 3, max_seq_len=8),
+                edge([5, 5], [0, 1], 3, max_seq_len=8),
             "a ragged decode, rows out of order, the longest row filling its last reserved slot":
-                step([7, 2, 4], [2, 0, 1], 1, SMALL, max_seq_len=8, layer=0, seed=31),
-            "several layers: the middle one of three": step([2, 2, 2], [0, 1, 2], 2, THREE_LAYERS, 6, seed=32),
+                edge([7, 2, 4], [2, 0, 1], 1, SMALL, max_seq_len=8, layer=0),
+            "several layers: the middle one of three": edge([2, 2, 2], [0, 1, 2], 2, THREE_LAYERS, 6),
             "several sequences: 3 of 4 rows, out of order, ragged, 2 tokens each":
-                step([1, 4, 0, 2], [3, 0, 2], 2, SMALL, max_seq_len=7, layer=0, seed=33),
+                edge([1, 4, 0, 2], [3, 0, 2], 2, SMALL, max_seq_len=7, layer=0),
         }
 
     def situations(self):
@@ -157,14 +164,14 @@ class Read(Check):
 
     def edges(self):
         return {
-            "a fresh prefill of three rows (T == L)": step([0, 0, 0], [0, 1, 2], 4, SMALL, 6, layer=0, seed=40),
+            "a fresh prefill of three rows (T == L)": edge([0, 0, 0], [0, 1, 2], 4, SMALL, 6, layer=0),
             "a chunk that ends exactly at the reserved length: 3 new tokens after 5 of 8":
-                step([5, 5], [0, 1], 3, max_seq_len=8, seed=41),
+                edge([5, 5], [0, 1], 3, max_seq_len=8),
             "a ragged decode, rows out of order, the longest row at its last reserved slot":
-                step([7, 2, 4], [2, 0, 1], 1, SMALL, max_seq_len=8, layer=0, seed=42),
-            "several layers: the middle one of three": step([2, 2, 2], [0, 1, 2], 2, THREE_LAYERS, 6, seed=43),
+                edge([7, 2, 4], [2, 0, 1], 1, SMALL, max_seq_len=8, layer=0),
+            "several layers: the middle one of three": edge([2, 2, 2], [0, 1, 2], 2, THREE_LAYERS, 6),
             "several sequences: 3 of 4 rows, out of order, ragged, 2 tokens each":
-                step([1, 4, 0, 2], [3, 0, 2], 2, SMALL, max_seq_len=7, layer=0, seed=44),
+                edge([1, 4, 0, 2], [3, 0, 2], 2, SMALL, max_seq_len=7, layer=0),
         }
 
     def situations(self):

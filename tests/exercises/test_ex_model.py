@@ -53,12 +53,16 @@ class CausalAttention(Check):
         }
 
     def edges(self):
+        """The shapes and the mask are the situation, fixed; q, k and v are drawn from the seed."""
+        def case(B, H, T, D, L=None, mask=None):
+            return lambda d: {**qkv(B, H, T, D, seed=d.int(0, 10**9), L=L), **({"mask": mask} if mask is not None else {})}
+
         return {
-            "several heads and several tokens at once (B=2, H=4, T=L=6, D=16)": qkv(2, 4, 6, 16, seed=11),
-            "more keys than queries: 3 queries at the end of 9 keys": qkv(2, 3, 3, 8, seed=12, L=9),
-            "a decode step: 1 query over 9 keys, in each of 3 rows": qkv(3, 2, 1, 8, seed=13, L=9),
+            "several heads and several tokens at once (B=2, H=4, T=L=6, D=16)": case(2, 4, 6, 16),
+            "more keys than queries: 3 queries at the end of 9 keys": case(2, 3, 3, 8, L=9),
+            "a decode step: 1 query over 9 keys, in each of 3 rows": case(3, 2, 1, 8, L=9),
             "a ragged chunk: 2 queries per row, rows ending at 3, 8 and 5 of 9 keys":
-                {**qkv(3, 2, 2, 8, seed=14, L=9), "mask": ragged_mask([[2, 3], [7, 8], [4, 5]], 9)},
+                case(3, 2, 2, 8, L=9, mask=ragged_mask([[2, 3], [7, 8], [4, 5]], 9)),
         }
 
     def situations(self):
@@ -132,8 +136,12 @@ class Heads(Check):
                 "one head, one token": heads_case(1, 1, 1, 8, seed=3)}
 
     def edges(self):
-        return {"several heads and several tokens at once: 4 heads of 8, B=2, T=5": heads_case(2, 5, 4, 8, seed=21),
-                "more heads than tokens: 6 heads of 2, B=1, T=3": heads_case(1, 3, 6, 2, seed=22)}
+        """The shapes are the situation, fixed; x and c_attn's weights are drawn from the seed."""
+        def case(B, T, n_head, head_dim):
+            return lambda d: heads_case(B, T, n_head, head_dim, seed=d.int(0, 10**9))
+
+        return {"several heads and several tokens at once: 4 heads of 8, B=2, T=5": case(2, 5, 4, 8),
+                "more heads than tokens: 6 heads of 2, B=1, T=3": case(1, 3, 6, 2)}
 
     def situations(self):
         def several(d):
