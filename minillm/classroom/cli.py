@@ -66,8 +66,8 @@ def cmd_check(args) -> int:
     if score.printed.strip() and not all(r.passed for r in score.results):
         print("\nWhat the code printed (the end):\n" + score.printed.strip()[-1500:])
     if student:
-        print(f"\nThe held-out checks (the points) run at grading, in your instructor's copy: the same situations "
-              f"with inputs drawn afresh, and a few fixed edge cases.")
+        print("\nThe held-out checks run at grading, in your instructor's copy, and they give the points: the same "
+              "situations with inputs drawn afresh, and a few fixed edge cases.")
     if all(r.passed for r in score.results):
         if student:
             print(f"all {len(score.results)} visible cases of exercise {ex.id} pass.")
