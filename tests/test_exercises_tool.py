@@ -625,6 +625,10 @@ def test_every_exercise_has_a_check_whose_caller_holds_no_oracle(reference):
         visible, held, held_again, other = c.visible(), c.held_out(1), c.held_out(1), c.held_out(2)
         values = lambda cases: json.dumps(wire.to_wire(cases))   # noqa: E731
         assert values(held) == values(held_again) != values(other), f"{ex.id}: a seed must fix the held-out inputs"
+        assert values(visible) == values(c.visible()), f"{ex.id}: a copy holds the visible answers, so the visible " \
+                                                       f"inputs must be the same every time"
+        assert all(values(held[f"edge: {name}"]) == values(other[f"edge: {name}"]) for name in c.edges()), \
+            f"{ex.id}: the edges are fixed, the same on every seed"
         assert len(visible) >= 3 and len(held) >= 6, f"{ex.id}: {len(visible)} visible cases, {len(held)} held-out"
         assert sorted(held) == sorted(other), f"{ex.id}: every draw must hold the same situations"
         assert c.where == f"{ex.file}, {ex.function}", f"{ex.id}'s check says the code is at {c.where}"
@@ -736,9 +740,10 @@ def test_a_copy_holds_the_visible_answers_as_data_and_no_key(tmp_path):
 @reference_only
 def test_a_copys_tests_judge_against_its_literal_answers(tmp_path):
     copy = only_sampling_top_k_stubbed(tmp_path)
-    written = pytest_in(copy, "tests/exercises/test_ex_sampling.py")   # top-p is written, and its key is not here
-    assert written.returncode == 1 and written.stdout.count("PASSED tests/exercises/test_ex_sampling.py::test_top_p") == 7, \
+    written = pytest_in(copy, "tests/exercises")   # every other exercise is written, and no key is here
+    assert written.returncode == 1 and "FAILED" not in written.stdout and "ERROR" not in written.stdout, \
         written.stdout[-3000:]
+    assert written.stdout.count("PASSED tests/exercises/test_ex_sampling.py::test_top_p") == 7, written.stdout[-3000:]
     assert "1 exercise still to write" in written.stdout and "sampling-top-k" in written.stdout
     stubbed = pytest_in(copy, "tests/exercises/test_ex_sampling.py", "--exercise", "sampling-top-k,sampling-top-p")
     failed, passed = (re.findall(rf"{verdict} \S+::(test_top_\w)", stubbed.stdout) for verdict in ("FAILED", "PASSED"))

@@ -74,6 +74,17 @@ def read_answers(root: Path) -> dict[str, dict] | None:
     path = Path(root) / ANSWERS
     if not path.is_file():
         return None
+    stamp = (str(path.resolve()), path.stat().st_mtime_ns, path.stat().st_size)
+    if stamp not in _READ:   # read once per process: pytest asks for every exercise's
+        _READ.clear()
+        _READ[stamp] = _decoded(path)
+    return _READ[stamp]
+
+
+_READ: dict[tuple, dict] = {}
+
+
+def _decoded(path: Path) -> dict[str, dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != ANSWERS_FORMAT or not isinstance(data.get("exercises"), dict):

@@ -129,7 +129,8 @@ class Check:
             from minillm.classroom.wire import over_the_wire
             output = over_the_wire(check.run(copy.deepcopy(cases[case])))
             try:
-                answers = read_answers(Path(__file__).resolve().parents[2])   # a copy's literal answers, or None
+                answers = read_answers(Path(__file__).resolve().parents[2])   # a copy's answers; None: the keys'
+
                 if answers is not None and has_answer_key(check):   # a student copy: no key, the answer as data
                     check.judge(cases[case], output, literal_answer(answers, check, case))
                 else:                                                # the instructor's tree: the key works it out
