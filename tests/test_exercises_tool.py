@@ -386,6 +386,10 @@ def test_make_refuses_when_the_reference_fails_its_own_visible_case(tiny_with_ch
     with pytest.raises(ExerciseError, match=r"exercise pool-take, visible case 'take 2 of 5': the reference fails"):
         make_copy(tmp_path / "student", root=tiny_with_checks)
     assert not (tmp_path / "student").exists()
+    key.write_text("def take(free, n):\n    return object()\n")   # an answer must be data, to be written down
+    sys.modules.pop("key_pool", None)
+    with pytest.raises(ExerciseError, match=r"pool-take, visible case 'take 1 of 5': .*not data.*plain data"):
+        make_copy(tmp_path / "student", root=tiny_with_checks)
 
 
 # ------------------------------------------------------------------ the manifest
@@ -722,9 +726,13 @@ def test_a_copy_holds_the_visible_answers_as_data_and_no_key(tmp_path):
     copy = only_sampling_top_k_stubbed(tmp_path)
     held = {p.relative_to(copy).as_posix() for p in copy.rglob("*.py")}
     assert not [f for f in held if "/key_" in f or "/wrong_" in f] and "tests/test_exercise_catalogue.py" not in held
-    assert leaks.find_leaks(copy, [], []) == [] and not (copy / "tests/exercises/key_sampling.py").exists()
     written = answers.read_answers(copy)
     checks = judging.load_checks(ROOT)
+    keyed = [ex for ex in find_exercises(ROOT) if answers.has_answer_key(checks[ex.id])]
+    tests = sorted(f for f in held if f.startswith("tests/"))
+    assert {"sampling-top-k", "sampling-top-p"} <= {ex.id for ex in keyed}
+    assert leaks.find_leaks(copy, keyed, tests) == [], "no test of a copy holds 8 tokens of a keyed solution"
+    assert not [f for f in tests if re.search(r"def (nucleus|k_largest|top_[kp]_key)\b", (copy / f).read_text())]
     for ex_id, check in checks.items():   # every exercise judged by a key, stubbed or not: none is in the copy
         if answers.has_answer_key(check):
             assert sorted(written[ex_id]) == sorted(check.visible())

@@ -50,6 +50,8 @@ def answers_of(checks: dict) -> dict:
         for case, inputs in check.visible().items():
             try:
                 wired = to_wire(check.expect(copy.deepcopy(inputs)))
+                if _holds_an_object(wired):
+                    raise TypeError("it returned an object that is not data")
                 answer = from_wire(json.loads(json.dumps(wired)))
                 output = over_the_wire(check.run(copy.deepcopy(inputs)))
                 check.judge(inputs, output, answer)
@@ -64,8 +66,13 @@ def answers_of(checks: dict) -> dict:
     return {"format": ANSWERS_FORMAT, "exercises": exercises}
 
 
-def write_answers(target: Path, checks: dict) -> None:
-    (Path(target) / ANSWERS).write_text(json.dumps(answers_of(checks)) + "\n", encoding="utf-8")
+def _holds_an_object(wired) -> bool:
+    """Whether to_wire met a value that is not data (it crosses as its type and repr only)."""
+    if isinstance(wired, list):
+        return any(_holds_an_object(x) for x in wired)
+    if isinstance(wired, dict):
+        return "object" in wired or any(_holds_an_object(x) for x in wired.values())
+    return False
 
 
 def read_answers(root: Path) -> dict[str, dict] | None:
