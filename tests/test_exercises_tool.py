@@ -337,13 +337,14 @@ class Take(Check):
         return take(inputs["free"], inputs["n"])
 
     def judge(self, inputs, output, expected):
-        assert output == expected, f"expected {expected}, got {output}"
+        assert output == expected["want"], f"expected {expected['want']}, got {output}"
 
 
 TAKE = Take()
 test_take = TAKE.pytest_test()
 '''
-KEY_OF_POOL = "def take(free, n):\n    return {'taken': free[len(free) - n:], 'left': free[:len(free) - n]}\n"
+KEY_OF_POOL = ("def take(free, n):\n    return {'want': {'taken': free[len(free) - n:], 'left': free[:len(free) - n]},\n"
+               "            'mistakes': {'took from the front': free[:n]}}\n")
 
 
 @pytest.fixture
@@ -369,7 +370,7 @@ def test_make_writes_the_visible_answers_as_data_and_no_key(tiny_with_checks, tm
     assert held == {"exercise_checks.py", "test_ex_pool.py", "visible_answers.json"}, held
     written = json.loads((copy / answers.ANSWERS).read_text())
     assert written["format"] == answers.ANSWERS_FORMAT
-    assert {case: wire.from_wire(a) for case, a in written["exercises"]["pool-take"].items()} == {
+    assert {case: wire.from_wire(a)["want"] for case, a in written["exercises"]["pool-take"].items()} == {
         "take 1 of 5": {"taken": [5], "left": [1, 2, 3, 4]}, "take 2 of 5": {"taken": [4, 5], "left": [1, 2, 3]},
         "take 3 of 5": {"taken": [3, 4, 5], "left": [1, 2]}}
     manifest = json.loads((copy / manifests.MANIFEST).read_text())
@@ -380,15 +381,20 @@ def test_make_writes_the_visible_answers_as_data_and_no_key(tiny_with_checks, tm
     assert json.loads((graders / manifests.MANIFEST).read_text())["answer_keys"] is True
 
 
-def test_make_refuses_when_the_reference_fails_its_own_visible_case(tiny_with_checks, tmp_path):
+def test_make_refuses_an_answer_it_cannot_write_into_a_copy(tiny_with_checks, tmp_path):
+    """One the reference fails, one that is not data, and one whose mistake's name spells out the solution."""
     key = tiny_with_checks / "tests" / "exercises" / "key_pool.py"
-    key.write_text(KEY_OF_POOL.replace("return {", "return {'taken': []} if n == 2 else {"))
+    key.write_text(KEY_OF_POOL.replace("return {", "return {'want': []} if n == 2 else {"))
     with pytest.raises(ExerciseError, match=r"exercise pool-take, visible case 'take 2 of 5': the reference fails"):
         make_copy(tmp_path / "student", root=tiny_with_checks)
     assert not (tmp_path / "student").exists()
     key.write_text("def take(free, n):\n    return object()\n")   # an answer must be data, to be written down
     sys.modules.pop("key_pool", None)
     with pytest.raises(ExerciseError, match=r"pool-take, visible case 'take 1 of 5': .*not data.*plain data"):
+        make_copy(tmp_path / "student", root=tiny_with_checks)
+    sys.modules.pop("key_pool", None)   # a mistake's name is written into the copy: it may not hold the solution
+    key.write_text(KEY_OF_POOL.replace("'took from the front'", "'taken = self.free[-n:]; del self.free[-n:]'"))
+    with pytest.raises(ExerciseError, match=r"(?s)would leak.*tests/exercises/visible_answers.json:\d+: exercise pool-take"):
         make_copy(tmp_path / "student", root=tiny_with_checks)
 
 

@@ -66,6 +66,26 @@ def answers_of(checks: dict) -> dict:
     return {"format": ANSWERS_FORMAT, "exercises": exercises}
 
 
+def prose_of(answers: dict) -> str:
+    """The words of an answers file, one string a line (the names of mistakes, a message): what the leak check
+    reads of it, as its numbers are no code."""
+    found: list[str] = []
+
+    def walk(x):
+        if isinstance(x, str):
+            found.append(x)
+        elif isinstance(x, list):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if k != "tensor":   # a tensor's dtype, shape and values
+                    walk(v)
+
+    walk(answers["exercises"])
+    return "\n".join(found)
+
+
 def _holds_an_object(wired) -> bool:
     """Whether to_wire met a value that is not data (it crosses as its type and repr only)."""
     if isinstance(wired, list):

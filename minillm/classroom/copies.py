@@ -7,7 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from .answers import ANSWERS, answers_of
+from .answers import ANSWERS, answers_of, prose_of
 from .judge import EXERCISE_TESTS, load_checks
 from .leaks import find_leaks
 from .manifest import MANIFEST, MANIFEST_FORMAT, read_manifest
@@ -62,12 +62,13 @@ def make_copy(target: Path | str, only: str | list[str] | None = None, force: bo
     everything = find_exercises(root)
     chosen = select(everything, only)
     files = tracked_files(root, keys)
-    leaks = find_leaks(root, chosen, [f for f in files if not instructor_only(f)])
+    answers = answers_of(load_checks(root)) if (root / EXERCISE_TESTS).is_dir() else None
+    leaks = find_leaks(root, chosen, [f for f in files if not instructor_only(f)],
+                       {ANSWERS: prose_of(answers)} if answers is not None else None)
     if leaks:
         raise ExerciseError("a solution would leak into the copy:\n  " + "\n  ".join(leaks)
                             + "\nrewrite these to name the idea and the shape, not the expression")
     texts = _stubbed_texts(root, files, chosen)
-    answers = answers_of(load_checks(root)) if (root / EXERCISE_TESTS).is_dir() else None
     try:
         _clear_previous_copy(target, files, force)
         write_tree(root, target, files, texts)

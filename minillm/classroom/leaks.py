@@ -74,7 +74,8 @@ def _prose_of_python(text: str, skip_lines: set[int]) -> list[tuple[int, str]]:
             if t.type in (tokenize.COMMENT, tokenize.STRING) and t.start[0] not in skip_lines]
 
 
-def find_leaks(root: Path, exercises: list[Exercise], files: list[str]) -> list[str]:
+def find_leaks(root: Path, exercises: list[Exercise], files: list[str],
+               written: dict[str, str] | None = None) -> list[str]:
     """Where LEAK_TOKENS consecutive tokens of an exercise's solution appear in `files`, all that a copy holds: the
     code and the prose (comments, hints, docstrings, messages) of the package and the tests, the lessons, the
     READMEs and every other text file. Each leak as 'file:line: exercise <id>: <the tokens>'.
@@ -83,7 +84,8 @@ def find_leaks(root: Path, exercises: list[Exercise], files: list[str]) -> list[
     arguments) is an idiom, not an answer, and counts only as part of a longer copy: LEAK_COPY consecutive tokens
     of a solution are a leak in any file but the package's code. Only the package's code makes idioms: a test
     that holds a solution does not excuse itself, nor another test. In code, a run needs LEAK_SPECIFIC_CODE
-    specific tokens, since everyday lines (a loop over a range, a tensor's size) belong to no solution."""
+    specific tokens, since everyday lines (a loop over a range, a tensor's size) belong to no solution.
+    `written`: the prose of files that `make` writes itself (file -> text), read as lines."""
     bodies: dict[str, set[int]] = {}
     for ex in exercises:   # the regions' code leaves the copy; their hints and markers stay
         bodies.setdefault(ex.file, set()).update(range(ex.line + 2, ex.line + 2 + len(ex.body)))
@@ -98,6 +100,8 @@ def find_leaks(root: Path, exercises: list[Exercise], files: list[str]) -> list[
             streams.append((rel, _normalised(_split(_prose_of_python(text, bodies.get(rel, set())))), "prose"))
         else:   # read whole: lessons are code the student runs, and prose may hold code
             streams.append((rel, _normalised(list(enumerate(text.splitlines(), 1))), "prose"))
+    streams += [(rel, _normalised(list(enumerate(text.splitlines(), 1))), "prose")
+                for rel, text in (written or {}).items()]
     given = {tuple(tok for tok, _ in tokens[i:i + LEAK_TOKENS])
              for _, tokens, kind in streams if kind == "idioms" for i in range(len(tokens) - LEAK_TOKENS + 1)}
     grams: dict[tuple[str, ...], tuple[str, bool]] = {}   # a solution's LEAK_TOKENS-grams, idioms aside: (id, in code)
