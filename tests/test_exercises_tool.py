@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.classroom import (callers, cli, copies, grading, judge as judging, leaks, manifest as manifests, regions,
-                               results as report, runner, splice, wire)
+from minillm.classroom import (answers, callers, cli, copies, grading, judge as judging, leaks, manifest as manifests,
+                               regions, results as report, runner, splice, wire)
 from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import ExerciseError, find_exercises, parse_regions, replace_region
 
@@ -275,6 +275,129 @@ def test_make_refuses_a_hint_that_gives_the_solution_away(tiny_project, tmp_path
     assert not (tmp_path / "student").exists()
 
 
+TAKE_IN_CODE = "def test_take(pool, n):\n    taken = pool.free[-n:]\n    del pool.free[-n:]\n    return taken\n"
+
+
+@pytest.mark.parametrize("test_file, leak", [
+    (TAKE_IN_CODE, "tests/test_pool.py:2: exercise pool-take"),                       # the solution, as a test's code
+    ("x = 1\n# taken = pool.free[-n:]; del pool.free[-n:]\n", "tests/test_pool.py:2: exercise pool-take"),  # a comment
+    ("def test_peek(pool, n):\n    assert pool.free[-n:] == pool.peek(n)\n", None),   # a line the package shows too
+])
+def test_make_reads_the_tests_code_and_prose_and_names_the_leak(tiny_project, tmp_path, test_file, leak):
+    pool = TWO_REGIONS + "\n    def peek(self, n):\n        return self.free[-n:]\n"   # outside the regions: an idiom
+    (tiny_project / "minillm" / "pool.py").write_text(pool)
+    (tiny_project / "tests" / "test_pool.py").write_text(test_file)
+    if leak is None:
+        make_copy(tmp_path / "student", root=tiny_project)
+        return
+    with pytest.raises(ExerciseError, match=rf"(?s)would leak.*{re.escape(leak)}") as refused:
+        make_copy(tmp_path / "student", root=tiny_project)
+    assert "minillm/pool.py" not in str(refused.value), "the package's own code is not a leak"
+    assert not (tmp_path / "student").exists()
+
+
+def test_a_copy_of_a_solution_in_a_test_is_a_leak_even_where_the_package_shows_its_pieces(tiny_project, tmp_path):
+    # Every 8 tokens of pool-take appear in the package outside its region, so each is an idiom; 16 in a row in a
+    # test are still a copy of the solution.
+    pool = TWO_REGIONS + "\n    def take_again(self, n):\n        taken = self.free[-n:]\n        del self.free[-n:]\n" \
+                         "        return taken\n"
+    (tiny_project / "minillm" / "pool.py").write_text(pool)
+    (tiny_project / "tests" / "test_pool.py").write_text(TAKE_IN_CODE)
+    with pytest.raises(ExerciseError, match=r"(?s)would leak.*tests/test_pool.py:2: exercise pool-take"):
+        make_copy(tmp_path / "student", root=tiny_project)
+
+
+CHECK_OF_POOL = '''\
+from pathlib import Path
+import importlib.util
+from exercise_checks import Check
+
+
+class Take(Check):
+    exercise = "pool-take"
+    where = "minillm/pool.py, Pool.take"
+
+    def visible(self):
+        return {f"take {n} of 5": {"free": [1, 2, 3, 4, 5], "n": n} for n in (1, 2, 3)}
+
+    def situations(self):
+        return {"take some": lambda d: {"free": list(range(d.int(3, 9))), "n": d.int(1, 3)}}
+
+    def run(self, inputs):
+        path = Path(__file__).resolve().parents[2] / "minillm" / "pool.py"
+        spec = importlib.util.spec_from_file_location("tiny_pool", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        pool = module.Pool()
+        pool.free = list(inputs["free"])
+        return {"taken": pool.take(inputs["n"]), "left": pool.free}
+
+    def expect(self, inputs):
+        from key_pool import take
+        return take(inputs["free"], inputs["n"])
+
+    def judge(self, inputs, output, expected):
+        assert output == expected["want"], f"expected {expected['want']}, got {output}"
+
+
+TAKE = Take()
+test_take = TAKE.pytest_test()
+'''
+KEY_OF_POOL = ("def take(free, n):\n    return {'want': {'taken': free[len(free) - n:], 'left': free[:len(free) - n]},\n"
+               "            'mistakes': {'took from the front': free[:n]}}\n")
+
+
+@pytest.fixture
+def tiny_with_checks(tiny_project, monkeypatch):
+    """The tiny project with a check of pool-take judged by expect and judge, its key in key_pool.py."""
+    folder = tiny_project / "tests" / "exercises"
+    folder.mkdir()
+    shutil.copy(ROOT / judging.EXERCISE_TESTS / "exercise_checks.py", folder)
+    (folder / "test_ex_pool.py").write_text(CHECK_OF_POOL)
+    (folder / "key_pool.py").write_text(KEY_OF_POOL)
+    (folder / "wrong_pool.py").write_text("WRONG = {}\n")
+    git(tiny_project, "add", "tests/exercises")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield tiny_project
+    for name in ("exercise_checks", "test_ex_pool", "key_pool"):   # the real checks' modules of these names return
+        sys.modules.pop(name, None)
+
+
+def test_make_writes_the_visible_answers_as_data_and_no_key(tiny_with_checks, tmp_path):
+    copy = tmp_path / "student"
+    make_copy(copy, only="pool-give", root=tiny_with_checks)
+    held = {p.name for p in (copy / "tests" / "exercises").iterdir()}
+    assert held == {"exercise_checks.py", "test_ex_pool.py", "visible_answers.json"}, held
+    written = json.loads((copy / answers.ANSWERS).read_text())
+    assert written["format"] == answers.ANSWERS_FORMAT
+    assert {case: wire.from_wire(a)["want"] for case, a in written["exercises"]["pool-take"].items()} == {
+        "take 1 of 5": {"taken": [5], "left": [1, 2, 3, 4]}, "take 2 of 5": {"taken": [4, 5], "left": [1, 2, 3]},
+        "take 3 of 5": {"taken": [3, 4, 5], "left": [1, 2]}}
+    manifest = json.loads((copy / manifests.MANIFEST).read_text())
+    assert answers.ANSWERS in manifest["files"] and manifest["answer_keys"] is False
+    graders = tmp_path / "grader"
+    make_copy(graders, only="pool-give", root=tiny_with_checks, keys=True)   # for the grading image: the keys too
+    assert {p.name for p in (graders / "tests" / "exercises").iterdir()} == held | {"key_pool.py"}
+    assert json.loads((graders / manifests.MANIFEST).read_text())["answer_keys"] is True
+
+
+def test_make_refuses_an_answer_it_cannot_write_into_a_copy(tiny_with_checks, tmp_path):
+    """One the reference fails, one that is not data, and one whose mistake's name spells out the solution."""
+    key = tiny_with_checks / "tests" / "exercises" / "key_pool.py"
+    key.write_text(KEY_OF_POOL.replace("return {", "return {'want': []} if n == 2 else {"))
+    with pytest.raises(ExerciseError, match=r"exercise pool-take, visible case 'take 2 of 5': the reference fails"):
+        make_copy(tmp_path / "student", root=tiny_with_checks)
+    assert not (tmp_path / "student").exists()
+    key.write_text("def take(free, n):\n    return object()\n")   # an answer must be data, to be written down
+    sys.modules.pop("key_pool", None)
+    with pytest.raises(ExerciseError, match=r"pool-take, visible case 'take 1 of 5': .*not data.*plain data"):
+        make_copy(tmp_path / "student", root=tiny_with_checks)
+    sys.modules.pop("key_pool", None)   # a mistake's name is written into the copy: it may not hold the solution
+    key.write_text(KEY_OF_POOL.replace("'took from the front'", "'taken = self.free[-n:]; del self.free[-n:]'"))
+    with pytest.raises(ExerciseError, match=r"(?s)would leak.*tests/exercises/visible_answers.json:\d+: exercise pool-take"):
+        make_copy(tmp_path / "student", root=tiny_with_checks)
+
+
 # ------------------------------------------------------------------ the manifest
 
 def test_grading_refuses_a_tree_without_a_good_manifest_or_with_edited_markers(tiny_project, tmp_path):
@@ -498,8 +621,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def stubbed_copy(tmp_path_factory, reference):
-    copy = tmp_path_factory.mktemp("student") / "all_stubbed"
-    assert [ex.id for ex in make_copy(copy)] == [ex.id for ex in reference]
+    copy = tmp_path_factory.mktemp("student") / "all_stubbed"   # with the keys: grade runs in it
+    assert [ex.id for ex in make_copy(copy, keys=True)] == [ex.id for ex in reference]
     return copy
 
 
@@ -512,6 +635,10 @@ def test_every_exercise_has_a_check_whose_caller_holds_no_oracle(reference):
         visible, held, held_again, other = c.visible(), c.held_out(1), c.held_out(1), c.held_out(2)
         values = lambda cases: json.dumps(wire.to_wire(cases))   # noqa: E731
         assert values(held) == values(held_again) != values(other), f"{ex.id}: a seed must fix the held-out inputs"
+        assert values(visible) == values(c.visible()), f"{ex.id}: a copy holds the visible answers, so the visible " \
+                                                       f"inputs must be the same every time"
+        assert all(values(held[f"edge: {name}"]) == values(other[f"edge: {name}"]) for name in c.edges()), \
+            f"{ex.id}: the edges are fixed, the same on every seed"
         assert len(visible) >= 3 and len(held) >= 6, f"{ex.id}: {len(visible)} visible cases, {len(held)} held-out"
         assert sorted(held) == sorted(other), f"{ex.id}: every draw must hold the same situations"
         assert c.where == f"{ex.file}, {ex.function}", f"{ex.id}'s check says the code is at {c.where}"
@@ -584,6 +711,92 @@ def test_a_stubbed_copy_scores_0_and_its_pytest_report_is_one_line_per_exercise(
     for ex in find_exercises(stubbed_copy):
         assert f"{ex.id} ({ex.worth}): {ex.where()}" in out
     assert "Traceback" not in out and "NotImplementedError" not in out and len(out.splitlines()) < 30, out
+
+
+# ------------------------------------------------------------------ a student copy: answers as data, no key
+
+def only_sampling_top_k_stubbed(tmp_path: Path) -> Path:
+    copy = tmp_path / "student"
+    assert [ex.id for ex in make_copy(copy, only="sampling-top-k")] == ["sampling-top-k"]
+    return copy
+
+
+def pytest_in(copy: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args], cwd=copy,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+@reference_only
+def test_a_copy_holds_the_visible_answers_as_data_and_no_key(tmp_path):
+    copy = only_sampling_top_k_stubbed(tmp_path)
+    held = {p.relative_to(copy).as_posix() for p in copy.rglob("*.py")}
+    assert not [f for f in held if "/key_" in f or "/wrong_" in f] and "tests/test_exercise_catalogue.py" not in held
+    written = answers.read_answers(copy)
+    checks = judging.load_checks(ROOT)
+    keyed = [ex for ex in find_exercises(ROOT) if answers.has_answer_key(checks[ex.id])]
+    tests = sorted(f for f in held if f.startswith("tests/"))
+    assert {"sampling-top-k", "sampling-top-p"} <= {ex.id for ex in keyed}
+    assert leaks.find_leaks(copy, keyed, tests) == [], "no test of a copy holds 8 tokens of a keyed solution"
+    assert not [f for f in tests if re.search(r"def (nucleus|k_largest|top_[kp]_key)\b", (copy / f).read_text())]
+    for ex_id, check in checks.items():   # every exercise judged by a key, stubbed or not: none is in the copy
+        if answers.has_answer_key(check):
+            assert sorted(written[ex_id]) == sorted(check.visible())
+            for case, inputs in check.visible().items():
+                assert json.dumps(wire.to_wire(written[ex_id][case])) == json.dumps(wire.to_wire(check.expect(inputs)))
+    assert {"sampling-top-k", "sampling-top-p"} <= set(written)
+    grading_copy = tmp_path / "grading"
+    make_copy(grading_copy, only="sampling-top-k", keys=True)
+    assert (grading_copy / "tests/exercises/key_sampling.py").is_file()
+    assert not list((grading_copy / "tests/exercises").glob("wrong_*.py"))
+
+
+@reference_only
+def test_a_copys_tests_judge_against_its_literal_answers(tmp_path):
+    copy = only_sampling_top_k_stubbed(tmp_path)
+    written = pytest_in(copy, "tests/exercises")   # every other exercise is written, and no key is here
+    assert written.returncode == 1 and "FAILED" not in written.stdout and "ERROR" not in written.stdout, \
+        written.stdout[-3000:]
+    assert written.stdout.count("PASSED tests/exercises/test_ex_sampling.py::test_top_p") == 7, written.stdout[-3000:]
+    assert "1 exercise still to write" in written.stdout and "sampling-top-k" in written.stdout
+    stubbed = pytest_in(copy, "tests/exercises/test_ex_sampling.py", "--exercise", "sampling-top-k,sampling-top-p")
+    failed, passed = (re.findall(rf"{verdict} \S+::(test_top_\w)", stubbed.stdout) for verdict in ("FAILED", "PASSED"))
+    assert (failed, passed) == (["test_top_k"] * 4, ["test_top_p"] * 7), stubbed.stdout[-3000:]
+
+
+@reference_only
+def test_check_in_a_copy_runs_the_visible_cases_and_leaves_the_held_out_to_grading(tmp_path):
+    copy = only_sampling_top_k_stubbed(tmp_path)
+    written = run_tool(copy, "check", "sampling-top-p")
+    assert written.returncode == 0, written.stdout + written.stderr
+    assert "visible cases: 7/7 pass" in written.stdout and "held-out checks run at grading" in written.stdout
+    assert "drawn with seed" not in written.stdout and "edge:" not in written.stdout and "#1" not in written.stdout
+    stubbed = run_tool(copy, "check", "sampling-top-k")
+    assert stubbed.returncode == 1 and "visible cases: 0/4 pass" in stubbed.stdout, stubbed.stdout
+    refused = run_tool(copy, "grade")
+    assert refused.returncode == 2 and "is a student copy" in refused.stderr, refused.stderr
+    instructor = run_tool(ROOT, "check", "sampling-top-p")   # the instructor's tree: visible, then a fresh draw
+    assert instructor.returncode == 0 and "held-out checks, drawn with seed" in instructor.stdout, instructor.stdout
+    assert "edge: a per-row tensor p" in instructor.stdout
+
+
+@reference_only
+def test_tampering_with_a_copys_answers_changes_no_grade(tmp_path):
+    copy = only_sampling_top_k_stubbed(tmp_path)
+    (ex,) = [e for e in find_exercises(copy) if e.id == "sampling-top-k"]
+    restore(copy, ex, ["return logits"])                   # keeps every token...
+    path = copy / answers.ANSWERS
+    data = json.loads(path.read_text())
+    for case, inputs in judging.load_checks(ROOT)["sampling-top-k"].visible().items():
+        rows, vocab = inputs["logits"].shape                # ...and the copy's answers now say that is right
+        data["exercises"]["sampling-top-k"][case] = wire.to_wire({"keep": [list(range(vocab))] * rows})
+    path.write_text(json.dumps(data))
+    fooled = pytest_in(copy, "tests/exercises/test_ex_sampling.py")
+    assert fooled.returncode == 0 and fooled.stdout.count("PASSED") == 11, fooled.stdout[-3000:]
+    proc = run_tool(ROOT, "grade", str(copy), "--only", "sampling-top-k", "--json", str(tmp_path / "results.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = results_by_exercise(tmp_path / "results.json")["sampling-top-k"]
+    assert results["held-out checks"]["score"] == 0 and results["visible cases"]["status"] == "failed", results
 
 
 FORGERY = """
@@ -726,7 +939,7 @@ def test_run_autograder_grades_only_the_regions_and_no_attack_scores(reference):
     base = Path(tempfile.mkdtemp(prefix="autograder-"))   # under /tmp, so that `nobody` can read it
     try:
         autograder = base / "autograder"
-        make_copy(autograder / "source")                  # what the instructor uploads
+        make_copy(autograder / "source", keys=True)       # what the instructor uploads: make --for-grading
         student = base / "student"
         make_copy(student)                                # the student's copy, honest in part, attacking in part
         results_path = autograder / "results" / "results.json"
@@ -785,7 +998,7 @@ if _os.fork() == 0:                 # outlive the child, and forge the results o
 @reference_only
 def test_what_the_graded_code_leaves_running_is_killed_with_its_child(tmp_path, reference):
     copy = tmp_path / "lingering"
-    make_copy(copy, only="sampling-top-k")
+    make_copy(copy, only="sampling-top-k", keys=True)
     (ex,) = [e for e in find_exercises(copy) if e.id == "sampling-top-k"]
     results = tmp_path / "results.json"
     body = region_lines(ex, *LINGERER.format(path=str(results)).splitlines())
@@ -801,7 +1014,7 @@ def test_what_the_graded_code_leaves_running_is_killed_with_its_child(tmp_path, 
 @reference_only
 def test_a_fully_solved_copy_scores_full_marks(tmp_path, reference):
     copy = tmp_path / "solved"
-    make_copy(copy)
+    make_copy(copy, keys=True)
     for ex in find_exercises(copy):
         restore(copy, next(r for r in reference if r.id == ex.id))
     proc = run_tool(copy, "grade", "--json", str(tmp_path / "results.json"))
@@ -819,7 +1032,7 @@ def test_a_fully_solved_copy_scores_full_marks(tmp_path, reference):
 @pytest.mark.parametrize("ex_id", [ex.id for ex in find_exercises(ROOT)] if not IN_STUDENT_COPY else [])
 def test_each_region_put_back_alone_passes_with_everything_else_stubbed(tmp_path, reference, ex_id):
     copy = tmp_path / "one"
-    make_copy(copy)
+    make_copy(copy, keys=True)
     restore(copy, next(e for e in reference if e.id == ex_id))
     proc = run_tool(copy, "grade", "--json", str(tmp_path / "results.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -878,6 +1091,16 @@ def test_off_limits_names_are_found_in_the_code_not_in_its_comments():
     assert judging.forbidden_calls(ex, ["import heapq", "return sorted(self.free)"]) == ["heapq", "sorted"]
     assert judging.forbidden_calls(ex, ["from transformers import TopKLogitsWarper", "return 1"]) == ["transformers"]
     assert judging.forbidden_calls(ex, ["import test_ex_pool", "return 1"]) == ["test_ex_pool"]
+
+
+def test_no_region_may_import_the_answer_keys_or_the_catalogue():
+    (ex,) = parse(REGION)
+    assert judging.forbidden_calls(ex, ["import key_sampling", "from wrong_sampling import WRONG", "return 1"]) == \
+        ["key_sampling", "wrong_sampling"]
+    assert judging.forbidden_calls(ex, ["import importlib", "return importlib.import_module('key_model').f"]) == \
+        ["key_model"]
+    assert judging.forbidden_calls(ex, ["key_states = self.free", "wrong_way = 1", "return key_states"]) == [], \
+        "a name of one's own that starts like a key module is no offence"
 
 
 def test_what_a_child_sends_costs_its_own_cases_only():

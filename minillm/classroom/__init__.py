@@ -1,8 +1,8 @@
 """The classroom: exercises cut from the reference engine, student copies, and a grader that only the regions reach.
 
     python -m minillm.classroom list                       # id, lesson, points, stub/written, where, in lesson order
-    python -m minillm.classroom make DIR [--only IDS] [--force]
-    python -m minillm.classroom check ID                   # one exercise: visible cases and a fresh held-out draw
+    python -m minillm.classroom make DIR [--only IDS] [--force] [--for-grading]
+    python -m minillm.classroom check ID                   # one exercise: visible cases (+ a held-out draw, not in a copy)
     python -m minillm.classroom grade [SUBMISSION] [--json PATH] [--user nobody]
 
 Regions (regions.py). Pieces of the reference engine are marked in place:
@@ -15,7 +15,14 @@ Regions (regions.py). Pieces of the reference engine are marked in place:
 `make` (copies.py) writes a copy: exactly the files git tracks, each chosen
 region's code replaced by one `raise NotImplementedError('exercise <id> ...')`
 line, and a manifest, exercises.json (manifest.py), after the leak check
-(leaks.py) found no run of 8 tokens of a solution in anything the copy holds.
+(leaks.py) found no run of 8 tokens of a solution in anything the copy holds,
+code and prose alike. The answer keys (tests/exercises/key_*.py) and the
+catalogue of wrong versions (wrong_*.py) stay with the instructor: instead the
+copy holds each visible case's answer as literal data (answers.py), written
+only once the reference passed that case. So a student copy's pytest and
+`check` run the visible cases alone, and its held-out checks run at grading;
+`grade` refuses a student copy. `make --for-grading` writes the copy for the
+grading image, which holds the keys as well: never give it to a student.
 
 Grading, and what it defends against
 ------------------------------------
@@ -26,13 +33,16 @@ Grading, and what it defends against
     marker missing, duplicated or out of order refuses the submission, naming
     the file and the marker, and a region must be whole statements that stay
     inside their function. A region may not use its hint's "Off limits"
-    names, nor transformers or the checks (checked on its syntax tree).
+    names, nor transformers, the checks, the answer keys or the catalogue
+    (test_ex_*, key_*, wrong_*; checked on its syntax tree).
   * The student's code never shares a process with the answer key
     (callers.py, runner.py, child.py). Each exercise runs in a fresh
     interpreter, as `--user` when given, that receives only its inputs as
     plain data and the source of the check's `run`, cut out of the test file
     with the definitions it uses; `verify`, the oracles and the seed stay
-    here. With `--user` the grader refuses to start when that user could read
+    here, and so do the answers: a copy's visible_answers.json is never read
+    in grading, so editing it changes no grade. With `--user` the grader
+    refuses to start when that user could read
     the checks, or could not read the interpreter, the standard library or
     a sys.path entry (an honest solution would then fail on an import).
   * A child costs only its own exercise (judge.py). Its output is JSON data,
@@ -56,9 +66,13 @@ Adding an exercise
     the question the code answers; the leak check fails on 8 consecutive
     tokens of the solution (names and spacing aside) anywhere in a copy.
  2. Write its Check in tests/exercises/test_ex_<concept>.py (see
-    exercise_checks.py): visible cases, held-out situations, `run` (calls
-    only the function holding the region, and uses no oracle: it is sent to
-    the child), and `verify` (stays in the grader).
+    exercise_checks.py): deterministic visible cases, held-out situations and
+    fixed edges(), `run` (calls only the function holding the region, and uses
+    no oracle: it is sent to the child), `expect` (imports its oracle from
+    tests/exercises/key_<concept>.py inside the method and returns plain data:
+    the answer, and the answers of mistakes worth naming) and `judge` (compares
+    and names the mistake; works nothing out). No code of a solution in the
+    test file: it goes to every copy, the key file to none.
  3. Add at least three plausible wrong versions of the region to the catalogue
     in tests/exercises/wrong_<concept>.py; tests/test_exercise_catalogue.py holds each of
     them below full marks on every one of 200 seeds, and the reference at full.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .copies import make_copy, untracked_files
 from .grading import DEFAULT_TIMEOUT_S, grade_exercises, grade_timeout, warn_fixed_seed
-from .manifest import MANIFEST, assigned_exercises
+from .manifest import MANIFEST, assigned_exercises, is_student_copy
 from .regions import ROOT, ExerciseError, find_exercises, select
 from .results import VISIBILITIES, failed_results, gradescope_results, results_problems, write_results
 
@@ -32,9 +32,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_make(args) -> int:
-    chosen = make_copy(args.dir, args.only, args.force)
-    print(f"wrote a student copy to {Path(args.dir).resolve()}: {len(chosen)} exercises stubbed, "
-          f"{sum(ex.points for ex in chosen)} points")
+    chosen = make_copy(args.dir, args.only, args.force, keys=args.for_grading)
+    print(f"wrote a {'copy for the grading image (it holds the answer keys: never give it to a student)' if args.for_grading else 'student copy'} "
+          f"to {Path(args.dir).resolve()}: {len(chosen)} exercises stubbed, {sum(ex.points for ex in chosen)} points")
     for ex in chosen:
         print(f"  {ex.id:28} {ex.where()}")
     untracked = untracked_files(ROOT)
@@ -47,11 +47,13 @@ def cmd_make(args) -> int:
 
 def cmd_check(args) -> int:
     ex = select(find_exercises(ROOT), [args.id])[0]
-    if args.seed is not None:
+    student = is_student_copy(ROOT)   # no answer key here: the visible cases, against the copy's literal answers
+    if args.seed is not None and not student:
         warn_fixed_seed(args.seed)
-    (score,), seed = grade_exercises([ex], ROOT, ROOT, args.seed, grade_timeout(args.timeout), 1, _checked_user(args.user))
+    (score,), seed = grade_exercises([ex], ROOT, ROOT, args.seed, grade_timeout(args.timeout), 1,
+                                     _checked_user(args.user), visible_only=student)
     print(f"exercise {ex.id} ({ex.worth}): {ex.title}")
-    for held_out in (False, True):
+    for held_out in (False, True) if not student else (False,):
         results = score.of(held_out)
         print(f"\n{'held-out checks, drawn with seed ' + str(seed) if held_out else 'visible cases'}: "
               f"{sum(r.passed for r in results)}/{len(results)} pass")
@@ -63,10 +65,17 @@ def cmd_check(args) -> int:
         print(f"\nThe run did not finish normally: {score.ended}.")
     if score.printed.strip() and not all(r.passed for r in score.results):
         print("\nWhat the code printed (the end):\n" + score.printed.strip()[-1500:])
+    if student:
+        print("\nThe held-out checks run at grading, in your instructor's copy, and they give the points: the same "
+              "situations with inputs drawn afresh, and a few fixed edge cases.")
     if all(r.passed for r in score.results):
-        print(f"\nall {len(score.results)} cases pass: exercise {ex.id} is done ({score.score:g}/{ex.points} points).")
+        if student:
+            print(f"all {len(score.results)} visible cases of exercise {ex.id} pass.")
+        else:
+            print(f"\nall {len(score.results)} cases pass: exercise {ex.id} is done ({score.score:g}/{ex.points} points).")
         return 0
-    print(f"\nscore {score.score:g}/{ex.points}. The code to write is at {ex.where()}.\nHint: {ex.hint}")
+    told = f"The code to write is at {ex.where()}.\nHint: {ex.hint}"
+    print(told if student else f"\nscore {score.score:g}/{ex.points}. {told}")
     return 1
 
 
@@ -156,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="where to write the copy: a new or empty folder outside the project")
     p.add_argument("--only", help="comma-separated exercise ids to stub (default: all)")
     p.add_argument("--force", action="store_true", help="replace a previous copy in DIR (the files its manifest lists)")
+    p.add_argument("--for-grading", action="store_true", help="a copy for the grading image (Gradescope's source): "
+                   "it also holds the answer keys, tests/exercises/key_*.py, so never give it to a student")
     p.set_defaults(run=cmd_make)
-    for name, text in (("check", "one exercise: its visible cases and a fresh draw of held-out checks"),
+    for name, text in (("check", "one exercise: its visible cases and, where the answer keys are (not in a student "
+                                 "copy), a fresh draw of held-out checks"),
                        ("grade", "a submission's regions, spliced into this tree; Gradescope's results.json")):
         p = sub.add_parser(name, help=text)
         if name == "check":

@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from .answers import ANSWERS, answers_of, prose_of
+from .judge import EXERCISE_TESTS, load_checks
 from .leaks import find_leaks
 from .manifest import MANIFEST, MANIFEST_FORMAT, read_manifest
 from .regions import (PACKAGE, ROOT, Exercise, ExerciseError, find_exercises, replace_region, select,
@@ -15,14 +17,16 @@ from .regions import (PACKAGE, ROOT, Exercise, ExerciseError, find_exercises, re
 # The answer keys (the oracles) and the catalogue of wrong versions, one step from the right ones, stay with the
 # instructor: no copy holds them.
 INSTRUCTOR_ONLY = ("tests/exercises/key_*.py", "tests/exercises/wrong_*.py", "tests/test_exercise_catalogue.py")
+ANSWER_KEYS = "tests/exercises/key_*.py"   # the one part of them a copy for the grading image holds
 
 
 def instructor_only(rel: str) -> bool:
     return any(fnmatch.fnmatch(rel, pattern) for pattern in INSTRUCTOR_ONLY)
 
 
-def tracked_files(root: Path) -> list[str]:
-    """The files git tracks under `root` (and that exist): exactly what a copy may hold."""
+def tracked_files(root: Path, keys: bool = False) -> list[str]:
+    """The files git tracks under `root` (and that exist): exactly what a copy may hold. The instructor's own files
+    are left out, except, with `keys`, the answer keys that a copy for the grading image needs."""
     try:
         proc = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached"],
                               capture_output=True, text=True, timeout=60)
@@ -33,7 +37,8 @@ def tracked_files(root: Path) -> list[str]:
         raise ExerciseError(f"`make` copies exactly the files git tracks, but {root} is not a git checkout "
                             f"({proc.stderr.strip()}); run make from a clone of the project")
     return sorted(f for f in proc.stdout.split("\0")
-                  if f and f != MANIFEST and not instructor_only(f) and (root / f).is_file())
+                  if f and f not in (MANIFEST, ANSWERS) and (root / f).is_file()
+                  and (not instructor_only(f) or keys and fnmatch.fnmatch(f, ANSWER_KEYS)))
 
 
 def untracked_files(root: Path) -> list[str]:
@@ -44,9 +49,11 @@ def untracked_files(root: Path) -> list[str]:
 
 
 def make_copy(target: Path | str, only: str | list[str] | None = None, force: bool = False,
-              root: Path = ROOT) -> list[Exercise]:
+              root: Path = ROOT, keys: bool = False) -> list[Exercise]:
     """Write a student copy of the project at `root` into `target`; returns the stubbed exercises, at their lines
-    in the copy."""
+    in the copy. The copy holds the visible cases' answers as literal data (answers.py), not the answer keys;
+    with `keys` it is a copy for the grading image instead, which also holds them (tests/exercises/key_*.py):
+    never a student's."""
     root, target = Path(root).resolve(), Path(target).resolve()
     if target == root or root.is_relative_to(target) or target.is_relative_to(root):
         raise ExerciseError(f"target {target} is inside the project or holds it; choose a folder outside {root}")
@@ -54,8 +61,10 @@ def make_copy(target: Path | str, only: str | list[str] | None = None, force: bo
         raise ExerciseError(f"target {target} is a file; choose a folder")
     everything = find_exercises(root)
     chosen = select(everything, only)
-    files = tracked_files(root)
-    leaks = find_leaks(root, chosen, files)
+    files = tracked_files(root, keys)
+    answers = answers_of(load_checks(root)) if (root / EXERCISE_TESTS).is_dir() else None
+    leaks = find_leaks(root, chosen, [f for f in files if not instructor_only(f)],
+                       {ANSWERS: prose_of(answers)} if answers is not None else None)
     if leaks:
         raise ExerciseError("a solution would leak into the copy:\n  " + "\n  ".join(leaks)
                             + "\nrewrite these to name the idea and the shape, not the expression")
@@ -63,12 +72,15 @@ def make_copy(target: Path | str, only: str | list[str] | None = None, force: bo
     try:
         _clear_previous_copy(target, files, force)
         write_tree(root, target, files, texts)
+        if answers is not None:
+            (target / ANSWERS).write_text(json.dumps(answers) + "\n", encoding="utf-8")
     except OSError as e:
         raise ExerciseError(f"cannot write the copy into {target}: {e.strerror or e} ({e.filename or target}); "
                             f"choose a folder you can create and write") from None
     in_copy = find_exercises(target)   # the copy's line numbers: stubs are shorter than code
     stubbed = {ex.id for ex in chosen}
-    manifest = {"format": MANIFEST_FORMAT, "files": files,
+    manifest = {"format": MANIFEST_FORMAT, "files": files + ([ANSWERS] if answers is not None else []),
+                "answer_keys": keys,
                 "exercises": [{**{k: v for k, v in dataclasses.asdict(ex).items() if k != "body"},
                                "stubbed": ex.id in stubbed} for ex in in_copy]}
     (target / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

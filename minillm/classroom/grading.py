@@ -8,9 +8,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from .answers import read_answers
 from .callers import caller_source
 from .judge import EXERCISE_TESTS, CaseResult, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
-from .manifest import MANIFEST, read_manifest
+from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
 from .runner import check_user_can_run, run_children, unreadable_for
 from .splice import spliced_folder
@@ -21,12 +22,18 @@ DEFAULT_TIMEOUT_S = 60   # per exercise (MINILLM_GRADE_TIMEOUT); a correct one n
 
 def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | None = None, seed: int | None = None,
                     timeout: float = DEFAULT_TIMEOUT_S, jobs: int | None = None,
-                    user: str | None = None) -> tuple[list[Score], int]:
+                    user: str | None = None, visible_only: bool = False) -> tuple[list[Score], int | None]:
     """Grade the regions of `exercises` as `submission` (default: `root` itself) wrote them, against the checks and
-    the package of the instructor's tree at `root`."""
+    the package of the instructor's tree at `root`. With `visible_only` (`check` in a student copy, which holds no
+    answer key), run the visible cases alone and judge them against the copy's literal answers; the seed is None."""
     root = Path(root).resolve()
     submission = Path(submission or root).resolve()
-    seed = grade_seed() if seed is None else seed
+    if not visible_only and is_student_copy(root):
+        raise ExerciseError(f"{root} is a student copy: it holds the visible cases' answers but no answer key, so the "
+                            f"held-out checks run at grading, in your instructor's copy; here `python -m "
+                            f"minillm.classroom check ID` runs an exercise's visible cases")
+    answers = (read_answers(root) or {}) if visible_only else None
+    seed = None if visible_only else grade_seed() if seed is None else seed
     checks = load_checks(root)
     if not checks:
         raise ExerciseError(f"{root / EXERCISE_TESTS} holds no checks, so this tree cannot grade: the held-out checks "
@@ -48,7 +55,7 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
         scores: dict[str, Score] = {}
         work = []
         for ex in exercises:
-            check, cases = checks[ex.id], cases_of(checks[ex.id], seed)
+            check, cases = checks[ex.id], cases_of(checks[ex.id], seed, answers)
             body = _region_body(folder, ex)
             banned = forbidden_calls(ex, body)
             if banned:

@@ -13,12 +13,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+from .answers import has_answer_key, literal_answer
 from .regions import ExerciseError, Exercise, STUB_MESSAGE
 from .runner import ChildRun
 from .wire import from_wire
 
 EXERCISE_TESTS = "tests/exercises"
-FORBIDDEN_EVERYWHERE = ("transformers", "vllm", "exercise_checks", "test_ex_")   # no region may reach these
+# No region may reach these; a name ending in "_" is a prefix (test_ex_sampling, key_sampling, wrong_sampling).
+FORBIDDEN_EVERYWHERE = ("transformers", "vllm", "exercise_checks", "test_ex_", "key_", "wrong_")
 
 
 def load_checks(root: Path) -> dict:
@@ -45,16 +47,26 @@ def load_checks(root: Path) -> dict:
     return checks
 
 
+NO_ANSWER = object()   # a case judged by the check's `verify`, which works the answer out here
+
+
 @dataclasses.dataclass
 class Case:
     name: str
     inputs: dict
     held_out: bool
+    answer: object = NO_ANSWER   # a student copy's literal answer (answers.py), judged with the check's `judge`
 
 
-def cases_of(check, seed: int) -> list[Case]:
-    return ([Case(name, inputs, False) for name, inputs in check.visible().items()]
-            + [Case(name, inputs, True) for name, inputs in check.held_out(seed).items()])
+def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]:
+    """The visible cases and the held-out ones drawn from `seed`; with a copy's literal `answers` (seed None),
+    the visible cases alone, each with its answer: the held-out checks need the key, which the copy lacks."""
+    if answers is None:
+        return ([Case(name, inputs, False) for name, inputs in check.visible().items()]
+                + [Case(name, inputs, True) for name, inputs in check.held_out(seed).items()])
+    keyed = has_answer_key(check)
+    return [Case(name, inputs, False, literal_answer(answers, check, name) if keyed else NO_ANSWER)
+            for name, inputs in check.visible().items()]
 
 
 def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
@@ -64,19 +76,26 @@ def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
         tree = ast.parse(textwrap.dedent("\n".join(body)))
     except SyntaxError:
         return []
-    used = set()
+    used, imported, strings = set(), set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             used.add(node.id)
         elif isinstance(node, ast.Attribute):
             used.add(node.attr)
         elif isinstance(node, ast.Import):
-            used.update(part for alias in node.names for part in alias.name.split("."))
+            imported.update(part for alias in node.names for part in alias.name.split("."))
         elif isinstance(node, ast.ImportFrom):
-            used.update((node.module or "").split(".") + [alias.name for alias in node.names])
+            imported.update((node.module or "").split(".") + [alias.name for alias in node.names])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            strings.add(node.value)   # importlib.import_module("key_sampling") names a module too
     banned = set(ex.off_limits)
-    found = sorted(n for n in used if n in banned or any(n == f or n.startswith("test_ex_") and f == "test_ex_"
-                                                         for f in FORBIDDEN_EVERYWHERE))
+    # A prefix bans every module it starts (key_sampling); a name of one's own (key_states) is no offence, so
+    # the answer keys' and the catalogue's prefixes are matched on what is imported, or named in a string.
+    found = sorted(n for n in used | imported if n in banned or n in FORBIDDEN_EVERYWHERE
+                   or any(f.endswith("_") and n.startswith(f) and (n in imported or f == "test_ex_")
+                          for f in FORBIDDEN_EVERYWHERE))
+    found += sorted(n for n in strings - set(found) if any(f.endswith("_") and n.startswith(f)
+                                                           for f in FORBIDDEN_EVERYWHERE))
     return found
 
 
@@ -150,7 +169,10 @@ def _verify(check, case: Case, wire) -> str:
     except Exception as e:   # an out-of-range tensor raises RuntimeError in torch: any failure is the child's
         return f"the child sent data the grader cannot read ({type(e).__name__}: {str(e)[:200]})"
     try:
-        check.verify(case.inputs, output)
+        if case.answer is NO_ANSWER:
+            check.verify(case.inputs, output)
+        else:
+            check.judge(case.inputs, output, case.answer)
     except AssertionError as e:
         return str(e) or "wrong"
     except Exception as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 from .regions import Exercise, ExerciseError, find_exercises
 
 MANIFEST = "exercises.json"                  # written into each copy by `make`; `grade` reads it
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = 3                          # 3: visible answers as data, answer_keys
 
 
 def read_manifest(root: Path) -> dict:
@@ -24,12 +24,18 @@ def read_manifest(root: Path) -> dict:
         raise ExerciseError(f"{path} is not valid JSON ({e}); {remake}") from None
     fields = {f.name for f in dataclasses.fields(Exercise)} - {"body"}
     ok = (isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT and isinstance(data.get("files"), list)
+          and isinstance(data.get("answer_keys"), bool)
           and all(isinstance(f, str) for f in data["files"]) and isinstance(data.get("exercises"), list)
           and all(isinstance(e, dict) and set(e) == fields | {"stubbed"} for e in data["exercises"]))
     if not ok:
-        raise ExerciseError(f"{path} is not a manifest of format {MANIFEST_FORMAT} (a 'format', a 'files' list, and "
-                            f"'exercises' with the fields {', '.join(sorted(fields | {'stubbed'}))}); {remake}")
+        raise ExerciseError(f"{path} is not a manifest of format {MANIFEST_FORMAT} (a 'format', a 'files' list, "
+                            f"'answer_keys', and 'exercises' with the fields {', '.join(sorted(fields | {'stubbed'}))}); {remake}")
     return data
+
+
+def is_student_copy(root: Path) -> bool:
+    """A copy made for a student: it has a manifest and no answer keys, so its held-out checks cannot run here."""
+    return (Path(root) / MANIFEST).exists() and not read_manifest(Path(root)).get("answer_keys")
 
 
 def assigned_exercises(root: Path) -> list[Exercise]:

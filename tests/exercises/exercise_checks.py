@@ -1,32 +1,39 @@
 """The exercises' checks: one `Check` per exercise, written once, used by pytest and by the grader.
 
-A Check holds an exercise's cases and the two halves of testing them:
+A Check holds an exercise's cases and the three parts of testing them:
 
-    run(inputs)             call the student's function on one case's inputs and return what it gave:
-                            tensors, numbers, lists, dicts. Imports minillm *inside* the method, never at
-                            module level: the grader imports this file and must never import student code.
-    verify(inputs, output)  raise AssertionError, with the message a student reads, unless `output` is right.
-                            The expected value comes from a property or a small independent computation on
-                            the inputs, never from minillm.
+    run(inputs)                      call the student's function on one case's inputs and return what it gave:
+                                     tensors, numbers, lists, dicts. Imports minillm *inside* the method, never at
+                                     module level: the grader imports this file and must never import student code.
+    expect(inputs)                   the answer key of one case, as plain data, worked out by an oracle in
+                                     tests/exercises/key_<concept>.py, imported inside the method. Instructor only.
+    judge(inputs, output, expected)  raise AssertionError, with the message a student reads, unless `output` is
+                                     right; it compares, and names a mistake whose answer `expected` also carries.
 
-and two kinds of case:
+and three kinds of case:
 
     visible()               fixed, named cases: the tests a student reads and runs with pytest
     situations()            named generators of held-out cases; the grader draws `draws` of each at grade
                             time from a seed it chooses, so no table of answers can pass them
+    edges()                 fixed, named held-out cases, graded on every seed: the edge situations where a
+                            plausible mistake shows
 
-Pytest runs `run` then `verify` in one process (`Check.pytest_test`); the
-grader (minillm/classroom/) runs `run`, cut out with what it uses, in a fresh process that sends back
-only data, and `verify` in the parent, which decides the score. Both pass the
-output through the same encoding, so a test and the grader judge the same
-values.
+`verify(inputs, output)` is `judge` against `expect`: the grader's verdict. The
+key_*.py files never leave the instructor, so a student copy holds no oracle:
+`make` writes each visible case's answer into it as literal data
+(tests/exercises/visible_answers.json), and there pytest judges against that
+(`Check.pytest_test`); the held-out checks need the key, so they run at grading.
+The grader (minillm/classroom/) runs `run`, cut out with what it uses, in a
+fresh process that sends back only data, and `verify` in the parent, which
+decides the score. Both pass the output through the same encoding, so a test
+and the grader judge the same values.
 
-Rules each check keeps (tests/test_exercises_tool.py holds them): every case
-reaches the exercise's own region, so its stub fails them all and no other
-exercise's stub is reached; each situation matches a visible case, drawn with
-fresh values, the same number of times each run, so a bug costs the same
-points every time; a message names the idea and the shape, never the
-solution's expression.
+Rules each check keeps (tests/test_exercises_tool.py and tests/test_exercise_catalogue.py hold them): every
+case reaches the exercise's own region, so its stub fails them all and no other exercise's stub is reached; each
+situation matches a visible case and is drawn the same number of times each run; the plausible wrong versions in
+tests/exercises/wrong_<concept>.py score below full marks on every one of 200 seeds (the edges make sure of it);
+a message names the idea, the shape and a recognised mistake, never the solution's expression; and this file and
+test_ex_*.py hold no 8 tokens in a row of a solution (oracles live in key_*.py).
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import hashlib
 import math
 import random
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -118,11 +126,19 @@ class Check:
         @pytest.mark.exercise(check.exercise)
         @pytest.mark.parametrize("case", list(cases))
         def test(case):
+            from minillm.classroom.answers import has_answer_key, literal_answer, read_answers
+            from minillm.classroom.manifest import MANIFEST
+            from minillm.classroom.regions import ExerciseError
             from minillm.classroom.wire import over_the_wire
             output = over_the_wire(check.run(copy.deepcopy(cases[case])))
             try:
-                check.verify(cases[case], output)
-            except AssertionError as e:
+                root = Path(__file__).resolve().parents[2]   # a copy (it has a manifest) judges against its answers
+                answers = (read_answers(root) or {}) if (root / MANIFEST).is_file() else None
+                if answers is not None and has_answer_key(check):   # a student copy: no key, the answer as data
+                    check.judge(cases[case], output, literal_answer(answers, check, case))
+                else:                                                # the instructor's tree: the key works it out
+                    check.verify(cases[case], output)
+            except (AssertionError, ExerciseError) as e:
                 pytest.fail(str(e), pytrace=False)
 
         test.__doc__ = f"{check.exercise}: the visible cases of {type(check).__name__} (tests/exercises/exercise_checks.py)."

@@ -1,7 +1,9 @@
 """Lesson 01 exercises in minillm/sampling.py: top-k and top-p (nucleus) filtering of logits.
 
-The oracles walk each row in plain Python: sort, count, add up probabilities.
-Logits are distinct, so "the k largest" is never ambiguous.
+The answer of a case is which token ids each row keeps (key_sampling.py works it out, one row at a time, with
+what a few common mistakes would keep instead); `judge` compares the ids the output kept, and that the kept
+logits came back unchanged. Logits are distinct, so "the k largest" is never ambiguous, and no p lies near a
+row's running sum of probabilities, so float rounding cannot change which tokens reach it.
 """
 import math
 
@@ -18,25 +20,40 @@ def distinct_logits(rows, vocab, seed, scale=1.0):
         torch.randn(rows, 1, generator=g) * 10
 
 
-def check_kept(result, logits, keep_per_row, what, where):
-    """result keeps exactly the listed token ids of each row, values unchanged; every other entry is -inf."""
+def kept_ids(result, logits, what, where) -> list[list[int]]:
+    """The ids each row of `result` kept (not -inf), after checking its shape and that kept logits are unchanged."""
     if not isinstance(result, torch.Tensor) or result.shape != logits.shape:
         raise AssertionError(f"{what}: expected a tensor of shape {tuple(logits.shape)} (same as the logits), "
                              f"got {kind(result)}. Look at {where}.")
-    for row, keep in enumerate(keep_per_row):
-        kept = [i for i, x in enumerate(result[row].tolist()) if x != NEG_INF]
-        if kept != sorted(keep):
-            raise AssertionError(f"{what}, row {row}: expected to keep token ids {sorted(keep)} and set the rest to "
-                                 f"-inf, kept {kept}. Look at {where}.")
+    return [[i for i, x in enumerate(row) if x != NEG_INF] for row in result.tolist()]
+
+
+def judge_kept(result, logits, expected, what, where) -> None:
+    """`result` keeps exactly expected["keep"][row] of each row, values unchanged; every other entry is -inf.
+    A wrong set that is exactly what one of expected["mistakes"] keeps is reported as that mistake."""
+    kept = kept_ids(result, logits, what, where)
+    if kept != expected["keep"]:
+        named = [m for m, answer in expected.get("mistakes", {}).items() if answer == kept]
+        row = next(r for r, (got, want) in enumerate(zip(kept, expected["keep"])) if got != want)
+        raise AssertionError(f"{what}, row {row}: expected to keep token ids {expected['keep'][row]} and set the rest "
+                             f"to -inf, kept {kept[row]}." + (f" This looks like a known mistake: {named[0]}."
+                                                             if named else "") + f" Look at {where}.")
+    for row, keep in enumerate(kept):
         changed = [i for i in keep if result[row, i].item() != logits[row, i].item()]
-        if changed:
-            raise AssertionError(f"{what}, row {row}: kept tokens must keep their logits; token {changed[0]} had "
-                                 f"{logits[row, changed[0]].item():g}, came back {result[row, changed[0]].item():g}. "
-                                 f"Look at {where}.")
+        if not changed:
+            continue
+        probs = expected.get("probabilities")
+        as_probs = probs is not None and all(math.isclose(result[row, i].item(), probs[row][i], rel_tol=1e-4,
+                                                          abs_tol=1e-6) for i in keep)
+        raise AssertionError(f"{what}, row {row}: kept tokens must keep their logits; token {changed[0]} had "
+                             f"{logits[row, changed[0]].item():g}, came back {result[row, changed[0]].item():g}"
+                             + (" (its probability: return the logits, not probabilities)" if as_probs else "")
+                             + f". Look at {where}.")
 
 
-def k_largest(row, k):
-    return sorted(range(len(row)), key=lambda i: row[i], reverse=True)[:k]
+def probabilities(*rows):
+    """Logits whose softmax is exactly each row of the given probabilities (each row sums to 1)."""
+    return torch.tensor(rows).log()
 
 
 class TopK(Check):
@@ -66,28 +83,29 @@ class TopK(Check):
 
         return {"k between 1 and the vocabulary": middle, "k = 1": one, "rows on different scales": offsets}
 
+    def edges(self):
+        # Vocabularies other than 2k - 1, so that keeping the V - k + 1 largest (an ascending sort) differs.
+        return {
+            "k = vocab - 1 drops only the smallest": {"logits": distinct_logits(3, 12, seed=5), "k": 11},
+            "a single row": {"logits": distinct_logits(1, 9, seed=6), "k": 3},
+            "rows far apart: each needs its own threshold": {
+                "logits": distinct_logits(3, 10, seed=8) + torch.tensor([[0.0], [100.0], [-100.0]]), "k": 3},
+            "every logit negative, k = 1 on four rows": {"logits": distinct_logits(4, 6, seed=9) - 1000.0, "k": 1},
+        }
+
     def run(self, inputs):
         from minillm.sampling import apply_top_k
         return apply_top_k(inputs["logits"].clone(), inputs["k"])
 
-    def verify(self, inputs, output):
+    def expect(self, inputs):
+        from key_sampling import top_k_key
+        return top_k_key(inputs["logits"], inputs["k"])
+
+    def judge(self, inputs, output, expected):
         logits, k = inputs["logits"], inputs["k"]
-        check_kept(output, logits, [k_largest(r, k) for r in logits.tolist()],
+        judge_kept(output, logits, expected,
                    f"apply_top_k(logits of shape {tuple(logits.shape)}, k={k}) (each row keeps its own k largest)",
                    self.where)
-
-
-def nucleus(row, p):
-    """Token ids of the smallest set of most likely tokens whose probability reaches p, one token at a time."""
-    z = sum(math.exp(x - max(row)) for x in row)
-    probs = [math.exp(x - max(row)) / z for x in row]
-    keep, mass = [], 0.0
-    for i in sorted(range(len(row)), key=lambda i: probs[i], reverse=True):
-        if mass >= p:
-            break
-        keep.append(i)
-        mass += probs[i]
-    return keep
 
 
 def p_away_from_every_running_sum(d, logits, margin=1e-3):
@@ -112,7 +130,7 @@ class TopP(Check):
 
     def visible(self):
         # Probabilities 0.30, 0.05, 0.50, 0.15 at token ids 0..3: the sorted order is 2, 0, 3, 1.
-        four = torch.tensor([[0.30, 0.05, 0.50, 0.15]]).log()
+        four = probabilities([0.30, 0.05, 0.50, 0.15])
         cases = {f"p={p} over probabilities [0.30, 0.05, 0.50, 0.15]": {"logits": four, "p": p}
                  for p in (0.45, 0.79, 0.81, 0.99)}
         # Nearly flat: the top token has ~1/16 of the mass, and a tiny p still keeps it.
@@ -138,15 +156,34 @@ class TopP(Check):
 
         return {"p between 0.05 and 0.95": rows, "a tiny p": tiny, "a per-row tensor p": per_row}
 
+    def edges(self):
+        # Probabilities with no running sum near the p asked of them; the most likely tokens sit at high ids, so
+        # that a mask left in sorted order keeps other ids.
+        shuffled = probabilities([0.04, 0.06, 0.10, 0.35, 0.25, 0.20],   # running sums .35 .60 .80 .90 .96 1
+                                 [0.02, 0.03, 0.15, 0.05, 0.45, 0.30],   # .45 .75 .90 .95 .98 1
+                                 [0.01, 0.02, 0.07, 0.10, 0.30, 0.50])   # .50 .80 .90 .97 .99 1
+        return {
+            "a per-row tensor p, a different p for each row": {"logits": shuffled,
+                                                               "p": torch.tensor([[0.7], [0.5], [0.2]])},
+            "the token that makes the mass cross p is kept": {"logits": shuffled, "p": 0.62},
+            "the most likely token alone reaches p": {"logits": probabilities([0.1, 0.2, 0.7]), "p": 0.6},
+            "a single row whose nucleus is all but its least likely token": {
+                "logits": probabilities([0.05, 0.3, 0.15, 0.26, 0.24]), "p": 0.9},
+        }
+
     def run(self, inputs):
         from minillm.sampling import apply_top_p
         return apply_top_p(inputs["logits"].clone(), inputs["p"])
 
-    def verify(self, inputs, output):
+    def expect(self, inputs):
+        from key_sampling import top_p_key
+        return top_p_key(inputs["logits"], inputs["p"])
+
+    def judge(self, inputs, output, expected):
         logits, p = inputs["logits"], inputs["p"]
-        per_row = p.flatten().tolist() if isinstance(p, torch.Tensor) else [p] * len(logits)
-        shown = f"p={p:.6g}" if not isinstance(p, torch.Tensor) else f"a per-row p of {[round(x, 4) for x in per_row]}"
-        check_kept(output, logits, [nucleus(r, q) for r, q in zip(logits.tolist(), per_row)],
+        per_row = p.flatten().tolist() if isinstance(p, torch.Tensor) else None
+        shown = f"p={p:.6g}" if per_row is None else f"a per-row p of {[round(x, 4) for x in per_row]}"
+        judge_kept(output, logits, expected,
                    f"apply_top_p(logits of shape {tuple(logits.shape)}, {shown}) (each row keeps its most likely "
                    f"tokens until their probability reaches its p)", self.where)
 

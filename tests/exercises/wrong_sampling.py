@@ -7,6 +7,28 @@ Each entry is the region's code, unindented.
 """
 
 WRONG = {
+    "sampling-top-k": {
+        "one threshold for the whole batch": """
+kth = torch.topk(logits, k, dim=-1).values[..., -1:].min()
+return logits.masked_fill(logits < kth, float("-inf"))
+""",
+        "keeps k - 1: the k-th largest logit itself is dropped": """
+kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+return logits.masked_fill(logits <= kth, float("-inf"))
+""",
+        "keeps k + 1: the threshold is one place too far": """
+kth = torch.topk(logits, k + 1, dim=-1).values[..., -1:]
+return logits.masked_fill(logits < kth, float("-inf"))
+""",
+        "sorts ascending, so the threshold is the k-th smallest logit": """
+kth = torch.sort(logits, dim=-1).values[..., k - 1:k]
+return logits.masked_fill(logits < kth, float("-inf"))
+""",
+        "returns probabilities instead of logits": """
+kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+return logits.softmax(dim=-1).masked_fill(logits < kth, float("-inf"))
+""",
+    },
     "sampling-top-p": {
         "drops the token whose probability makes the mass cross p": """
 sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
