@@ -67,7 +67,7 @@ Adding an exercise
     tokens of the solution (names and spacing aside) anywhere in a copy.
  2. Write its Check in tests/exercises/test_ex_<concept>.py (see
     exercise_checks.py): deterministic visible cases, held-out situations and
-    fixed edges(), `run` (calls only the function holding the region, and uses
+    edges() (fixed situations, values drawn), `run` (calls only the function holding the region, and uses
     no oracle: it is sent to the child), `expect` (imports its oracle from
     tests/exercises/key_<concept>.py inside the method and returns plain data:
     the answer, and the answers of mistakes worth naming) and `judge` (compares

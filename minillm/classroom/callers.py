@@ -42,6 +42,22 @@ def _names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
+def imports_of(parsed) -> list[ast.AST]:
+    return [node for _, _, imports, _ in parsed for node in imports]
+
+
+def _keyed_imports(nodes: list[ast.AST]) -> set[str]:
+    """The key_ and wrong_ modules (the answer keys, the catalogue of mistakes) that these definitions import."""
+    found = set()
+    for node in nodes:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Import):
+                found.update(alias.name for alias in n.names)
+            elif isinstance(n, ast.ImportFrom):
+                found.add(n.module or "")
+    return {name for name in found if name.startswith(("key_", "wrong_"))}
+
+
 def caller_source(check) -> str:
     """`check.run` as a module of its own: `CALLER.run(inputs)` calls the student's function and returns data.
 
@@ -65,6 +81,8 @@ def caller_source(check) -> str:
                 wanted.add(name)
                 todo += list(_names(defs[name][1]))
     oracles = sorted(n for n in wanted if any(w in n.lower() for w in ORACLE_WORDS))
+    used = [method, *imports_of(parsed), *(defs[name][1] for _, defs, _, _ in parsed for name in wanted if name in defs)]
+    oracles += sorted(_keyed_imports(used))
     if oracles:
         raise ExerciseError(f"{test_file.name}: {cls.__name__}.run uses {', '.join(oracles)}; the child that runs "
                             f"the student's code must hold no oracle: record what the code hands on instead")

@@ -15,8 +15,8 @@ and three kinds of case:
     visible()               fixed, named cases: the tests a student reads and runs with pytest
     situations()            named generators of held-out cases; the grader draws `draws` of each at grade
                             time from a seed it chooses, so no table of answers can pass them
-    edges()                 fixed, named held-out cases, graded on every seed: the edge situations where a
-                            plausible mistake shows
+    edges()                 named held-out situations graded once on every seed: the edges where a plausible
+                            mistake shows, fixed in their shape, with their values drawn from the seed
 
 `verify(inputs, output)` is `judge` against `expect`: the grader's verdict. The
 key_*.py files never leave the instructor, so a student copy holds no oracle:
@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 import random
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -202,56 +200,3 @@ def call_recording_errors(function, *args):
         raise
     except Exception as e:
         return {"raised": type(e).__name__, "runtime_error": isinstance(e, RuntimeError), "message": str(e)[:500]}
-
-
-# ---------------------------------------------------------------- oracles written one position at a time
-
-def softmax_weights(scores: list[float]) -> list[float]:
-    """softmax of a short list of Python floats, written out: the tests' oracle never calls the code under test."""
-    top = max(scores)
-    exps = [math.exp(s - top) for s in scores]
-    total = sum(exps)
-    return [e / total for e in exps]
-
-
-def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: bool = True) -> torch.Tensor:
-    """One query (D,) over L keys and values (L, D): Σ_s softmax_s(q·k_s/√D) · v_s, one key at a time."""
-    D = q.shape[-1]
-    scores = [float((q.double() * keys[s].double()).sum()) / (math.sqrt(D) if scale else 1.0)
-              for s in range(keys.shape[0])]
-    out = torch.zeros(D, dtype=torch.float64)
-    for s, w in enumerate(softmax_weights(scores)):
-        out += w * values[s].double()
-    return out
-
-
-def attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     causal: bool = True, scale: bool = True) -> torch.Tensor:
-    """model.causal_attention's contract, one query at a time: the queries are the last T of the L keys, unless
-    `mask` (True = may look) says which keys each sees. Tests of other exercises put it in place of
-    causal_attention, so that they pass or fail on their own region alone. `causal=False` and `scale=False`
-    give the answers of two classic mistakes, so that a message can name them."""
-    B, H, T, _ = q.shape
-    L = k.shape[-2]
-    if mask is not None:
-        allowed = mask.expand(B, H, T, L)
-    else:
-        allowed = torch.tensor([[s <= L - T + t or not causal for s in range(L)] for t in range(T)]).expand(B, H, T, L)
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            for t in range(T):
-                seen = allowed[b, h, t].nonzero().flatten()
-                out[b, h, t] = attend_one_query(q[b, h, t], k[b, h, seen], v[b, h, seen], scale)
-    return out.to(q.dtype)
-
-
-@contextmanager
-def patched(module, name: str, value):
-    """Set module.name to value for the duration, then put the original back."""
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)

@@ -85,12 +85,15 @@ class TopK(Check):
 
     def edges(self):
         # Vocabularies other than 2k - 1, so that keeping the V - k + 1 largest (an ascending sort) differs.
+        def logits(d, rows, vocab):
+            return distinct_logits(rows, vocab, seed=d.int(0, 10**9))
+
         return {
-            "k = vocab - 1 drops only the smallest": {"logits": distinct_logits(3, 12, seed=5), "k": 11},
-            "a single row": {"logits": distinct_logits(1, 9, seed=6), "k": 3},
-            "rows far apart: each needs its own threshold": {
-                "logits": distinct_logits(3, 10, seed=8) + torch.tensor([[0.0], [100.0], [-100.0]]), "k": 3},
-            "every logit negative, k = 1 on four rows": {"logits": distinct_logits(4, 6, seed=9) - 1000.0, "k": 1},
+            "k = vocab - 1 drops only the smallest": lambda d: {"logits": logits(d, 3, 12), "k": 11},
+            "a single row": lambda d: {"logits": logits(d, 1, 9), "k": 3},
+            "rows far apart: each needs its own threshold": lambda d: {
+                "logits": logits(d, 3, 10) + torch.tensor([[0.0], [100.0], [-100.0]]), "k": 3},
+            "every logit negative, k = 1 on four rows": lambda d: {"logits": logits(d, 4, 6) - 1000.0, "k": 1},
         }
 
     def run(self, inputs):
@@ -157,18 +160,25 @@ class TopP(Check):
         return {"p between 0.05 and 0.95": rows, "a tiny p": tiny, "a per-row tensor p": per_row}
 
     def edges(self):
-        # Probabilities with no running sum near the p asked of them; the most likely tokens sit at high ids, so
-        # that a mask left in sorted order keeps other ids.
-        shuffled = probabilities([0.04, 0.06, 0.10, 0.35, 0.25, 0.20],   # running sums .35 .60 .80 .90 .96 1
-                                 [0.02, 0.03, 0.15, 0.05, 0.45, 0.30],   # .45 .75 .90 .95 .98 1
-                                 [0.01, 0.02, 0.07, 0.10, 0.30, 0.50])   # .50 .80 .90 .97 .99 1
+        # Probabilities with no running sum near the p asked of them. The draw moves each row's tokens to other
+        # ids (the most likely ones mostly away from the front, so that a mask left in sorted order keeps other
+        # ids) and shifts its logits by a constant, which leaves its softmax, and so its nucleus, as it was.
+        shuffled = ([0.04, 0.06, 0.10, 0.35, 0.25, 0.20],   # running sums .35 .60 .80 .90 .96 1
+                    [0.02, 0.03, 0.15, 0.05, 0.45, 0.30],   # .45 .75 .90 .95 .98 1
+                    [0.01, 0.02, 0.07, 0.10, 0.30, 0.50])   # .50 .80 .90 .97 .99 1
+
+        def moved(d, *rows):
+            logits = probabilities(*rows)
+            order = torch.stack([d.randperm(logits.shape[1]) for _ in rows])
+            return logits.gather(1, order) + torch.tensor([[d.random.uniform(-5, 5)] for _ in rows])
+
         return {
-            "a per-row tensor p, a different p for each row": {"logits": shuffled,
-                                                               "p": torch.tensor([[0.7], [0.5], [0.2]])},
-            "the token that makes the mass cross p is kept": {"logits": shuffled, "p": 0.62},
-            "the most likely token alone reaches p": {"logits": probabilities([0.1, 0.2, 0.7]), "p": 0.6},
-            "a single row whose nucleus is all but its least likely token": {
-                "logits": probabilities([0.05, 0.3, 0.15, 0.26, 0.24]), "p": 0.9},
+            "a per-row tensor p, a different p for each row": lambda d: {
+                "logits": moved(d, *shuffled), "p": torch.tensor([[0.7], [0.5], [0.2]])},
+            "the token that makes the mass cross p is kept": lambda d: {"logits": moved(d, *shuffled), "p": 0.62},
+            "the most likely token alone reaches p": lambda d: {"logits": moved(d, [0.1, 0.2, 0.7]), "p": 0.6},
+            "a single row whose nucleus is all but its least likely token": lambda d: {
+                "logits": moved(d, [0.05, 0.3, 0.15, 0.26, 0.24]), "p": 0.9},
         }
 
     def run(self, inputs):
