@@ -654,7 +654,7 @@ def test_a_caller_that_reaches_an_oracle_is_refused(tmp_path, monkeypatch):
     shutil.copy(ROOT / judging.EXERCISE_TESTS / "exercise_checks.py", folder)
     (folder / "test_ex_bad.py").write_text(
         "from exercise_checks import Check\n\n"
-        "def attention_oracle(q, k, v):\n    return (q @ k.transpose(-2, -1)).softmax(-1) @ v\n\n"
+        "def attention_oracle(q, k, v):\n    return q.double()\n\n"
         "class Bad(Check):\n    exercise = 'bad'\n\n    def run(self, inputs):\n"
         "        return attention_oracle(inputs['q'], inputs['k'], inputs['v'])\n\nBAD = Bad()\n")
     monkeypatch.setattr(sys, "path", list(sys.path))

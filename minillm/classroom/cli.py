@@ -67,7 +67,7 @@ def cmd_check(args) -> int:
         print("\nWhat the code printed (the end):\n" + score.printed.strip()[-1500:])
     if student:
         print("\nThe held-out checks run at grading, in your instructor's copy, and they give the points: the same "
-              "situations with inputs drawn afresh, and a few fixed edge cases.")
+              "situations and a few edge situations, with inputs drawn afresh.")
     if all(r.passed for r in score.results):
         if student:
             print(f"all {len(score.results)} visible cases of exercise {ex.id} pass.")
