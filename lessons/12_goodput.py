@@ -55,6 +55,7 @@ much lower is unchunked throughput?
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -66,7 +67,7 @@ import time
 from pathlib import Path
 
 from common import REPO_ROOT, make_parser, ms, plt, print_table, run, save_plot, start, write_results
-from measure import Check, judge, print_verdict
+from measure import Check, interleave, judge, print_verdict, settled
 
 import numpy as np
 
@@ -88,7 +89,7 @@ QUICK_CPU_MODEL = "mini"     # --quick on a CPU serves this shape, whatever --mo
 def sizes(n_ctx: int, quick: bool) -> dict:
     long = min(3 * n_ctx // 4, 512)
     if quick:
-        return {"requests": 12, "short": 16, "long": long, "output": 16, "shares": [0.2, 0.4, 0.7], "sweeps": 2}
+        return {"requests": 12, "short": 16, "long": long, "output": 16, "shares": [0.2, 0.4, 0.7], "sweeps": 3}
     return {"requests": 40, "short": 32, "long": long, "output": 32,
             "shares": [0.15, 0.22, 0.33, 0.5, 0.75], "sweeps": 3}
 
@@ -215,24 +216,54 @@ def main(argv=None) -> dict:
         print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s (shares {s['shares']} of that "
               f"capacity); chunked budget {budget} tokens; {s['requests']} requests per point, "
               f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\n")
-        points = {m: [[None] * len(rates) for _ in range(s["sweeps"])] for m in modes}
         kept = {}  # the client's results at the middle rate, last sweep: ITL CDF and HTTP cost
-        for sweep in range(s["sweeps"]):
+        sweep_number = itertools.count()
+
+        def sweep() -> dict:
+            """Both servers at every rate, in turns (the order reversed at every other point): {mode: summaries}."""
+            w, swept = next(sweep_number), {m: [] for m in modes}
             for i, rate in enumerate(rates):
                 trace = [BenchRequest(p, o, t) for (p, o), t in zip(pairs, arrivals(len(pairs), rate))]
-                for mode in (modes if (sweep + i) % 2 == 0 else list(modes)[::-1]):
+                for mode in (modes if (w + i) % 2 == 0 else list(modes)[::-1]):
                     results, duration = asyncio.run(benchmark(servers[mode][1], trace, show_progress=False))
-                    points[mode][sweep][i] = summarize(results, duration, targets)
+                    swept[mode].append(summarize(results, duration, targets))
                     if i == len(rates) // 2:
                         kept[mode] = results
-                print(f"  sweep {sweep + 1}/{s['sweeps']}, {rate:g}/s: goodput " + ", ".join(
-                    f"{m} {points[m][sweep][i]['goodput_share']:.0%}" for m in modes), flush=True)
+                print(f"  sweep {w + 1}, {rate:g}/s: goodput " + ", ".join(
+                    f"{m} {swept[m][i]['goodput_share']:.0%}" for m in modes), flush=True)
+            return swept
+
+        # Why chunking may not lift the sustained rate here: the stall it removes is one step that carries a whole
+        # long prefill beside the decodes; when that step is not far over the ITL target, there is little to remove.
+        stall = cost["prefill_long"] + cost["decode"]
+
+        def make_checks(rounds) -> list[Check]:
+            sweeps = rounds.results("sweep")
+            best = {m: [highest_sustained(w[m], rates) for w in sweeps] for m in modes}
+            same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
+            why = (f"an unchunked step carrying one {s['long']}-token prefill costs about {ms(stall)} (prefill "
+                   f"{ms(cost['prefill_long'])} + a decode step {ms(cost['decode'])}), {stall / targets['itl']:.2f}× "
+                   f"the ITL target {ms(targets['itl'])}, so the stall chunking removes is small; both modes "
+                   f"sustained the same rate of the {len(rates)}-rate grid in {same} of {len(sweeps)} sweeps")
+            return [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked",
+                          [c / u for c, u in zip(best["chunked"], best["unchunked"])], RATE_GAIN_LINE, ">=",
+                          fmt="{:.2f}", why=why),
+                    Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked",
+                          [w["chunked"][-1]["output_throughput"] / w["unchunked"][-1]["output_throughput"]
+                           for w in sweeps], THROUGHPUT_LINE, ">=", fmt="{:.2f}",
+                          why=f"chunks of {budget} tokens split each {s['long']}-token prefill into "
+                              f"{-(-s['long'] // budget)} steps, and each step reads every weight once more")]
+
+        # Sweeps are rounds: while a check straddles its line, more sweeps run, up to a cap the verdict prints.
+        rounds = interleave({"sweep": sweep}, s["sweeps"], warmup=0, until=settled(make_checks))
     finally:
         for proc, _ in servers.values():
             stop(proc)
     cost_http = {m: http_cost(kept[m], read_records(logs / f"{m}.jsonl")) for m in modes}
 
-    med = lambda m, i, key: statistics.median(points[m][w][i][key] for w in range(s["sweeps"]))  # noqa: E731
+    sweeps = rounds.results("sweep")
+    points = {m: [w[m] for w in sweeps] for m in modes}
+    med = lambda m, i, key: statistics.median(p[i][key] for p in points[m])  # noqa: E731
     print()
     print_table(["rate/s", *[f"{m} {c}" for m in modes for c in ("goodput", "tok/s", "ITL p99", "TTFT p99")]],
                 [[f"{r:g}", *[x for m in modes for x in (f"{med(m, i, 'goodput_share'):.0%}",
@@ -240,26 +271,13 @@ def main(argv=None) -> dict:
                                                           ms(med(m, i, 'p99_itl_ms') / 1e3),
                                                           ms(med(m, i, 'p99_ttft_ms') / 1e3))]]
                  for i, r in enumerate(rates)],
-                f"medians over {s['sweeps']} sweeps; goodput = share of requests meeting both targets:")
-    best = {m: [highest_sustained(points[m][w], rates) for w in range(s["sweeps"])] for m in modes}
-    gain = [c / u for c, u in zip(best["chunked"], best["unchunked"])]
-    top = [points["chunked"][w][-1]["output_throughput"] / points["unchunked"][w][-1]["output_throughput"]
-           for w in range(s["sweeps"])]
-    # Why chunking may not lift the sustained rate here: the stall it removes is one step that carries a whole
-    # long prefill beside the decodes; when that step is not far over the ITL target, there is little to remove.
-    stall = cost["prefill_long"] + cost["decode"]
+                f"medians over {rounds.describe()}, a round being one sweep; goodput = share of requests meeting "
+                f"both targets:")
+    best = {m: [highest_sustained(p, rates) for p in points[m]] for m in modes}
     same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
-    why = (f"an unchunked step carrying one {s['long']}-token prefill costs about {ms(stall)} (prefill "
-           f"{ms(cost['prefill_long'])} + a decode step {ms(cost['decode'])}), {stall / targets['itl']:.2f}× the ITL "
-           f"target {ms(targets['itl'])}, so the stall chunking removes is small; both modes sustained the same rate "
-           f"of the {len(rates)}-rate grid in {same} of {s['sweeps']} sweeps")
-    checks = [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked", gain, RATE_GAIN_LINE,
-                    ">=", fmt="{:.2f}", why=why),
-              Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked", top, THROUGHPUT_LINE, ">=",
-                    fmt="{:.2f}", why=f"chunks of {budget} tokens split each {s['long']}-token prefill into "
-                                      f"{-(-s['long'] // budget)} steps, and each step reads every weight once more")]
+    checks = make_checks(rounds)
     verdict = judge("chunked prefill raises the request rate that meets both the TTFT and the ITL target, "
-                    "while throughput barely moves", checks, lesson.load())
+                    "while throughput barely moves", checks, lesson.load(), [rounds])
     verdict.notes.append("highest sustained rate per sweep: " + "; ".join(
         f"{m} {', '.join(f'{b:g}' for b in best[m])}/s" for m in modes) + " (half the lowest rate: none was)")
     for m, h in cost_http.items():
@@ -284,7 +302,7 @@ def main(argv=None) -> dict:
             ylim=(0, 105))
     twin.set_ylabel("output tokens/s (median of sweeps)")
     ax1.legend(handles=ax1.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=7,
-               loc="lower left")
+               loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)  # below the axes, off the data
     ax2.axvline(targets["itl"] * 1e3, color="grey", ls=":", label=f"ITL target {ms(targets['itl'])}")
     ax2.set(xscale="log", xlabel="inter-token gap seen by the client (ms)", ylabel="share of gaps ≤ x",
             title=f"ITL CDF at {rates[len(rates) // 2]:g} requests/s (last sweep)")
