@@ -40,7 +40,11 @@ gpt2 there takes minutes, and the claim is about scheduling, not weights.
 
 The verdict: chunked's highest rate ÷ unchunked's, one value per sweep, is at
 least 1.3 (a step of the rate grid), and chunked output throughput at the top
-rate is at least 90% of unchunked's.
+rate is at least 90% of unchunked's. Sweeps are rounds: while a check
+straddles its line, more are run, up to a printed cap. The client and the
+server it times each need a core: when other programs leave fewer free over
+the lesson, both checks are INCONCLUSIVE, whatever their intervals, since the
+OS's time slices are as long as the ITL target.
 
 Also measured: what HTTP adds. Each server logs the engine's own record of
 every request (`--request-log`); the client's TTFT minus the engine's (the
@@ -179,6 +183,27 @@ def http_cost(results, records: dict) -> dict:
             "client_itl_p99_s": q(client_itl, 99), "engine_itl_p99_s": q(engine_itl, 99)}
 
 
+NEEDED_CORES = 2  # the client and the server it is timing run at once, and each needs a core of its own
+
+
+def free_cores(load) -> float | None:
+    """Cores' worth of CPU that other programs left free over the lesson (None: unknown on this system)."""
+    return None if load.share is None else load.cores * (1 - load.share)
+
+
+def starved(load, itl_target_s: float) -> str:
+    """Why the sweep cannot decide the claim, or "": when other programs leave fewer free cores than the client
+    and the server need, the OS shares a core between them in time slices of milliseconds, as long as the ITL
+    target, and goodput then measures the OS's scheduler rather than the engine's."""
+    free = free_cores(load)
+    if free is None or free >= NEEDED_CORES - 0.5:
+        return ""
+    return (f"other programs left {free:.1f} of the {load.cores} cores free while this lesson measured, and the "
+            f"client and the server need {NEEDED_CORES}: the OS's time slices (milliseconds) then stall tokens as "
+            f"long as the ITL target {ms(itl_target_s)}, so the sweep times the OS's scheduler, not the engine's; "
+            f"rerun on a quieter machine")
+
+
 def highest_sustained(points: list[dict], rates: list[float]) -> float:
     """The highest rate whose goodput share is ≥ GOOD_SHARE; half the lowest rate when none is."""
     good = [r for r, p in zip(rates, points) if p["goodput_share"] >= GOOD_SHARE]
@@ -238,7 +263,7 @@ def main(argv=None) -> dict:
         stall = cost["prefill_long"] + cost["decode"]
 
         def make_checks(rounds) -> list[Check]:
-            sweeps = rounds.results("sweep")
+            sweeps, undecided = rounds.results("sweep"), starved(lesson.load(), targets["itl"])
             best = {m: [highest_sustained(w[m], rates) for w in sweeps] for m in modes}
             same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
             why = (f"an unchunked step carrying one {s['long']}-token prefill costs about {ms(stall)} (prefill "
@@ -247,12 +272,13 @@ def main(argv=None) -> dict:
                    f"sustained the same rate of the {len(rates)}-rate grid in {same} of {len(sweeps)} sweeps")
             return [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked",
                           [c / u for c, u in zip(best["chunked"], best["unchunked"])], RATE_GAIN_LINE, ">=",
-                          fmt="{:.2f}", why=why),
+                          fmt="{:.2f}", why=why, undecided=undecided),
                     Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked",
                           [w["chunked"][-1]["output_throughput"] / w["unchunked"][-1]["output_throughput"]
                            for w in sweeps], THROUGHPUT_LINE, ">=", fmt="{:.2f}",
                           why=f"chunks of {budget} tokens split each {s['long']}-token prefill into "
-                              f"{-(-s['long'] // budget)} steps, and each step reads every weight once more")]
+                              f"{-(-s['long'] // budget)} steps, and each step reads every weight once more",
+                          undecided=undecided)]
 
         # Sweeps are rounds: while a check straddles its line, more sweeps run, up to a cap the verdict prints.
         rounds = interleave({"sweep": sweep}, s["sweeps"], warmup=0, until=settled(make_checks))
@@ -312,7 +338,8 @@ def main(argv=None) -> dict:
     figures = {"step_costs_s": cost, "k_itl": K_ITL, "m_ttft": M_TTFT, "targets_s": targets, "rates": rates,
                "capacity_estimate": capacity, "chunked_budget": budget, "sizes": s, "unchunked_stall_s": stall,
                "stall_over_itl_target": stall / targets["itl"], "sweeps_same_sustained_rate": same,
-               "points": points, "highest_sustained": best, "http_cost": cost_http}
+               "points": points, "highest_sustained": best, "http_cost": cost_http,
+               "free_cores_while_measuring": free_cores(verdict.load), "cores_needed": NEEDED_CORES}
     write_results(lesson, figures, verdict)
     return {"verdict": verdict.as_dict(), "figures": figures}
 

@@ -260,7 +260,9 @@ class Check:
     timed: False for counts (tokens, bytes), which have no spread; fmt formats a value;
     why: what the run's own numbers say about a value on the wrong side of the line (printed when the
     check is NOT SUPPORTED; every lesson gives one for every check);
-    of_ceiling: the values are shares of a ceiling, so one above 1 is flagged (*), never shown as a share.
+    of_ceiling: the values are shares of a ceiling, so one above 1 is flagged (*), never shown as a share;
+    undecided: why this run cannot decide the check whatever its interval, computed by the lesson from its own
+    readings (lesson 12: fewer free cores than the processes it times need); the check is then INCONCLUSIVE.
     """
     name: str
     values: list[float]
@@ -270,6 +272,7 @@ class Check:
     fmt: str = "{:.3g}"
     why: str = ""
     of_ceiling: bool = False
+    undecided: str = ""
 
     def __post_init__(self):
         if self.holds_if not in (">=", "<="):
@@ -305,6 +308,8 @@ class Check:
 
     def outcome(self, share: float | None = None) -> str:
         """HOLDS, NOT SUPPORTED or INCONCLUSIVE from the interval (`share`, the load, is accepted and ignored)."""
+        if self.undecided:
+            return INCONCLUSIVE
         lo, hi = self.interval()
         if self._holds(lo) and self._holds(hi):
             return HOLDS
@@ -333,8 +338,9 @@ class Check:
 
 
 def settled(make_checks: Callable[[Rounds], list[Check]]) -> Callable[[Rounds], bool]:
-    """An `until` for `interleave`: true once every check built from the rounds so far is decided."""
-    return lambda rounds: all(c.outcome() != INCONCLUSIVE for c in make_checks(rounds))
+    """An `until` for `interleave`: true once every check built from the rounds so far is decided, or cannot be
+    by any number of rounds (`Check.undecided`)."""
+    return lambda rounds: all(c.outcome() != INCONCLUSIVE or c.undecided for c in make_checks(rounds))
 
 
 @dataclass
@@ -358,7 +364,9 @@ class Verdict:
     def lines(self) -> list[str]:
         lines = [c.describe() for c in self.checks] + self.explanations() + self.notes
         for c in self.checks:
-            if c.outcome() == INCONCLUSIVE:
+            if c.outcome() == INCONCLUSIVE and c.undecided:
+                lines.append(f"INCONCLUSIVE on “{c.name}”: {c.undecided}")
+            elif c.outcome() == INCONCLUSIVE:
                 mine = [r for r in self.rounds if r.count == len(c.values)]  # the rounds this check came from
                 ran = mine[0].describe() if mine else f"{len(c.values)} rounds"
                 lo, hi = c.interval()
@@ -375,7 +383,8 @@ class Verdict:
                             "cap_s": r.cap_s} for r in self.rounds],
                 "checks": [{"name": c.name, "values": c.values, "median": c.median, "line": c.line,
                             "holds_if": c.holds_if, "timed": c.timed, "interval": list(c.interval()),
-                            "coverage": c.coverage, "outcome": c.outcome(), "why": c.why} for c in self.checks]}
+                            "coverage": c.coverage, "outcome": c.outcome(), "why": c.why, "undecided": c.undecided}
+                           for c in self.checks]}
 
 
 def judge(claim: str, checks: list[Check], load: MachineLoad, rounds: list[Rounds] | None = None) -> Verdict:

@@ -246,3 +246,22 @@ def test_a_stub_reached_through_another_error_is_still_named(capsys):
 def test_any_other_not_implemented_error_keeps_its_traceback():
     with pytest.raises(NotImplementedError, match="not a stub"):
         common.run(lambda: (_ for _ in ()).throw(NotImplementedError("not a stub")))
+
+
+def test_a_check_the_run_cannot_decide_is_inconclusive_and_says_why_and_stops_adding_rounds():
+    decided = Check("ratio", [2.0, 2.1, 2.2], 1.0, ">=")
+    starved = Check("ratio", [2.0, 2.1, 2.2], 1.0, ">=", undecided="two cores were needed and one was free")
+    assert decided.outcome() == HOLDS and starved.outcome() == INCONCLUSIVE
+    lines = judge("claim", [starved], MachineLoad(2, 1.0, None, None, 0.5)).lines()
+    assert "INCONCLUSIVE on “ratio”: two cores were needed and one was free" in lines
+    assert measure.settled(lambda rounds: [starved])(None), "no number of rounds decides it: adding them is waste"
+
+
+def test_lesson_12_is_undecided_when_the_client_and_the_server_cannot_have_a_core_each():
+    lesson = load_lesson("12_goodput")
+    quiet, busy = MachineLoad(2, 10.0, None, None, 0.03), MachineLoad(2, 10.0, None, None, 0.5)
+    assert lesson.starved(quiet, 0.004) == ""
+    reason = lesson.starved(busy, 0.004)
+    assert "left 1.0 of the 2 cores free" in reason and "ITL target 4 ms" in reason
+    assert lesson.starved(MachineLoad(8, 10.0, None, None, 0.5), 0.004) == "", "4 free cores of 8 are enough"
+    assert lesson.starved(MachineLoad(2, 10.0, None, None, None), 0.004) == "", "an unknown load decides nothing"
