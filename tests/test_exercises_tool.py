@@ -743,16 +743,16 @@ def test_a_copy_holds_the_visible_answers_as_data_and_no_key(tmp_path):
     assert not [f for f in held if "/key_" in f or "/wrong_" in f] and "tests/test_exercise_catalogue.py" not in held
     written = answers.read_answers(copy)
     checks = judging.load_checks(ROOT)
-    keyed = [ex for ex in find_exercises(ROOT) if answers.has_answer_key(checks[ex.id])]
+    keyed = find_exercises(ROOT)
+    assert all(answers.has_answer_key(checks[ex.id]) for ex in keyed), "every check is judged by expect and judge"
     tests = sorted(f for f in held if f.startswith("tests/"))
     assert {"sampling-top-k", "sampling-top-p"} <= {ex.id for ex in keyed}
     assert leaks.find_leaks(copy, keyed, tests) == [], "no test of a copy holds 8 tokens of a keyed solution"
     assert not [f for f in tests if re.search(r"def (nucleus|k_largest|top_[kp]_key)\b", (copy / f).read_text())]
     for ex_id, check in checks.items():   # every exercise judged by a key, stubbed or not: none is in the copy
-        if answers.has_answer_key(check):
-            assert sorted(written[ex_id]) == sorted(check.visible())
-            for case, inputs in check.visible().items():
-                assert json.dumps(wire.to_wire(written[ex_id][case])) == json.dumps(wire.to_wire(check.expect(inputs)))
+        assert sorted(written[ex_id]) == sorted(check.visible())
+        for case, inputs in check.visible().items():
+            assert json.dumps(wire.to_wire(written[ex_id][case])) == json.dumps(wire.to_wire(check.expect(inputs)))
     assert {"sampling-top-k", "sampling-top-p"} <= set(written)
     grading_copy = tmp_path / "grading"
     make_copy(grading_copy, only="sampling-top-k", keys=True)
@@ -1157,3 +1157,22 @@ def test_list_fits_100_columns(capsys):
     assert cli.main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) > 14 and max(len(line) for line in lines) <= cli.WIDTH, max(lines, key=len)
+
+
+def test_make_refuses_a_check_that_works_its_answers_out_in_verify():
+    """A check with a `verify` of its own and no `expect` would need its oracle in the copy: make names it."""
+    checks = judging.load_checks(ROOT)
+    Base = type(checks["sampling-top-k"]).__mro__[1]    # exercise_checks.Check, as the grader loaded it
+
+    class OwnVerify(Base):
+        exercise = "own-verify"
+
+        def visible(self):
+            return {"one": {"x": 1}}
+
+        def verify(self, inputs, output):
+            assert output == inputs["x"]
+
+    with pytest.raises(ExerciseError, match="exercise own-verify: OwnVerify needs `expect`"):
+        answers.answers_of({"own-verify": OwnVerify()})
+    assert answers.answers_of({"sampling-top-k": checks["sampling-top-k"]})["exercises"]["sampling-top-k"]

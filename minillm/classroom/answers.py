@@ -32,8 +32,9 @@ def _defined_below_base(check, name: str) -> bool:
 
 
 def has_answer_key(check) -> bool:
-    """A check judged by `expect` and `judge`, so that its visible answers can be written down as data. (A check
-    with a `verify` of its own works its answers out inside it, and has none to write.)"""
+    """Whether a check is judged by `expect` and `judge`, as every check must be, so that its visible answers can
+    be written down as data. (One with a `verify` of its own would work its answers out inside it: its oracle would
+    have to travel with the copy.)"""
     return _defined_below_base(check, "expect") and not _defined_below_base(check, "verify")
 
 
@@ -45,7 +46,9 @@ def answers_of(checks: dict) -> dict:
     exercises: dict[str, dict] = {}
     for ex_id, check in sorted(checks.items()):
         if not has_answer_key(check):
-            continue
+            raise ExerciseError(f"exercise {ex_id}: {type(check).__name__} needs `expect` (its answer key, from "
+                                f"tests/exercises/key_<concept>.py) and `judge`, and no `verify` of its own, so that "
+                                f"a copy can hold its visible answers as data (see exercise_checks.py)")
         exercises[ex_id] = {}
         for case, inputs in check.visible().items():
             try:

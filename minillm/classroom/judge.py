@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .answers import has_answer_key, literal_answer
+from .answers import literal_answer
 from .regions import ExerciseError, Exercise, STUB_MESSAGE
 from .runner import ChildRun
 from .wire import from_wire
@@ -47,7 +47,7 @@ def load_checks(root: Path) -> dict:
     return checks
 
 
-NO_ANSWER = object()   # a case judged by the check's `verify`, which works the answer out here
+NO_ANSWER = object()   # a case whose answer the grader works out here, with the check's key (`verify`)
 
 
 @dataclasses.dataclass
@@ -64,9 +64,7 @@ def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]
     if answers is None:
         return ([Case(name, inputs, False) for name, inputs in check.visible().items()]
                 + [Case(name, inputs, True) for name, inputs in check.held_out(seed).items()])
-    keyed = has_answer_key(check)
-    return [Case(name, inputs, False, literal_answer(answers, check, name) if keyed else NO_ANSWER)
-            for name, inputs in check.visible().items()]
+    return [Case(name, inputs, False, literal_answer(answers, check, name)) for name, inputs in check.visible().items()]
 
 
 def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
