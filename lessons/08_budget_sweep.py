@@ -21,8 +21,8 @@ time (a request joins at the first step boundary after its arrival; its TTFT
 counts from its arrival, queueing included). The arrival rate (8/s on a CPU)
 is several times what the CPU serves, so the queue stays full and tokens/s
 measures capacity; --quick sends its 6 requests (prompt median an eighth of
-the context) at once, a full queue from the start. The KV pool holds the whole trace, so no run preempts and
-the budget is the only variable.
+the context) at once, a full queue from the start. The KV pool holds the
+whole trace, so no run preempts and the budget is the only variable.
 
 `max_num_batched_tokens` ∈ {256, 512, 1024, 2048, 4096} with chunking (512 and
 4096 with --quick), and 2048 without it (vLLM's budget without chunking,
