@@ -65,8 +65,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT / "lessons")]
 
-from gpu_targets import check_targets, compiled_reference, judge  # noqa: E402
-from minillm.alarm import Alarm, time_limit  # noqa: E402
+from minillm.bench.gpu_targets import check_targets, compiled_reference, judge  # noqa: E402
+from minillm.bench.alarm import Alarm, time_limit  # noqa: E402
 from run_all import discover  # noqa: E402  (lessons/run_all.py: lessons by file name)
 
 BUDGET_S = 480
@@ -117,7 +117,7 @@ class ModelCache:
         self.build, self.models, self.builds = build, {}, 0
 
     def __call__(self, config, device="auto", dtype="auto", seed=0):
-        from minillm.weights import resolve_device, resolve_dtype
+        from minillm.checkpoints.load import resolve_device, resolve_dtype
         device = resolve_device(device)
         key = (repr(config), str(device), str(resolve_dtype(dtype, device)), seed)
         if key not in self.models:
@@ -130,7 +130,7 @@ def model_cache():
     """Route every random build (weights.load_model's, lessons/common.py's and lesson 09's, bench's) through
     one ModelCache for as long as the block runs."""
     import common  # lessons/common.py
-    from minillm import weights
+    from minillm.checkpoints import load as weights
     cache, saved = ModelCache(weights.random_model), (weights.random_model, common.random_model)
     weights.random_model = common.random_model = cache  # a lesson's own `from minillm.weights import` sees it too
     try:
@@ -202,8 +202,9 @@ def missing_packages(lesson: Path) -> tuple:
 def plan(device: str, models: list[str], lessons: list[Path], results: Path, scratch: Path) -> list[Stage]:
     """The stages in order of value (see the docstring for each one's estimate)."""
     import torch
-    from minillm import bench, metrics
-    from minillm.weights import load_model
+    from minillm import metrics
+    from minillm.bench import offline as bench
+    from minillm.checkpoints.load import load_model
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 matmuls are emulated on a CPU: slow
     dname = "bf16" if device == "cuda" else "fp32"
     big, small = models[0], models[-1]

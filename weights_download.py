@@ -78,7 +78,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from minillm.config import HF_CHECKPOINTS as CHECKPOINTS  # torch-free to read, but the package imports torch
-from minillm.weights import default_weights_dir
+from minillm.checkpoints.load import default_weights_dir
 
 REPOS = {name: f"openai-community/{name}" for name in CHECKPOINTS} | {"distilgpt2": "distilbert/distilgpt2"}
 FILES = ("config.json", "tokenizer.json", "model.safetensors")  # small ones first: a bad name fails fast

@@ -50,14 +50,14 @@ import statistics
 
 from common import (make_parser, ms, pct, plot_roofline, plt, predict, print_over_100_note, print_table, run, save_plot,
                     si, start, write_results)
-from measure import Check, interleave, judge, print_verdict, settled
+from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
 
 import torch
 
 from minillm.config import dtype_bytes
-from minillm.cost import decode_cost, prefill_cost
-from minillm.roofline import Ceilings, achieved, ceiling_kernels
-from minillm.timing import Stopwatch
+from minillm.bench.cost import decode_cost, prefill_cost
+from minillm.bench.roofline import Ceilings, achieved, ceiling_kernels
+from minillm.bench.timing import Stopwatch
 from minillm.model import causal_attention
 from minillm.sampling import SamplingParams, sample
 

@@ -40,14 +40,14 @@ from __future__ import annotations
 import statistics
 
 from common import make_parser, ms, plot_checks, plt, predict, print_table, run, save_plot, si, start, write_results
-from measure import Check, interleave, judge, print_verdict
+from minillm.bench.verdict import Check, interleave, judge, print_verdict
 
 import torch
 
 from minillm import kv_cache, naive_decode
-from minillm.cost import decode_cost, prefill_cost
-from minillm.steps import decode_step, prefill_step
-from minillm.timing import Stopwatch
+from minillm.bench.cost import decode_cost, prefill_cost
+from minillm.bench.steps import decode_step, prefill_step
+from minillm.bench.timing import Stopwatch
 from minillm.sampling import SamplingParams
 
 NAME = "02_kv_cache"

@@ -44,15 +44,15 @@ import gc
 import math
 
 from common import make_parser, plt, predict, print_table, run, save_plot, si, start, write_results
-from measure import Check, judge, print_verdict
+from minillm.bench.verdict import Check, judge, print_verdict
 
 import torch
 
 from minillm.config import HF_CHECKPOINTS, PRESETS, dtype_bytes
 from minillm.kv_cache import KVCache
-from minillm.cost import decode_cost
-from minillm.memory import memory_budget, resident_bytes
-from minillm.timing import synchronize
+from minillm.bench.cost import decode_cost
+from minillm.bench.memory import memory_budget, resident_bytes
+from minillm.bench.timing import synchronize
 
 NAME = "03_kv_memory"
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's knob: the share of device memory the engine may use

@@ -45,12 +45,12 @@ import torch
 
 from common import (make_parser, ms, plot_roofline, plt, predict, print_table, run, save_plot, si, start, ticks_at,
                     write_results)
-from measure import Check, interleave, judge, print_verdict
+from minillm.bench.verdict import Check, interleave, judge, print_verdict
 
-from minillm.cost import decode_cost
-from minillm.memory import memory_budget
-from minillm.roofline import achieved, ceiling_kernels
-from minillm.steps import decode_step
+from minillm.bench.cost import decode_cost
+from minillm.bench.memory import memory_budget
+from minillm.bench.roofline import achieved, ceiling_kernels
+from minillm.bench.steps import decode_step
 
 NAME = "04_memory_bound_decode"
 LINEAR_EFFICIENCY = 0.75       # "nearly free": tokens/s at B ≥ 0.75 · B · tokens/s at batch 1

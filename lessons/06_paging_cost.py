@@ -41,13 +41,13 @@ import statistics
 from types import SimpleNamespace
 
 from common import make_parser, ms, pct, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
-from measure import Check, interleave, judge, median_interval, print_verdict
+from minillm.bench.verdict import Check, interleave, judge, median_interval, print_verdict
 
 import torch
 
 from minillm.block_manager import BlockManager
 from minillm.kv_cache import KVCache, Segment
-from minillm.cost import decode_cost
+from minillm.bench.cost import decode_cost
 from minillm.paged_attention import PagedKVCache, gather_kv
 
 NAME = "06_paging_cost"

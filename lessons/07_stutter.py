@@ -46,8 +46,8 @@ import math
 import statistics
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, write_results
-from measure import Check, interleave, judge, print_verdict, settled
-from workloads import Request, greedy, percentile, pool_blocks, replay
+from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
+from minillm.bench.replay import Request, greedy, percentile, pool_blocks, replay
 
 import numpy as np
 

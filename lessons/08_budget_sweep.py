@@ -43,8 +43,8 @@ from __future__ import annotations
 import statistics
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, ticks_at, write_results
-from measure import Check, interleave, judge, print_verdict
-from workloads import describe_trace, lognormal_trace, pool_blocks, replay
+from minillm.bench.verdict import Check, interleave, judge, print_verdict
+from minillm.bench.replay import describe_trace, lognormal_trace, pool_blocks, replay
 
 from minillm.engine import LLMEngine
 from minillm.scheduler import SchedulerConfig

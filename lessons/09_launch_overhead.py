@@ -56,13 +56,13 @@ import statistics
 
 import torch
 from common import make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
-from measure import Check, interleave, judge, print_verdict
+from minillm.bench.verdict import Check, interleave, judge, print_verdict
 
 from minillm.config import PRESETS
-from minillm.cost import weight_read_floor
-from minillm.steps import count_ops, decode_step
-from minillm.timing import time_fn
-from minillm.weights import random_model
+from minillm.bench.cost import weight_read_floor
+from minillm.bench.steps import count_ops, decode_step
+from minillm.bench.timing import time_fn
+from minillm.checkpoints.load import random_model
 
 NAME = "09_launch_overhead"
 OVERHEAD_BOUND = 0.5  # overhead share ≥ this: the host's cost of the ops is at least half the step

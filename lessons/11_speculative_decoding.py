@@ -40,15 +40,15 @@ import numpy as np
 import torch
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
-from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 
-from minillm.cost import step_cost
+from minillm.bench.cost import step_cost
 from minillm.kv_cache import KVCache, Segment, generate
-from minillm.steps import decode_step
+from minillm.bench.steps import decode_step
 from minillm.model import GPT2, Conv1D
 from minillm.sampling import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
-from minillm.weights import load_model, locate
+from minillm.checkpoints.load import load_model, locate
 
 NAME = "11_speculative_decoding"
 CONTEXT = 256                      # cached tokens before the measured passes

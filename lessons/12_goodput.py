@@ -71,13 +71,13 @@ import time
 from pathlib import Path
 
 from common import REPO_ROOT, make_parser, ms, plt, print_table, run, save_plot, start, write_results
-from measure import Check, interleave, judge, print_verdict, settled
+from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
 
 import numpy as np
 
-from minillm.bench_serve import benchmark, summarize
-from minillm.serve_workloads import BenchRequest, arrivals, workload
-from minillm.weights import resolve_device
+from minillm.bench.serve import benchmark, summarize
+from minillm.bench.workloads import BenchRequest, arrivals, workload
+from minillm.checkpoints.load import resolve_device
 
 NAME = "12_goodput"
 K_ITL, M_TTFT = 4.0, 3.0     # ITL target = k · decode step; TTFT target = m · prefill of the long prompt

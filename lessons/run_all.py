@@ -49,7 +49,7 @@ def weights_note(model: str) -> None:
     """Say once, for all lessons, when the model runs on a random init; the lessons then stay quiet about it."""
     sys.path.insert(0, str(LESSONS_DIR.parent))
     from minillm.config import HF_CHECKPOINTS
-    from minillm.weights import locate
+    from minillm.checkpoints.load import locate
     try:
         folder, preset = locate(model)
     except ValueError:

@@ -2,6 +2,6 @@
 from .config import PRESETS, GPT2Config
 from .model import GPT2
 from .sampling import SamplingParams
-from .weights import load_model
+from .checkpoints.load import load_model
 
 __all__ = ["GPT2Config", "PRESETS", "GPT2", "SamplingParams", "load_model"]

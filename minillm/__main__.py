@@ -23,12 +23,12 @@ import argparse
 import sys
 import time
 
-from .cli_flags import add_model_arguments
+from .cli import add_model_arguments
 from .kv_cache import generate as cached_generate
 from .sampling import SamplingParams, check_prompt
-from .timing import synchronize
-from .tokenizer import load_tokenizer
-from .weights import load_model, resolve_device, resolve_dtype
+from .bench.timing import synchronize
+from .checkpoints.tokenizer import load_tokenizer
+from .checkpoints.load import load_model, resolve_device, resolve_dtype
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -92,7 +92,7 @@ def add_generate_command(subparsers) -> None:
 
 
 def add_bench_command(subparsers) -> None:
-    from . import bench
+    from .bench import offline as bench
     p = subparsers.add_parser("bench", help="prefill and decode speed against this device's measured ceilings",
                               description=bench.__doc__.splitlines()[0])
     bench.add_arguments(p)
@@ -101,7 +101,7 @@ def add_bench_command(subparsers) -> None:
 
 def add_serve_commands(subparsers) -> None:
     """`serve` and `bench-serve` (server.py, bench_serve.py); they need the [serve] extra only when run."""
-    from . import serve_cli
+    from .serving import cli as serve_cli
     serve_cli.add_commands(subparsers)
 
 

@@ -54,7 +54,7 @@ import torch
 from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
 from .cuda_graphs import DecodeRunner
-from .engine_rules import check_fits, check_request, one_thread
+from .request_checks import check_fits, check_request, one_thread
 from .kv_cache import Segment
 from .kv_pool import size_pool
 from .model import GPT2

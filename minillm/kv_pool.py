@@ -28,7 +28,7 @@ from .block_manager import BlockManager
 from .config import check_int, check_real
 from .cuda_graphs import DecodeRunner
 from .kv_cache import Segment
-from .memory import available_memory
+from .bench.memory import available_memory
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .sampling import SamplingParams, sample

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from minillm.alarm import time_limit
+from minillm.bench.alarm import time_limit
 
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends
 _STUBS = pytest.StashKey[list]()

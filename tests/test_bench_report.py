@@ -1,8 +1,9 @@
 """bench's report (issue 19 §8): the load and the thread choice first, and its aims against ceilings it measured."""
 import torch
 
-from minillm import PRESETS, bench
-from minillm.weights import random_model
+from minillm import PRESETS
+from minillm.bench import offline as bench
+from minillm.checkpoints.load import random_model
 
 
 def test_bench_reports_its_threads_load_and_aims_against_named_measured_ceilings(monkeypatch):

@@ -12,8 +12,8 @@ import torch
 from minillm import PRESETS, SamplingParams
 from minillm import __main__ as cli
 from minillm.naive_decode import generate as naive_generate
-from minillm.tokenizer import ByteTokenizer
-from minillm.weights import random_model, save_pretrained
+from minillm.checkpoints.tokenizer import ByteTokenizer
+from minillm.checkpoints.load import random_model, save_pretrained
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

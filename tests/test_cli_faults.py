@@ -13,7 +13,7 @@ import torch
 
 from minillm import PRESETS
 from minillm import __main__ as cli
-from minillm import bench
+from minillm.bench import offline as bench
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # and waits: the parent then delivers a real SIGINT in the middle of the command.
 CHILD = textwrap.dedent("""
     import sys, time
-    import minillm.__main__ as cli, minillm.bench as bench
+    import minillm.__main__ as cli
+    from minillm.bench import offline as bench
     module, name = sys.argv[1].split(":")
     def waits(*args, **kwargs):
         print("working", flush=True)

@@ -574,7 +574,8 @@ print("huggingface_hub" in sys.modules)
 @pytest.mark.parametrize("failure", ["404", "connection refused"])
 def test_after_a_failed_download_lesson_01_and_generate_run_with_one_warning(hub, tmp_path, monkeypatch, capsys,
                                                                            failure):
-    from minillm import PRESETS, weights
+    from minillm import PRESETS
+    from minillm.checkpoints import load as weights
     from minillm import __main__ as cli
     from lessons_support import load_lesson
 

@@ -19,9 +19,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lessons")]
 import gpu_check  # noqa: E402
-import gpu_targets  # noqa: E402
+from minillm.bench import gpu_targets  # noqa: E402
 
-from minillm import alarm  # noqa: E402
+from minillm.bench import alarm  # noqa: E402
 
 
 def test_the_plan_runs_the_most_valuable_stages_first_and_fits_the_budget(capsys):
@@ -168,7 +168,7 @@ def test_lessons_share_one_model_cache_and_their_json_is_kept_when_each_ends(tmp
         result = gpu_check.lesson_stage(lessons["09"], argv, tmp_path / "scratch", tmp_path / "kept")
         assert result["ok"], result["output_tail"]
         assert cache.builds == 4  # tiny was there; mini, and the twins of tiny and mini, are new
-    from minillm import weights
+    from minillm.checkpoints import load as weights
     assert weights.random_model is not cache  # put back
 
 
@@ -177,7 +177,7 @@ def test_the_targets_are_measured_and_judged():
     generate on the same weights (its logits match ours, nothing compiled), then the provisional verdicts."""
     pytest.importorskip("transformers")
     from minillm import metrics
-    from minillm.weights import load_model
+    from minillm.checkpoints.load import load_model
     result = gpu_targets.check_targets(torch, metrics, load_model, "tiny", device="cpu", dtype=torch.float32,
                                        short=2, long=40)  # enough tokens that load cannot flip the sign
     assert result["ok"] and result["graph_tokens_equal_eager"] and result["weight_read_floor_s"] > 0
@@ -197,7 +197,7 @@ def test_the_compiled_reference_compiles_before_it_is_timed():
     during its warm-up, none while it is timed, and its logits still match ours."""
     pytest.importorskip("transformers")
     from minillm import metrics
-    from minillm.weights import load_model
+    from minillm.checkpoints.load import load_model
     result = gpu_targets.compiled_reference(torch, metrics, load_model("tiny", "cpu", torch.float32), short=2, long=10)
     assert result["ok"] and result["graphs_compiled_before_timing"] > 0, result
     assert result["reference_compiled"]["dynamo_graphs"] == 0 and result["reference_compiled"]["s_per_token"] > 0

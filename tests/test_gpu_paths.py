@@ -177,7 +177,7 @@ def test_the_engine_model_is_stable_at_gpt2_depth(one_thread):
 @pytest.mark.gpu
 @cuda
 def test_bench_on_cuda_times_the_graph_replay_the_engine_runs():
-    from minillm import bench
+    from minillm.bench import offline as bench
     model = context_model(PRESETS["gpt2"], std=ENGINE_STD).to("cuda", torch.bfloat16)
     r = bench.bench(model, prompt_len=32, context_len=32, batch=1, warmup=1, repeats=3)
     assert r["decode"]["mode"] == "graph" and r["decode"]["seconds"] > 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm.steps import count_ops, decode_step
-from minillm.weights import random_model
+from minillm.bench.steps import count_ops, decode_step
+from minillm.checkpoints.load import random_model
 
 from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm.weights import random_model
+from minillm.checkpoints.load import random_model
 
 from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
-from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
-from workloads import (multi_turn_workload, no_sharing_workload, serve,  # noqa: E402
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
+from minillm.bench.replay import (multi_turn_workload, no_sharing_workload, serve,  # noqa: E402
                        shared_prefix_workload)
 
 lesson = load_lesson("10_prompt_caching")

@@ -17,7 +17,7 @@ from models import context_model, random_prompts
 from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
-from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave  # noqa: E402
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave  # noqa: E402
 
 
 lesson = load_lesson("11_speculative_decoding")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm.cost import decode_cost, prefill_cost, step_cost
-from minillm.memory import resident_bytes
+from minillm.bench.cost import decode_cost, prefill_cost, step_cost
+from minillm.bench.memory import resident_bytes
 from models import random_prompts
 
 from lesson_checks import assert_lesson_results

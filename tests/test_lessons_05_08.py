@@ -14,12 +14,12 @@ from minillm import PRESETS
 from minillm.engine import LLMEngine
 from minillm.scheduler import SchedulerConfig
 from minillm.sequence import RequestMetrics
-from minillm.weights import random_model
+from minillm.checkpoints.load import random_model
 
 from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
-import workloads  # noqa: E402
+from minillm.bench import replay as workloads  # noqa: E402
 
 
 

@@ -9,8 +9,8 @@ import pytest
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 import common  # noqa: E402
-import measure  # noqa: E402
-from measure import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, LoadReading, MachineLoad, interleave, judge  # noqa: E402
+from minillm.bench import verdict as measure  # noqa: E402
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, LoadReading, MachineLoad, interleave, judge  # noqa: E402
 
 
 def load(share, cores=2):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from minillm import threads
+from minillm.bench import threads
 from lessons_support import load_lesson
 
 

@@ -4,12 +4,17 @@ import sys
 import pytest
 import torch
 
-from minillm import bench, cost, memory, roofline, steps, timing
+from minillm.bench import offline as bench
+from minillm.bench import cost
+from minillm.bench import memory
+from minillm.bench import roofline
+from minillm.bench import steps
+from minillm.bench import timing
 from minillm.config import PRESETS
 from minillm.kv_cache import KVCache
-from minillm.cost import StepCost, decode_cost, prefill_cost, step_cost
-from minillm.roofline import Ceilings
-from minillm.weights import random_model
+from minillm.bench.cost import StepCost, decode_cost, prefill_cost, step_cost
+from minillm.bench.roofline import Ceilings
+from minillm.checkpoints.load import random_model
 
 TINY = PRESETS["tiny"]  # L=2, C=64, V=512, n_ctx=128
 # Hand count for tiny: per block 12·C² + 13·C = 49,984 params; two blocks + ln_f (2·C) = 100,096.

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from minillm import PRESETS, GPT2
-from minillm.weights import CheckpointError, config_to_hf, load_checkpoint, random_model, save_pretrained
+from minillm.checkpoints.load import CheckpointError, config_to_hf, load_checkpoint, random_model, save_pretrained
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4  # fp32

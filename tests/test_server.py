@@ -24,15 +24,15 @@ openai = pytest.importorskip("openai")
 
 from models import context_model, random_prompts  # noqa: E402
 
-from minillm.bench_serve import RequestResult, benchmark, meets, parse_goodput, summarize  # noqa: E402
+from minillm.bench.serve import RequestResult, benchmark, meets, parse_goodput, summarize  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.scheduler import SchedulerConfig  # noqa: E402
-from minillm.server import BackgroundServer, make_frontend  # noqa: E402
-from minillm.serve_workloads import BenchRequest, arrivals, workload  # noqa: E402
-from minillm.text_stream import TextStream  # noqa: E402
-from minillm.tokenizer import load_tokenizer  # noqa: E402
+from minillm.serving.api_server import BackgroundServer, make_frontend  # noqa: E402
+from minillm.bench.workloads import BenchRequest, arrivals, workload  # noqa: E402
+from minillm.serving.text_stream import TextStream  # noqa: E402
+from minillm.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 
 NAME = "tiny"
 
@@ -283,7 +283,7 @@ def test_max_queue_admits_exactly_that_many_waiting_requests(model):
     import queue as queue_module
     import threading
 
-    from minillm.engine_loop import Accepted, EngineLoop, Rejected
+    from minillm.serving.engine_loop import Accepted, EngineLoop, Rejected
     engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), num_blocks=64)
     loop = EngineLoop(engine, max_queue=2)
     try:

@@ -13,7 +13,7 @@ pytest.importorskip("httpx")
 
 from lessons_support import load_lesson  # noqa: E402  (also puts lessons/ on sys.path)
 
-from minillm.bench_serve import RequestResult  # noqa: E402
+from minillm.bench.serve import RequestResult  # noqa: E402
 
 lesson = load_lesson("12_goodput")
 

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer
 
 from minillm import PRESETS
-from minillm.tokenizer import ByteTokenizer, load_tokenizer
-from minillm.weights import config_to_hf
+from minillm.checkpoints.tokenizer import ByteTokenizer, load_tokenizer
+from minillm.checkpoints.load import config_to_hf
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minillm import PRESETS, GPT2
-from minillm import weights
+from minillm.checkpoints import load as weights
 from minillm.config import HF_CHECKPOINTS
-from minillm.tokenizer import load_tokenizer
-from minillm.weights import (CheckpointError, config_from_hf, default_weights_dir, load_model, random_model,
+from minillm.checkpoints.tokenizer import load_tokenizer
+from minillm.checkpoints.load import (CheckpointError, config_from_hf, default_weights_dir, load_model, random_model,
                              resolve_device, resolve_dtype, save_pretrained)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .config import dtype_bytes
+from ..config import dtype_bytes
 from .cost import StepCost
 from .timing import device_name, time_fn
 

@@ -37,10 +37,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import (CONFIG_FILE, REQUIRED_FILES, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointError,  # noqa: F401
+from .hf_format import (CONFIG_FILE, REQUIRED_FILES, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointError,  # noqa: F401
                          config_from_hf, config_to_hf, expected_shapes, plan_tensors, read_config)
-from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
-from .model import GPT2
+from ..config import HF_CHECKPOINTS, PRESETS, GPT2Config
+from ..model import GPT2
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .cuda_graphs import DecodeRunner
-from .kv_cache import KVCache, Segment
+from ..cuda_graphs import DecodeRunner
+from ..kv_cache import KVCache, Segment
 from .timing import Timing, time_fn
 
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from .config import GPT2Config, dtype_bytes
+from ..config import GPT2Config, dtype_bytes
 
 
 @dataclass

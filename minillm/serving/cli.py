@@ -26,14 +26,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     _needs_serve_extra("server")  # the same extra: httpx, and the rest with it
-    from . import bench_serve
+    from ..bench import serve as bench_serve
     return bench_serve.run(args)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's knobs under vLLM's flag names, and the server's own."""
-    from .cli_flags import add_model_arguments
-    from .scheduler import SchedulerConfig
+    from ..cli import add_model_arguments
+    from ..scheduler import SchedulerConfig
     d = SchedulerConfig()
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -67,6 +67,6 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("bench-serve", help="load an OpenAI-compatible server; TTFT/ITL percentiles, goodput",
                               description="Replay a workload against --base-url, timing each streamed token on "
                                           "the client, like `vllm bench serve`. Needs the [serve] extra.")
-    from .bench_serve import add_arguments
+    from ..bench.serve import add_arguments
     add_arguments(p)
     p.set_defaults(func=run_bench_serve)

@@ -43,10 +43,10 @@ from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .engine import LLMEngine, RequestOutput
+from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
 from .protocol import BadRequest, CompletionRequest, error_response, unsupported
-from .sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
+from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .text_stream import TextStream
 
 

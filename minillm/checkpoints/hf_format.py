@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from .config import EOS_TOKEN_ID, MAX_POSITIONS, MAX_VOCAB, GPT2Config, check_int
-from .model import GPT2
+from ..config import EOS_TOKEN_ID, MAX_POSITIONS, MAX_VOCAB, GPT2Config, check_int
+from ..model import GPT2
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

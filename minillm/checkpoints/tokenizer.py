@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import HF_CHECKPOINTS, PRESETS, GPT2Config
-from .checkpoint import CONFIG_FILE, TOKENIZER_FILE, read_config
-from .weights import is_complete, locate, warn_absent, warn_once
+from ..config import HF_CHECKPOINTS, PRESETS, GPT2Config
+from .hf_format import CONFIG_FILE, TOKENIZER_FILE, read_config
+from .load import is_complete, locate, warn_absent, warn_once
 EOS_TEXT = "<|endoftext|>"
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .serve_workloads import BenchRequest, arrivals, workload
+from .workloads import BenchRequest, arrivals, workload
 
 GOODPUT_KEYS = ("ttft", "tpot", "itl", "e2el")
 METRICS = ("ttft", "tpot", "itl", "e2el")

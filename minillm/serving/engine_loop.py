@@ -30,8 +30,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .engine import LLMEngine, RequestOutput
-from .sampling import SamplingParams
+from ..engine import LLMEngine, RequestOutput
+from ..sampling import SamplingParams
 
 log = logging.getLogger("minillm.server")
 

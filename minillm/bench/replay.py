@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from measure import progress
+from minillm.bench.verdict import progress
 from minillm.engine import LLMEngine, RequestOutput
 from minillm.sampling import SamplingParams
 

@@ -10,8 +10,8 @@ import json
 import signal
 import sys
 
-from .engine import LLMEngine, RequestOutput
-from .server import build_app, make_frontend
+from ..engine import LLMEngine, RequestOutput
+from .api_server import build_app, make_frontend
 
 
 def request_record(out: RequestOutput) -> dict:
@@ -25,9 +25,9 @@ def request_record(out: RequestOutput) -> dict:
 def run(args) -> int:
     """`python -m minillm serve`: build the engine, serve until SIGINT/SIGTERM, exit 0."""
     import uvicorn
-    from .scheduler import SchedulerConfig
-    from .tokenizer import load_tokenizer
-    from .weights import load_model, resolve_device, resolve_dtype
+    from ..scheduler import SchedulerConfig
+    from ..checkpoints.tokenizer import load_tokenizer
+    from ..checkpoints.load import load_model, resolve_device, resolve_dtype
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)

@@ -123,7 +123,7 @@ def reference_model(torch, model, prompt):
     """transformers' GPT2LMHeadModel holding our model's weights, and the prompt as its input."""
     import transformers
 
-    from minillm.weights import config_to_hf
+    from minillm.checkpoints.load import config_to_hf
     with torch.device(model.device):  # its own random init is overwritten below: make it where it runs
         hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config_to_hf(model.config)))
     hf = hf.to(model.dtype).eval()
