@@ -52,7 +52,7 @@ from minillm.config import HF_CHECKPOINTS, PRESETS, dtype_bytes
 from minillm.kv_cache import KVCache
 from minillm.bench.cost import decode_cost
 from minillm.bench.memory import memory_budget, resident_bytes
-from minillm.bench.timing import synchronize
+from minillm.device import synchronize
 
 NAME = "03_kv_memory"
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's knob: the share of device memory the engine may use

@@ -77,7 +77,7 @@ import numpy as np
 
 from minillm.bench.serve import benchmark, summarize
 from minillm.bench.workloads import BenchRequest, arrivals, workload
-from minillm.checkpoints.load import resolve_device
+from minillm.device import resolve_device
 
 NAME = "12_goodput"
 K_ITL, M_TTFT = 4.0, 3.0     # ITL target = k · decode step; TTFT target = m · prefill of the long prompt

@@ -45,11 +45,11 @@ from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 from minillm.bench.verdict import LABELS, MachineLoad, Verdict, read_load  # noqa: E402
 from minillm.classroom.regions import stub_of  # noqa: E402  (the one stub detector)
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
-from minillm.cli import add_model_arguments  # noqa: E402
 from minillm.bench.roofline import Ceilings, measure_ceilings  # noqa: E402
 from minillm.bench.timing import environment, si  # noqa: E402
 from minillm.bench.threads import ThreadChoice, apply_threads, choose_threads  # noqa: E402
-from minillm.checkpoints.load import load_model, locate, random_model, resolve_device, resolve_dtype  # noqa: E402
+from minillm.checkpoints.load import add_model_arguments, load_model, locate, random_model  # noqa: E402
+from minillm.device import resolve_device, resolve_dtype  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
 STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written

@@ -28,8 +28,10 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 EOS_TOKEN_ID = 50256  # "<|endoftext|>" in GPT-2's vocabulary
 # Bounds far beyond any GPT-2 (gpt2-xl: 48 layers, 1600 wide): past them a value is a typo, not a model.
@@ -114,11 +116,12 @@ class GPT2Config:
                      + 4 * C * C + C)      # mlp.c_proj
         return self.vocab_size * C + self.n_ctx * C + L * per_block + 2 * C
 
-    def weight_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+    def weight_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """num_params · bytes per element (fp32 when no dtype is given)."""
         return self.num_params() * dtype_bytes(dtype)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
-        """2 (K and V) · n_layer · n_embd · bytes per element."""
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """2 (K and V) · n_layer · n_embd · bytes per element (fp32 when no dtype is given)."""
         return 2 * self.n_layer * self.n_embd * dtype_bytes(dtype)
 
     def flops_per_token(self, context_len: int = 0, lm_head: bool = True) -> int:
@@ -134,8 +137,9 @@ class GPT2Config:
         return proj + attn + head
 
 
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_bytes(dtype: torch.dtype | None) -> int:
+    """Bytes per element: 4 for fp32 (and for None), 2 for fp16 and bf16."""
+    return 4 if dtype is None else dtype.itemsize
 
 
 PRESETS: dict[str, GPT2Config] = {

@@ -60,9 +60,10 @@ from .kv_pool import size_pool
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
-from .rollback import ended, finish, recover
-from .sampling import (FINISH_ABORT, NonFiniteLogitsError, SamplingParams, make_generator, sample,
-                       to_device)
+from .rollback import recover
+from .device import to_device
+from .sampling import NonFiniteLogitsError, make_generator, sample
+from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
 
@@ -166,7 +167,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.remove(seq)
-        finish(seq, FINISH_ABORT, time.perf_counter())
+        seq.finish(FINISH_ABORT, time.perf_counter())
         self._unreported.append(seq)
         return True
 
@@ -218,10 +219,10 @@ class LLMEngine:
         for seq, token in sampled:
             seq.output_token_ids.append(token)
             seq.metrics.token_times.append(now)
-            reason = ended(seq, self.config)
+            reason = seq.end_reason(self.config.eos_token_id, self.config.n_ctx)
             if reason:
                 self.scheduler.remove(seq)
-                finish(seq, reason, now)
+                seq.finish(reason, now)
         if self.record_timeline:
             self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
                                            len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))

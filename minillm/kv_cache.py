@@ -63,7 +63,10 @@ import torch
 
 from .config import GPT2Config
 from .model import GPT2, causal_attention, causal_mask
-from .sampling import SamplingParams, check_prompt, finish_reason, make_generator, sample, to_device
+from .device import to_device
+from .request_checks import check_prompt
+from .sampling import make_generator, sample
+from .sampling_params import SamplingParams, finish_reason
 
 
 class Segment(NamedTuple):

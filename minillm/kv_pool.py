@@ -19,7 +19,6 @@ was reached (block bytes, budget, activation peak, graph bytes).
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -28,11 +27,13 @@ from .block_manager import BlockManager
 from .config import check_int, check_real
 from .cuda_graphs import DecodeRunner
 from .kv_cache import Segment
-from .bench.memory import available_memory
+from .device import available_memory
 from .model import GPT2
 from .paged_attention import PagedKVCache
-from .sampling import SamplingParams, sample
+from .sampling import sample
+from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig
+from .sequence import RequestMetrics, Sequence
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -143,9 +144,10 @@ def profile_steps(model: GPT2, max_num_batched_tokens: int, max_num_seqs: int,
     blocks = BlockManager(sum(-(-n // block_size) for n in lens), block_size)
     cache = PagedKVCache(cfg, blocks, device, model.dtype)
     segments = []
-    for i, n in enumerate(lens):
-        blocks.append_slots(SimpleNamespace(seq_id=i, num_computed_tokens=0), n)
-        segments.append(Segment(i, 0, n))
+    for n in lens:  # sequences of n prompt tokens each, given their slots as the scheduler would
+        seq = Sequence("profile", (0,) * n, SamplingParams(max_tokens=1), RequestMetrics(arrival_time=0.0))
+        blocks.append_slots(seq, n)
+        segments.append(Segment(seq.seq_id, 0, n))
     rows = min(max_num_seqs, sum(lens))
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from .model import GPT2
-from .sampling import SamplingParams, check_prompt, finish_reason, make_generator, sample
+from .request_checks import check_prompt
+from .sampling import make_generator, sample
+from .sampling_params import SamplingParams, finish_reason
 
 
 @torch.inference_mode()

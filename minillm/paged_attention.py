@@ -60,7 +60,7 @@ from .block_manager import BlockManager
 from .config import GPT2Config
 from .kv_cache import Segment
 from .model import causal_attention, causal_mask
-from .sampling import to_device
+from .device import to_device
 
 
 @dataclass

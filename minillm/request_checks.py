@@ -30,14 +30,67 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import threading
+from collections.abc import Sequence as Sized
+
+import numpy as np
+import torch
 
 from .block_manager import BlockManager
 from .config import GPT2Config
-from .sampling import SamplingParams, check_prompt
+from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig
 from .sequence import Sequence
 
+
+def check_prompt(config: GPT2Config, token_ids, max_tokens: int = 0) -> list[int]:
+    """The prompt as a list of Python ints, or a ValueError naming the value, the limit and the fix.
+
+    A prompt is a sequence of token ids: a list or tuple of integers (NumPy's
+    and torch's included), or a 1-D integer array or tensor. A sequence holds
+    at most len(prompt) + max_tokens − 1 tokens of KV, since the last sampled
+    token is never fed back, so that is what must fit in n_ctx. Cheap enough
+    to call once per request; the model's forward pass itself does not check,
+    so the hot path stays lean.
+    """
+    kind = type(token_ids).__name__
+    if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+        if token_ids.ndim != 1:
+            raise ValueError(f"the prompt is a {token_ids.ndim}-D {kind} of shape {tuple(token_ids.shape)}; a "
+                             "prompt is one sequence of token ids (pass one request per prompt)")
+        token_ids = token_ids.tolist()
+    elif isinstance(token_ids, (str, bytes, bytearray)):
+        raise ValueError(f"the prompt has type {kind}, not a sequence of token ids; encode text with the "
+                         "tokenizer")
+    elif not isinstance(token_ids, Sized):
+        raise ValueError(f"the prompt has type {kind}, not a sequence of token ids (a list of ints); a call that "
+                         "takes several prompts wants a list of such lists")
+    ids = []
+    for i, t in enumerate(token_ids):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)
+        except TypeError:
+            raise ValueError(f"token id {t!r} at position {i} is a {type(t).__name__}, not an integer; "
+                             "a prompt is a sequence of token ids (encode text with the tokenizer)") from None
+        if not 0 <= t < config.vocab_size:
+            raise ValueError(f"token id {t} at position {i} is outside the vocabulary [0, {config.vocab_size}); "
+                             "was the prompt encoded with a different tokenizer?")
+        ids.append(t)
+    n = len(ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: a GPT-2 needs at least one token to condition on "
+                         "(encode some text, or start from the end-of-text token)")
+    if n > config.n_ctx:
+        raise ValueError(f"the prompt has {n} tokens but the context holds n_ctx={config.n_ctx}; "
+                         f"truncate the prompt to at most {config.n_ctx} tokens")
+    if max_tokens and n + max_tokens - 1 > config.n_ctx:
+        raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) − 1 = {n + max_tokens - 1} tokens of KV "
+                         f"exceed the context n_ctx={config.n_ctx}; lower max_tokens to at most "
+                         f"{config.n_ctx - n + 1} or shorten the prompt")
+    return ids
 
 def one_thread(method):
     """Run an engine method holding the engine's guard, refusing a call from a second thread while one runs.

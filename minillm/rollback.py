@@ -21,32 +21,18 @@ from __future__ import annotations
 
 import time
 
-from .sampling import finish_reason
-from .sequence import Sequence, SequenceStatus
-
-
-def finish(seq: Sequence, reason: str, now: float) -> None:
-    """Mark a request finished for `reason` at time `now`."""
-    seq.status = SequenceStatus.FINISHED
-    seq.finish_reason = reason
-    seq.metrics.finished_time = now
-
-
-def ended(seq: Sequence, config) -> str | None:
-    """The reason the request's last sampled token ends it, or None."""
-    return finish_reason(seq.output_token_ids[-1], len(seq.output_token_ids), seq.num_tokens, seq.params,
-                         config.eos_token_id, config.n_ctx)
+from .sequence import SequenceStatus
 
 
 def recover(engine) -> None:
     """After `engine`'s step raised, anywhere in it: make every request one the next step can run."""
-    s, bm, now = engine.scheduler, engine.block_manager, time.perf_counter()
+    s, bm, cfg, now = engine.scheduler, engine.block_manager, engine.config, time.perf_counter()
     lost = set(bm.rollback(s.running))
     running, waiting, back = set(s.running), set(s.waiting), []
     for seq in engine.requests.values():
-        reason = not seq.is_finished and seq.output_token_ids and ended(seq, engine.config)
+        reason = not seq.is_finished and seq.output_token_ids and seq.end_reason(cfg.eos_token_id, cfg.n_ctx)
         if reason:  # its last token ended it, but the step raised before it was marked finished
-            finish(seq, reason, now)
+            seq.finish(reason, now)
         if seq.is_finished:
             bm.free(seq)  # nothing if the step's `remove` got that far
             running.discard(seq)

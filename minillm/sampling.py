@@ -1,17 +1,9 @@
-"""Turning logits into the next token, and knowing when to stop.
+"""Turning logits into the next token.
 
-`SamplingParams` uses vLLM's field names so what you learn here carries over:
-
-    temperature   0 means greedy (argmax); otherwise logits are divided by it (≥ 0.01)
-    top_k         keep only the k most likely tokens (0 or -1: keep all)
-    top_p         keep the smallest set of tokens whose probability sums to ≥ p
-    max_tokens    how many tokens to generate at most
-    seed          a per-request random stream: the same seed gives the same text
-    stop_token_ids, ignore_eos
-                  generation ends at the end-of-text token, or any listed id
-
-Every field is checked when the params are made, and they are frozen, so a
-request's params cannot change while it runs.
+A request's `SamplingParams` (sampling_params.py) say how: greedy when the
+temperature is 0, else logits divided by the temperature, cut to the top k
+tokens and to the nucleus of mass p, then drawn from the request's own seeded
+stream.
 
 Sampling costs almost nothing next to a forward pass (a sort of V logits per
 row for top-p); it lives apart from the model so that every decoding strategy
@@ -33,59 +25,11 @@ row with NaN or ±inf never becomes a token.
 """
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from .config import GPT2Config, check_int, check_real
-
-FINISH_STOP = "stop"        # an end-of-text or stop token was generated
-FINISH_LENGTH = "length"    # max_tokens reached, or the context is full
-FINISH_ABORT = "abort"      # the caller aborted the request
-
-MIN_TEMPERATURE = 0.01  # vLLM raises smaller temperatures to this; we refuse them: logits / T can overflow
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_tokens: int = 16
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        """Check every field, and keep it as a plain Python value; from here on the params are frozen."""
-        t = check_real("temperature", self.temperature, " (0 means greedy)")
-        if t < 0 or 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature={t:g} must be 0 (greedy) or at least {MIN_TEMPERATURE}: below that, "
-                             "sampling is greedy in all but name and dividing the logits by it can overflow")
-        p = check_real("top_p", self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p={p} must be in (0, 1]; 1 keeps every token")
-        stops = self.stop_token_ids
-        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
-            raise ValueError(f"stop_token_ids={stops!r} must be a list of token ids, e.g. [{stops!r}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
-        checked = dict(
-            temperature=t, top_p=p,
-            top_k=check_int("top_k", self.top_k, -1, hint=" (0 or -1 keep every token)"),
-            max_tokens=check_int("max_tokens", self.max_tokens, 1, hint=": a request generates at least one token"),
-            seed=None if self.seed is None else check_int("seed", self.seed, 0, 2**64,
-                                                          hint=", or None for an unseeded request"),
-            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops))
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)  # the one way to set a field of a frozen dataclass
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from .device import to_device
+from .sampling_params import SamplingParams
 
 
 class NonFiniteLogitsError(ValueError):
@@ -204,83 +148,7 @@ def _on_rows(x: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
     return x
 
 
-def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host list as a tensor on `device`, without making the host wait.
-
-    `torch.tensor(values, device="cuda")` copies from pageable memory, and such
-    a copy waits for the GPU to finish everything queued before it: one hidden
-    sync per tensor. Copied from pinned (page-locked) memory with
-    non_blocking=True, it is queued behind that work instead, and the host goes on.
-    """
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Per-row values as an (N, 1) tensor on `device`, uploaded by `to_device`."""
     return to_device(values, device, dtype)[:, None]
 
-
-def check_prompt(config: GPT2Config, token_ids, max_tokens: int = 0) -> list[int]:
-    """The prompt as a list of Python ints, or a ValueError naming the value, the limit and the fix.
-
-    A prompt is a sequence of token ids: a list or tuple of integers (NumPy's
-    and torch's included), or a 1-D integer array or tensor. A sequence holds
-    at most len(prompt) + max_tokens − 1 tokens of KV, since the last sampled
-    token is never fed back, so that is what must fit in n_ctx. Cheap enough
-    to call once per request; the model's forward pass itself does not check,
-    so the hot path stays lean.
-    """
-    kind = type(token_ids).__name__
-    if isinstance(token_ids, (torch.Tensor, np.ndarray)):
-        if token_ids.ndim != 1:
-            raise ValueError(f"the prompt is a {token_ids.ndim}-D {kind} of shape {tuple(token_ids.shape)}; a "
-                             "prompt is one sequence of token ids (pass one request per prompt)")
-        token_ids = token_ids.tolist()
-    elif isinstance(token_ids, (str, bytes, bytearray)):
-        raise ValueError(f"the prompt has type {kind}, not a sequence of token ids; encode text with the "
-                         "tokenizer")
-    elif not isinstance(token_ids, Sequence):
-        raise ValueError(f"the prompt has type {kind}, not a sequence of token ids (a list of ints); a call that "
-                         "takes several prompts wants a list of such lists")
-    ids = []
-    for i, t in enumerate(token_ids):
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            t = operator.index(t)
-        except TypeError:
-            raise ValueError(f"token id {t!r} at position {i} is a {type(t).__name__}, not an integer; "
-                             "a prompt is a sequence of token ids (encode text with the tokenizer)") from None
-        if not 0 <= t < config.vocab_size:
-            raise ValueError(f"token id {t} at position {i} is outside the vocabulary [0, {config.vocab_size}); "
-                             "was the prompt encoded with a different tokenizer?")
-        ids.append(t)
-    n = len(ids)
-    if n == 0:
-        raise ValueError("the prompt is empty: a GPT-2 needs at least one token to condition on "
-                         "(encode some text, or start from the end-of-text token)")
-    if n > config.n_ctx:
-        raise ValueError(f"the prompt has {n} tokens but the context holds n_ctx={config.n_ctx}; "
-                         f"truncate the prompt to at most {config.n_ctx} tokens")
-    if max_tokens and n + max_tokens - 1 > config.n_ctx:
-        raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) − 1 = {n + max_tokens - 1} tokens of KV "
-                         f"exceed the context n_ctx={config.n_ctx}; lower max_tokens to at most "
-                         f"{config.n_ctx - n + 1} or shorten the prompt")
-    return ids
-
-
-def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,
-                  eos_token_id: int | None, n_ctx: int) -> str | None:
-    """Why a sequence ends after emitting `token` as its `num_generated`-th token
-    (its length is now `seq_len`), or None if it goes on. One rule for every decoder.
-
-    The context is full when the next step would feed a token at position n_ctx,
-    past the position table: that is when seq_len exceeds n_ctx."""
-    if token in params.stop_token_ids or (token == eos_token_id and not params.ignore_eos):
-        return FINISH_STOP
-    if num_generated >= params.max_tokens or seq_len > n_ctx:
-        return FINISH_LENGTH
-    return None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams, finish_reason
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +115,17 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """The most tokens whose KV this request can ever hold: its last sampled token is never fed."""
         return len(self.prompt_token_ids) + self.params.max_tokens - 1
+
+    def end_reason(self, eos_token_id: int | None, n_ctx: int) -> str | None:
+        """Why the last sampled token ends this request ("stop" or "length"), or None if it goes on."""
+        return finish_reason(self.output_token_ids[-1], len(self.output_token_ids), self.num_tokens, self.params,
+                             eos_token_id, n_ctx)
+
+    def finish(self, reason: str, now: float) -> None:
+        """Mark the request finished for `reason` at time `now` (time.perf_counter seconds)."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finished_time = now
 
 
 @dataclass

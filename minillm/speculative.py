@@ -63,8 +63,9 @@ import torch.nn.functional as F
 
 from .kv_cache import KVCache, Segment
 from .model import GPT2
-from .sampling import (SamplingParams, apply_top_k, apply_top_p, check_prompt, finish_reason, make_generator,
-                       sample)
+from .request_checks import check_prompt
+from .sampling import apply_top_k, apply_top_p, make_generator, sample
+from .sampling_params import SamplingParams, finish_reason
 
 
 @dataclass

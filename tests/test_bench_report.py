@@ -1,4 +1,4 @@
-"""bench's report (issue 19 §8): the load and the thread choice first, and its aims against ceilings it measured."""
+"""bench's report: the load and the thread choice first, and its aims against ceilings it measured."""
 import torch
 
 from minillm import PRESETS

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams
-from minillm import __main__ as cli
+from minillm import cli
 from minillm.naive_decode import generate as naive_generate
 from minillm.checkpoints.tokenizer import ByteTokenizer
 from minillm.checkpoints.load import random_model, save_pretrained

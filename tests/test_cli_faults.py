@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm import __main__ as cli
+from minillm import cli
 from minillm.bench import offline as bench
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # and waits: the parent then delivers a real SIGINT in the middle of the command.
 CHILD = textwrap.dedent("""
     import sys, time
-    import minillm.__main__ as cli
+    import minillm.cli as cli
     from minillm.bench import offline as bench
     module, name = sys.argv[1].split(":")
     def waits(*args, **kwargs):
@@ -32,7 +32,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="needs POSIX signals")
 @pytest.mark.parametrize("target, argv", [
     ("cli:cached_generate", ["generate", "--model", "tiny", "--prompt", "Hello"]),
     ("bench:emulation_slowdown", ["bench", "--model", "tiny", "--prompt-len", "8"]),

@@ -26,8 +26,8 @@ import pytest
 
 # The downloader speaks huggingface_hub 2 and its httpx2; a machine without them (the GPU machine has
 # huggingface_hub 1.x and no httpx2) skips these tests instead of failing to collect.
-pytest.importorskip("httpx2")
-huggingface_hub = pytest.importorskip("huggingface_hub", minversion="2")
+import httpx2  # noqa: E402,F401  (huggingface_hub 2 streams through it)
+import huggingface_hub  # noqa: E402
 from huggingface_hub import constants as hub_constants  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -413,7 +413,7 @@ def test_unknown_name_lists_the_checkpoints(capsys):
     assert e.value.code == 2 and "gpt2-medium" in capsys.readouterr().err
 
 
-# ---- issue 21: two runs at once, a link that drops every MiB, a file gone bad, server errors ----
+# ---- two runs at once, a link that drops every MiB, a file gone bad, server errors ----
 
 def _run_in_threads(n: int, argv: list[str]) -> tuple[list, str]:
     """`n` runs of the command line at the same moment; returns their exit codes (or exceptions) and stderr."""
@@ -438,7 +438,7 @@ def _run_in_threads(n: int, argv: list[str]) -> tuple[list, str]:
 
 
 def test_two_runs_at_once_never_leave_a_wrong_file_under_a_final_name(hub, tmp_path):
-    """Issue 21: without a lock, two runs appended to one .part and renamed it under each other's feet."""
+    """Without a lock, two runs would append to one .part and rename it under each other's feet."""
     hub.slow_s = 0.002  # the big file takes a few tens of ms: the runs overlap
     for trial in range(20):
         weights = tmp_path / str(trial)
@@ -493,7 +493,7 @@ def test_a_second_run_says_that_it_waits_for_the_first(hub, tmp_path):
 
 
 def test_a_link_that_drops_every_mib_finishes_and_sends_at_most_twice_the_file(hub, tmp_path):
-    """Issue 21: the client buffered 10 MiB and lost it on each drop, so every GET started from byte 0."""
+    """A client that buffered 10 MiB would lose it on each drop, so every GET would start from byte 0."""
     big = hashlib.sha256(b"seed").digest() * (3 * (1 << 20) // 32) + b"tail"  # 3 MiB and 4 bytes
     hub.files["model.safetensors"], hub.drop_every = big, 1 << 20
     code, err = get(tmp_path, "--no-progress")
@@ -511,7 +511,7 @@ def test_a_failed_download_names_no_part_file_that_does_not_exist(hub, tmp_path)
 
 
 def test_a_final_file_with_the_right_size_and_wrong_content_is_replaced(hub, tmp_path):
-    """Issue 21: a file under its final name was trusted by its size alone."""
+    """A file under its final name is not trusted by its size alone."""
     assert get(tmp_path, "--no-progress")[0] == 0
     dest = tmp_path / "gpt2" / "model.safetensors"
     dest.write_bytes(b"\0" * len(BIG))
@@ -551,7 +551,7 @@ def test_a_403_says_access_was_refused_and_what_to_check(hub, tmp_path, role):
 
 
 def test_a_bad_hf_endpoint_is_one_line_before_huggingface_hub_is_imported(tmp_path):
-    """Issue 21: huggingface_hub parses HF_ENDPOINT when imported, and raised a traceback before our check."""
+    """huggingface_hub parses HF_ENDPOINT when imported: a bad one must not raise a traceback before our check."""
     import subprocess
     script = f"""
 import os, sys
@@ -569,14 +569,14 @@ print("huggingface_hub" in sys.modules)
     assert "Port out of range" in lines[0] and "Invalid IPv6 URL" in lines[1]
 
 
-# ---- issue 19 §6: a failed download leaves the course runnable ----
+# ---- a failed download leaves the course runnable ----
 
 @pytest.mark.parametrize("failure", ["404", "connection refused"])
 def test_after_a_failed_download_lesson_01_and_generate_run_with_one_warning(hub, tmp_path, monkeypatch, capsys,
                                                                            failure):
     from minillm import PRESETS
     from minillm.checkpoints import load as weights
-    from minillm import __main__ as cli
+    from minillm import cli
     from lessons_support import load_lesson
 
     monkeypatch.setitem(PRESETS, "distilgpt2", PRESETS["tiny"])  # the smallest real checkpoint, at a tiny shape

@@ -171,7 +171,6 @@ SIGINT_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGINT") or sys.platform == "win32", reason="needs POSIX signals")
 def test_a_real_sigint_mid_step_in_a_child_process(tmp_path):
     """Ctrl-C delivered as a real SIGINT while a child's step is inside the forward pass; the child then aborts
     the request and generates the same prompt plus three tokens, as the issue's probe did."""

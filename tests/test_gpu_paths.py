@@ -18,7 +18,10 @@ import pytest
 import torch
 from models import context_model
 
-from minillm import kv_cache, metrics, naive_decode
+from minillm import kv_cache, naive_decode
+from minillm.bench.memory import cuda_memory, reset_peak_memory
+from minillm.bench.roofline import measure_ceilings
+from minillm.bench.timing import Stopwatch, time_fn
 from minillm.config import PRESETS
 from minillm.engine import LLMEngine
 from minillm.kv_cache import KVCache
@@ -65,9 +68,9 @@ def trusted_length(margins: list[float]) -> int:
 @cuda
 def test_cuda_events_time_a_matmul_and_the_stopwatch_laps():
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    t = metrics.time_fn(lambda: a @ a, "cuda", warmup=2, repeats=5)
+    t = time_fn(lambda: a @ a, "cuda", warmup=2, repeats=5)
     assert t.method == "cuda-events" and t.median_s > 0
-    watch = metrics.Stopwatch("cuda")
+    watch = Stopwatch("cuda")
     watch.start()
     for _ in range(3):
         a @ a
@@ -80,13 +83,13 @@ def test_cuda_events_time_a_matmul_and_the_stopwatch_laps():
 @cuda
 def test_the_allocator_counts_a_tensor_and_a_kv_cache_at_their_bytes():
     torch.cuda.synchronize()
-    metrics.reset_peak_memory("cuda")
+    reset_peak_memory("cuda")
     before = torch.cuda.memory_allocated()
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB
     assert torch.cuda.memory_allocated() - before == 64 << 20
     y = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     del y
-    assert metrics.cuda_memory("cuda")["peak_allocated"] - before >= 96 << 20
+    assert cuda_memory("cuda")["peak_allocated"] - before >= 96 << 20
     del x
     cfg = PRESETS["gpt2-xl"]
     before = torch.cuda.memory_allocated()
@@ -112,7 +115,7 @@ def test_half_precision_logits_agree_with_fp32_and_cached_decode_with_naive(gpt2
     cached = kv_cache.generate(model, [prompt], params)[0]
     naive = naive_decode.generate(model, prompt, params)
     assert cached[:2] == naive[:2], (cached, naive)  # the tail may part where two logits tie within the dtype's error
-    ceilings = metrics.measure_ceilings("cuda", dtype)
+    ceilings = measure_ceilings("cuda", dtype)
     assert ceilings.bandwidth > 0 and ceilings.matmul_flops > 0
 
 

@@ -107,8 +107,8 @@ def test_02_flops_count_what_each_step_really_holds():
 # ---- 03: the cache's memory, measured -------------------------------------------------------------
 
 
-@pytest.mark.skipif(resident_bytes() is None, reason="needs /proc/self/statm (Linux)")
 def test_03_measures_a_filled_cache_by_the_os_and_finds_the_formula():
+    assert resident_bytes() is not None, "this test reads /proc/self/statm, which only Linux has"
     row = L03.measure_cache(PRESETS["tiny"], torch.device("cpu"), torch.float32)
     assert row["formula_bytes"] == row["accounted_bytes"] >= 2 * L03.MIN_TENSOR_BYTES
     assert abs(row["measured_bytes"] - row["formula_bytes"]) <= L03.slack_bytes(torch.device("cpu"))

@@ -7,7 +7,8 @@ from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
 from minillm import kv_cache, naive_decode
 from minillm.kv_cache import KVCache, Segment
 from minillm.model import attention_by_hand, causal_attention, causal_mask
-from minillm.sampling import NonFiniteLogitsError, apply_top_k, apply_top_p, finish_reason, sample
+from minillm.sampling import NonFiniteLogitsError, apply_top_k, apply_top_p, sample
+from minillm.sampling_params import finish_reason
 from models import context_model
 
 CFG = PRESETS["tiny"]

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from minillm.config import PRESETS
-from minillm.sampling import SamplingParams, check_prompt, sample
+from minillm.request_checks import check_prompt
+from minillm.sampling import sample
+from minillm.sampling_params import SamplingParams
 
 
 def logits_rows(n, vocab=40, seed=0):

@@ -18,9 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+import openai  # noqa: E402
 
 from models import context_model, random_prompts  # noqa: E402
 

@@ -8,8 +8,6 @@ import json
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
 
 from lessons_support import load_lesson  # noqa: E402  (also puts lessons/ on sys.path)
 

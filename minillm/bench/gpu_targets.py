@@ -29,6 +29,19 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
+from ..checkpoints.load import load_model
+from ..cuda_graphs import DecodeRunner
+from ..device import synchronize
+from ..engine import LLMEngine
+from ..kv_cache import KVCache, Segment
+from ..sampling_params import SamplingParams
+from ..scheduler import SchedulerConfig
+from .cost import weight_read_floor
+from .roofline import measure_ceilings
+from .steps import count_ops
+
 TARGETS = {  # (model, figure): (bound, "max": the figure must stay at or below it, "min": at or above)
     ("gpt2-xl", "graph_times_floor"): (1.5, "max"),
     ("gpt2", "graph_times_floor"): (3.0, "max"),
@@ -63,24 +76,18 @@ def decode_time_per_token(generate, sync, short: int = SHORT, long: int = LONG, 
     return {"s_per_token": per_token, "dynamo_graphs": dynamo_graphs() - graphs}
 
 
-def check_targets(torch, metrics, load_model, name: str, device: str = "cuda", dtype=None,
-                  short: int = SHORT, long: int = LONG) -> dict:
+def check_targets(name: str, device: str = "cuda", dtype=None, short: int = SHORT, long: int = LONG) -> dict:
     """Batch-1 decode of `name`: the engine with graphs and eager against the floor and the references, and the
     ops one step dispatches. Off CUDA the "graph" engine decodes eagerly and the op count uses the static step."""
-    from minillm.cuda_graphs import DecodeRunner
-    from minillm.engine import LLMEngine
-    from minillm.kv_cache import KVCache, Segment
-    from minillm.sampling import SamplingParams
-    from minillm.scheduler import SchedulerConfig
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
     model = load_model(name, device, dtype)  # a random init where no weights are: time does not depend on values
     cfg = model.config
     long = min(long, cfg.n_ctx - PROMPT_LEN)  # a small shape's context (tiny: 128) bounds the long run
     prompt = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-    sync = lambda: metrics.synchronize(device)  # noqa: E731
-    bandwidth = metrics.measure_ceilings(device, dtype, quick=device.type != "cuda").bandwidth
-    floor = metrics.weight_read_floor(cfg, dtype, bandwidth)
+    sync = lambda: synchronize(device)  # noqa: E731
+    bandwidth = measure_ceilings(device, dtype, quick=device.type != "cuda").bandwidth
+    floor = weight_read_floor(cfg, dtype, bandwidth)
     result = {"ok": True, "dtype": str(dtype), "prompt_len": PROMPT_LEN, "tokens": [short, long],
               "bandwidth": bandwidth, "weight_read_floor_s": floor}
     tokens = {}
@@ -103,23 +110,23 @@ def check_targets(torch, metrics, load_model, name: str, device: str = "cuda", d
         ids = torch.tensor([[prompt[0]]], device=device)
         runner.run(step, [prompt[0]])  # a lazily captured graph is captured here, outside the count
         result["ops_per_step"] = {
-            "eager": metrics.count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache)).as_dict(),
-            runner.mode: metrics.count_ops(lambda: runner.run(step, [prompt[0]])).as_dict()}
+            "eager": count_ops(lambda: model(ids, cache.prepare(step).positions, cache=cache)).as_dict(),
+            runner.mode: count_ops(lambda: runner.run(step, [prompt[0]])).as_dict()}
     del runner, cache
     ours = result["graph"]["s_per_token"]
     try:
-        hf, ids = reference_model(torch, model, prompt)
-        result["max_abs_logit_diff_vs_minillm"] = logit_diff(torch, hf, model, ids)
+        hf, ids = reference_model(model, prompt)
+        result["max_abs_logit_diff_vs_minillm"] = logit_diff(hf, model, ids)
         for label, extra in (("reference_eager", {}),
                              ("reference_static", {"cache_implementation": "static", "disable_compile": True})):
-            result[label] = decode_time_per_token(hf_generate(torch, hf, ids, extra), sync, short, long)
+            result[label] = decode_time_per_token(hf_generate(hf, ids, extra), sync, short, long)
             result[f"speedup_vs_{label}"] = result[label]["s_per_token"] / ours
     except ImportError as e:
         result["reference"] = {"error": f"transformers is not installed: {e}"}
     return result
 
 
-def reference_model(torch, model, prompt):
+def reference_model(model, prompt):
     """transformers' GPT2LMHeadModel holding our model's weights, and the prompt as its input."""
     import transformers
 
@@ -133,12 +140,12 @@ def reference_model(torch, model, prompt):
     return hf, torch.tensor([prompt], device=model.device)
 
 
-def logit_diff(torch, hf, model, ids) -> float:
+def logit_diff(hf, model, ids) -> float:
     with torch.inference_mode():
         return (hf(ids).logits.float() - model(ids).float()).abs().max().item()
 
 
-def hf_generate(torch, hf, ids, extra: dict):
+def hf_generate(hf, ids, extra: dict):
     def generate(n):
         with torch.inference_mode():
             return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -146,24 +153,24 @@ def hf_generate(torch, hf, ids, extra: dict):
     return generate
 
 
-def compiled_reference(torch, metrics, model, short: int = SHORT, long: int = LONG) -> dict:
+def compiled_reference(model, short: int = SHORT, long: int = LONG) -> dict:
     """transformers' static-cache generate compiled by torch.compile (its own CompileConfig), timed after both
     lengths have compiled. Off CUDA, transformers compiles only when told to compile on every device."""
     import transformers
     prompt = torch.randint(0, model.config.vocab_size, (PROMPT_LEN,),
                            generator=torch.Generator().manual_seed(1)).tolist()
-    hf, ids = reference_model(torch, model, prompt)
+    hf, ids = reference_model(model, prompt)
     config = transformers.CompileConfig()
     if model.device.type != "cuda":
         config._compile_all_devices = True  # transformers' own switch for compiling off CUDA (used by its tests)
     graphs = dynamo_graphs()
     t0 = time.perf_counter()
-    generate = hf_generate(torch, hf, ids, {"cache_implementation": "static", "compile_config": config})
-    timed = decode_time_per_token(generate, lambda: metrics.synchronize(model.device), short, long)
+    generate = hf_generate(hf, ids, {"cache_implementation": "static", "compile_config": config})
+    timed = decode_time_per_token(generate, lambda: synchronize(model.device), short, long)
     compiled = dynamo_graphs() - graphs - timed["dynamo_graphs"]
     return {"ok": compiled > 0 and timed["dynamo_graphs"] == 0, "transformers": transformers.__version__,
             "mode": config.mode, "graphs_compiled_before_timing": compiled, "wall_s": time.perf_counter() - t0,
-            "reference_compiled": timed, "max_abs_logit_diff_vs_minillm": logit_diff(torch, hf, model, ids)}
+            "reference_compiled": timed, "max_abs_logit_diff_vs_minillm": logit_diff(hf, model, ids)}
 
 
 def judge(targets: dict, compiled: dict | None = None) -> dict:

@@ -8,11 +8,12 @@ such. `mem_available` is the one reader of Linux's MemAvailable.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Sequence
 
 import torch
+
+from ..device import mem_available
 
 
 def cuda_memory(device: torch.device | str) -> dict:
@@ -53,29 +54,6 @@ def memory_budget(device: torch.device | str) -> dict:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"bytes": total, "free_bytes": mem_available(),
             "source": "stated budget: total RAM from os.sysconf (shared with the OS and other processes)"}
-
-
-def mem_available() -> int | None:
-    """What the OS could give this process now without swapping (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def available_memory(device: torch.device) -> float:
-    """Bytes a new allocation could take: CUDA's free memory; on the CPU, what Linux calls MemAvailable, else
-    the total RAM (inf where the OS tells neither)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    available = mem_available()
-    if available is not None:
-        return available
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return math.inf
 
 
 def resident_bytes() -> int | None:

@@ -46,15 +46,15 @@ from pathlib import Path
 
 import torch
 
-from ..cli import add_model_arguments
 from ..config import dtype_bytes
 from .cost import decode_cost, prefill_cost
-from .memory import available_memory
+from ..device import available_memory
 from .roofline import achieved, measure_ceilings
 from .steps import time_decode, time_prefill
 from .threads import apply_threads, choose_threads
 from .timing import environment, si, time_fn
-from ..checkpoints.load import load_model, resolve_device, resolve_dtype
+from ..checkpoints.load import add_model_arguments, load_model
+from ..device import resolve_device, resolve_dtype
 
 # minillm's speed goals (benchmarks, not tests), for batch 1 and 512-token prompts, each against a ceiling that
 # bench measures on this device in the same run.

@@ -34,7 +34,7 @@ import numpy as np
 
 from minillm.bench.verdict import progress
 from minillm.engine import LLMEngine, RequestOutput
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 
 
 @dataclass

@@ -24,11 +24,7 @@ from typing import Callable
 
 import torch
 
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait until all queued work on `device` has finished (a no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+from ..device import synchronize
 
 
 @dataclass

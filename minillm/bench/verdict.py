@@ -66,7 +66,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from minillm.bench.timing import synchronize
+from ..device import synchronize
 
 HOLDS, NOT_SUPPORTED, INCONCLUSIVE = "HOLDS", "NOT SUPPORTED", "INCONCLUSIVE"
 

@@ -28,6 +28,7 @@ Invariants held by the tests
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -39,50 +40,11 @@ from safetensors.torch import save_file
 
 from .hf_format import (CONFIG_FILE, REQUIRED_FILES, TOKENIZER_FILE, WEIGHTS_FILE, CheckpointError,  # noqa: F401
                          config_from_hf, config_to_hf, expected_shapes, plan_tensors, read_config)
+from ..device import resolve_device, resolve_dtype
 from ..config import HF_CHECKPOINTS, PRESETS, GPT2Config
 from ..model import GPT2
 
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-}
-
-
 # ---- where, and in what precision -------------------------------------------
-
-def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
-    """"auto" or None → CUDA when available, else CPU; anything else as torch spells it."""
-    if isinstance(name, torch.device):
-        return name
-    if name is None or name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):  # meta, mps, xla, ...: not devices minillm runs on
-        raise ValueError(f"unknown device {name!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use 'cpu' or 'auto'")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
-
-
-def resolve_dtype(name: str | torch.dtype | None, device: torch.device | str = "cpu") -> torch.dtype:
-    """"auto" or None → bf16 on CUDA (half the bytes, fp32's range), fp32 on CPU
-    (where half-precision matmuls are slow or emulated)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name is None or name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    key = str(name).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[key]
-
 
 def default_weights_dir() -> Path:
     """$MINILLM_WEIGHTS_DIR if set; else `weights/` beside weights_download.py when
@@ -90,7 +52,7 @@ def default_weights_dir() -> Path:
     env = os.environ.get("MINILLM_WEIGHTS_DIR")
     if env:
         return Path(env)
-    repo_root = Path(__file__).resolve().parent.parent
+    repo_root = Path(__file__).resolve().parents[2]
     if (repo_root / "weights_download.py").exists():
         return repo_root / "weights"
     return Path("weights")
@@ -244,6 +206,18 @@ def locate(name_or_path: str | Path, weights_dir: str | Path | None = None) -> t
     return path, None
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, weights_dir: bool = True) -> None:
+    """--model, --device, --dtype, and unless told otherwise --weights-dir: the flags every command and lesson
+    that loads a model takes, whose values go to `load_model`, `resolve_device` and `resolve_dtype`."""
+    parser.add_argument("--model", default="gpt2",
+                        help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny, mini) or a checkpoint folder")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    if weights_dir:
+        parser.add_argument("--weights-dir", default=None,
+                            help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
+
+
 def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
                dtype: str | torch.dtype = "auto", weights_dir: str | Path | None = None,
                seed: int = 0) -> GPT2:
@@ -264,6 +238,6 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
     return random_model(PRESETS[preset], device, dtype, seed)
 
 
-__all__ = ["CheckpointError", "resolve_device", "resolve_dtype", "default_weights_dir", "load_checkpoint",
+__all__ = ["CheckpointError", "add_model_arguments", "default_weights_dir", "load_checkpoint",
            "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
            "config_from_hf", "config_to_hf", "is_complete", "missing_files", "warn_absent", "warn_once"]

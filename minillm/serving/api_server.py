@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
 from .protocol import BadRequest, CompletionRequest, error_response, unsupported
-from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
+from ..sampling_params import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .text_stream import TextStream
 
 

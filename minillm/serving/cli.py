@@ -32,7 +32,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's knobs under vLLM's flag names, and the server's own."""
-    from ..cli import add_model_arguments
+    from ..checkpoints.load import add_model_arguments
     from ..scheduler import SchedulerConfig
     d = SchedulerConfig()
     add_model_arguments(parser)

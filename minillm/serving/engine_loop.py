@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..engine import LLMEngine, RequestOutput
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 log = logging.getLogger("minillm.server")
 

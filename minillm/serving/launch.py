@@ -27,7 +27,8 @@ def run(args) -> int:
     import uvicorn
     from ..scheduler import SchedulerConfig
     from ..checkpoints.tokenizer import load_tokenizer
-    from ..checkpoints.load import load_model, resolve_device, resolve_dtype
+    from ..checkpoints.load import load_model
+    from ..device import resolve_device, resolve_dtype
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)

@@ -1,0 +1,82 @@
+"""What a request asks of sampling, and when its generation ends: vLLM's `SamplingParams`.
+
+The fields carry vLLM's names, so what you learn here carries over:
+
+    temperature   0 means greedy (argmax); otherwise logits are divided by it (≥ 0.01)
+    top_k         keep only the k most likely tokens (0 or -1: keep all)
+    top_p         keep the smallest set of tokens whose probability sums to ≥ p
+    max_tokens    how many tokens to generate at most
+    seed          a per-request random stream: the same seed gives the same text
+    stop_token_ids, ignore_eos
+                  generation ends at the end-of-text token, or any listed id
+
+Every field is checked when the params are made, and they are frozen, so a
+request's params cannot change while it runs. `finish_reason` is the one rule
+every decoder uses to end a sequence.
+
+This file needs no torch, as nano-vllm's does: the scheduler's side of the engine
+(sequences, blocks, queues) can be read, run and tested without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import check_int, check_real
+
+FINISH_STOP = "stop"        # an end-of-text or stop token was generated
+FINISH_LENGTH = "length"    # max_tokens reached, or the context is full
+FINISH_ABORT = "abort"      # the caller aborted the request
+MIN_TEMPERATURE = 0.01  # vLLM raises smaller temperatures to this; we refuse them: logits / T can overflow
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        """Check every field, and keep it as a plain Python value; from here on the params are frozen."""
+        t = check_real("temperature", self.temperature, " (0 means greedy)")
+        if t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={t:g} must be 0 (greedy) or at least {MIN_TEMPERATURE}: below that, "
+                             "sampling is greedy in all but name and dividing the logits by it can overflow")
+        p = check_real("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p={p} must be in (0, 1]; 1 keeps every token")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise ValueError(f"stop_token_ids={stops!r} must be a list of token ids, e.g. [{stops!r}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        checked = dict(
+            temperature=t, top_p=p,
+            top_k=check_int("top_k", self.top_k, -1, hint=" (0 or -1 keep every token)"),
+            max_tokens=check_int("max_tokens", self.max_tokens, 1, hint=": a request generates at least one token"),
+            seed=None if self.seed is None else check_int("seed", self.seed, 0, 2**64,
+                                                          hint=", or None for an unseeded request"),
+            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # the one way to set a field of a frozen dataclass
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,
+                  eos_token_id: int | None, n_ctx: int) -> str | None:
+    """Why a sequence ends after emitting `token` as its `num_generated`-th token
+    (its length is now `seq_len`), or None if it goes on. One rule for every decoder.
+
+    The context is full when the next step would feed a token at position n_ctx,
+    past the position table: that is when seq_len exceeds n_ctx."""
+    if token in params.stop_token_ids or (token == eos_token_id and not params.ignore_eos):
+        return FINISH_STOP
+    if num_generated >= params.max_tokens or seq_len > n_ctx:
+        return FINISH_LENGTH
+    return None
