@@ -138,7 +138,7 @@ def model_cache():
     import common  # lessons/common.py
     from minillm.checkpoints import load as weights
     cache, saved = ModelCache(weights.random_model), (weights.random_model, common.random_model)
-    weights.random_model = common.random_model = cache  # a lesson's own `from minillm.weights import` sees it too
+    weights.random_model = common.random_model = cache  # a lesson's own `from minillm.checkpoints.load import` sees it too
     try:
         yield cache
     finally:

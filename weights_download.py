@@ -9,7 +9,7 @@
 Each checkpoint is three files from its Hugging Face hub repo (REPOS):
 config.json, tokenizer.json and model.safetensors. The names are minillm's
 one list, `minillm.config.HF_CHECKPOINTS`; the folder is the loader's,
-`minillm.weights.default_weights_dir()`.
+`minillm.checkpoints.load.default_weights_dir()`.
 
 What the hub's own client does
 ------------------------------

@@ -21,11 +21,11 @@ def _needs_serve_extra(module: str):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return _needs_serve_extra("serve_main").run(args)
+    return _needs_serve_extra("serving.launch").run(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    _needs_serve_extra("server")  # the same extra: httpx, and the rest with it
+    _needs_serve_extra("serving.api_server")  # the same extra: httpx, and the rest with it
     from ..bench import serve as bench_serve
     return bench_serve.run(args)
 
