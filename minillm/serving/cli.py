@@ -7,13 +7,14 @@ without them is one `error:` line that says what to install.
 from __future__ import annotations
 
 import argparse
+import importlib
 
 SERVE_EXTRA = 'python -m pip install -e ".[serve]"'
 
 
 def _needs_serve_extra(module: str):
     try:
-        return __import__(f"minillm.{module}", fromlist=[module])
+        return importlib.import_module(f"minillm.{module}")
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in ("fastapi", "uvicorn", "prometheus_client", "httpx", "starlette"):
             raise ValueError(f"{e.name} is not installed; serving needs the [serve] extra: {SERVE_EXTRA}") from None
@@ -21,11 +22,11 @@ def _needs_serve_extra(module: str):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return _needs_serve_extra("serve_main").run(args)
+    return _needs_serve_extra("serving.launch").run(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    _needs_serve_extra("server")  # the same extra: httpx, and the rest with it
+    _needs_serve_extra("serving.api_server")  # the same extra: httpx, and the rest with it
     from ..bench import serve as bench_serve
     return bench_serve.run(args)
 
