@@ -1,4 +1,4 @@
-"""The HTTP server (minillm/server.py) and its load generator (minillm/bench_serve.py).
+"""The HTTP server (minillm/serving/) and its load generator (minillm/bench/serve.py).
 
 Every test starts its own server on a free port of 127.0.0.1 and stops it, on a
 context-sensitive tiny model, so the greedy text streamed over HTTP can only
@@ -29,7 +29,7 @@ from minillm.engine import LLMEngine  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.scheduler import SchedulerConfig  # noqa: E402
-from minillm.serving.api_server import BackgroundServer, make_frontend  # noqa: E402
+from minillm.serving.api_server import BackgroundServer, make_serving  # noqa: E402
 from minillm.bench.workloads import BenchRequest, arrivals, workload  # noqa: E402
 from minillm.serving.text_stream import TextStream  # noqa: E402
 from minillm.checkpoints.tokenizer import load_tokenizer  # noqa: E402
@@ -52,12 +52,12 @@ def start(model, tokenizer, max_queue=64, num_blocks=128, **engine_kwargs):
              if k in engine_kwargs}
     engine = LLMEngine(model, SchedulerConfig(**{"max_num_batched_tokens": 256, "max_num_seqs": 8, **sched}),
                        num_blocks=num_blocks, **engine_kwargs)
-    return BackgroundServer(make_frontend(engine, tokenizer, NAME, max_queue))
+    return BackgroundServer(make_serving(engine, tokenizer, NAME, max_queue))
 
 
 def on_engine(server, fn):
     """Run fn(engine) on the engine's own thread (the only one that may touch it)."""
-    return server.frontend.loop.call(fn).result(timeout=30)
+    return server.serving.loop.call(fn).result(timeout=30)
 
 
 def wait_idle(server, timeout=30.0):
@@ -102,7 +102,7 @@ def test_openai_client_streams_the_greedy_tokens(model, tokenizer):
         metrics = httpx.get(server.url + "/metrics").text
         assert "minillm:time_to_first_token_seconds_count 2.0" in metrics
         assert f"minillm:generation_tokens_total {2.0 * n}" in metrics
-    assert not server.thread.is_alive() and not server.frontend.loop.alive
+    assert not server.thread.is_alive() and not server.serving.loop.alive
 
 
 @pytest.mark.parametrize("knobs", [dict(enable_chunked_prefill=True, max_num_batched_tokens=16),

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from ..engine import LLMEngine, RequestOutput
-from .api_server import build_app, make_frontend
+from .api_server import build_app, make_serving
 
 
 def request_record(out: RequestOutput) -> dict:
@@ -44,12 +44,12 @@ def run(args) -> int:
         log_file.flush()
 
     name = args.served_model_name or args.model
-    fe = make_frontend(engine, tokenizer, name, args.max_queue, write_record if log_file else None)
-    app = build_app(fe)
+    serving = make_serving(engine, tokenizer, name, args.max_queue, write_record if log_file else None)
+    app = build_app(serving)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: from now on every new request gets 503
-            fe.loop.accepting = False
+            serving.loop.accepting = False
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -65,7 +65,7 @@ def run(args) -> int:
     try:
         server.run()
     finally:
-        fe.loop.stop(close=True)
+        serving.loop.stop(close=True)
         if log_file:
             log_file.close()
     if not server.started:

@@ -1,0 +1,172 @@
+"""The work behind each endpoint: check a request, hand it to the engine thread, and shape what comes back.
+
+As in vLLM's `entrypoints/openai`, an endpoint is three parts: `protocol.py`
+holds the request and response types, this file does the work, and
+`api_server.py` only routes. A completion goes:
+
+    body ──check──▶ prompt ids + SamplingParams ──EngineLoop.submit──▶ Accepted | Rejected (429, 503, 400)
+         ◀── one RequestOutput per step ◀── engine thread
+    RequestOutput ──TextStream──▶ the text each token added ──▶ an SSE event, or one JSON body at the end
+
+A request whose client is gone, or whose text hit a stop string, is aborted at
+once, so the engine frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from ..engine import RequestOutput
+from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
+from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
+from .prometheus import ServerMetrics
+from .protocol import BadRequest, CompletionRequest, error_response, unsupported
+from .text_stream import TextStream
+
+
+class OpenAIServing:
+    """What the endpoints need: the engine loop, the tokenizer, the model's name, and the metrics."""
+
+    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int):
+        self.loop, self.tokenizer, self.model_name, self.max_model_len = loop, tokenizer, model_name, max_model_len
+        self.metrics = ServerMetrics(loop)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "minillm", "max_model_len": self.max_model_len}]}
+
+    # ---- checking a request ----------------------------------------------------------------------
+
+    def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise BadRequest(400, f"the prompt is a batch of {len(prompt)} prompts; this server takes one "
+                                      "prompt per request: send one request for each")
+            prompt = prompt[0]
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def params(self, body: CompletionRequest) -> tuple[SamplingParams, list[str]]:
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop_strings = [s for s in stops if isinstance(s, str)]
+        stop_ids = [s for s in stops if not isinstance(s, str)] + list(body.stop_token_ids or [])
+        try:
+            return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                  max_tokens=body.max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
+                                  ignore_eos=body.ignore_eos), stop_strings
+        except ValueError as e:
+            raise BadRequest(400, str(e)) from None
+
+    async def start(self, body: CompletionRequest, arrival: float) -> tuple[str, list[int], SamplingParams,
+                                                                           list[str], asyncio.Queue]:
+        """Check the request, hand it to the engine thread, and wait for its answer (Accepted or Rejected)."""
+        if body.model is not None and body.model != self.model_name:
+            raise BadRequest(404, f"the model {body.model!r} does not exist; this server serves "
+                                  f"{self.model_name!r} (GET /v1/models)")
+        problem = unsupported(body)
+        if problem:
+            raise BadRequest(400, problem)
+        prompt = self.prompt_ids(body.prompt)
+        params, stops = self.params(body)
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: the handler is gone, nobody to tell
+                pass
+
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.loop.submit(request_id, prompt, params, arrival, put)
+        try:
+            answer = await outputs.get()
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.loop.abort(request_id)
+            raise
+        if isinstance(answer, Rejected):
+            self.metrics.rejected.labels(str(answer.status)).inc()
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
+            raise BadRequest(answer.status, answer.message, headers)
+        return request_id, prompt, params, stops, outputs
+
+    # ---- POST /v1/completions --------------------------------------------------------------------
+
+    async def completion(self, body: CompletionRequest, request: Request):
+        """The completion, as server-sent events (`stream: true`) or as one body at its end."""
+        request_id, prompt, params, stops, outputs = await self.start(body, time.perf_counter())
+        text = TextStream(self.tokenizer.decode, stops)
+        created = int(time.time())
+
+        def chunk(delta: str, reason: str | None) -> dict:
+            return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+
+        def usage(num_generated: int) -> dict:
+            return {"prompt_tokens": len(prompt), "completion_tokens": num_generated,
+                    "total_tokens": len(prompt) + num_generated}
+
+        async def events():
+            """One event per generated token, as the engine makes them; abort the request if the client leaves."""
+            done, generated = False, []
+            try:
+                while not done:
+                    out = await outputs.get()
+                    if isinstance(out, Failed):
+                        yield format_sse_event(data_str=json.dumps({"error": {"message": out.message,
+                                                                              "type": "InternalServerError",
+                                                                              "code": 500}}))
+                        return
+                    new, generated = out.output_token_ids[len(generated):], out.output_token_ids
+                    for k in range(len(new)):
+                        last = out.finished and k == len(new) - 1
+                        delta = text.update(generated[:len(generated) - len(new) + k + 1], last)
+                        done = last or text.stopped
+                        yield format_sse_event(data_str=json.dumps(chunk(delta, _reason(out, text) if done
+                                                                         else None)))
+                        if done:
+                            break
+                    if out.finished and not new:  # aborted before another token
+                        done = True
+                        yield format_sse_event(data_str=json.dumps(chunk(text.update(generated, True),
+                                                                         _reason(out, text))))
+                if (body.stream_options or {}).get("include_usage"):
+                    yield format_sse_event(data_str=json.dumps(
+                        {**chunk("", None), "choices": [], "usage": usage(len(generated))}))
+                yield format_sse_event(data_str="[DONE]")
+            finally:
+                if not done or text.stopped:  # the client left, or a stop string ended the text early
+                    self.loop.abort(request_id)
+
+        if body.stream:
+            return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
+
+        parts = []  # not streamed: wait for the end, and notice a client that stops waiting
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(outputs.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.loop.abort(request_id)
+                        return Response(status_code=499)
+                    continue
+                if isinstance(out, Failed):
+                    return error_response(500, out.message)
+                parts.append(text.update(out.output_token_ids, out.finished))
+                if out.finished or text.stopped:
+                    break
+        except asyncio.CancelledError:
+            self.loop.abort(request_id)
+            raise
+        if text.stopped and not out.finished:
+            self.loop.abort(request_id)
+        return {**chunk("".join(parts), _reason(out, text)), "usage": usage(len(out.output_token_ids))}
+
+
+def _reason(out: RequestOutput, text: TextStream) -> str:
+    return FINISH_STOP if text.stopped else (out.finish_reason or FINISH_ABORT)
