@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import EngineLoop
 from .protocol import BadRequest, CompletionRequest, error_response
-from .serving import OpenAIServing
+from .serving import OpenAIServing, cancelled_when_client_leaves
 
 
 def build_app(serving: OpenAIServing) -> FastAPI:
@@ -78,7 +78,7 @@ def build_app(serving: OpenAIServing) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await serving.completion(body, request)
+        return await cancelled_when_client_leaves(serving.completion(body), request)
 
     return app
 

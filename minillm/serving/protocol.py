@@ -47,11 +47,14 @@ class BadRequest(Exception):
         self.status, self.message, self.headers = status, message, headers
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "code"}}."""
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     kind = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(status, "ServiceUnavailable")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status, headers=headers)
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def unsupported(body: CompletionRequest) -> str | None:

@@ -26,7 +26,7 @@ from ..engine import RequestOutput
 from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
 from .prometheus import ServerMetrics
-from .protocol import BadRequest, CompletionRequest, error_response, unsupported
+from .protocol import BadRequest, CompletionRequest, error_body, error_response, unsupported
 from .text_stream import TextStream
 
 
@@ -94,9 +94,39 @@ class OpenAIServing:
             raise BadRequest(answer.status, answer.message, headers)
         return request_id, prompt, params, stops, outputs
 
+    # ---- the text, token by token ------------------------------------------------------------------
+
+    async def deltas(self, request_id: str, outputs: asyncio.Queue, text: TextStream):
+        """Yield (the text each token added, None, tokens so far), and last (its text, the finish reason, tokens).
+
+        The request is aborted when this generator is left early: the client left (the handler was cancelled
+        while it awaited the next output), or a stop string ended the text. A step that failed raises
+        EngineFailed."""
+        done, generated = False, []
+        try:
+            while not done:
+                out = await outputs.get()
+                if isinstance(out, Failed):
+                    done = True  # the engine loop has aborted it already
+                    raise EngineFailed(out.message)
+                new, generated = out.output_token_ids[len(generated):], out.output_token_ids
+                for k in range(len(new)):
+                    last = out.finished and k == len(new) - 1
+                    delta = text.update(generated[:len(generated) - len(new) + k + 1], last)
+                    done = last or text.stopped
+                    yield delta, _reason(out, text) if done else None, len(generated) - len(new) + k + 1
+                    if done:
+                        break
+                if out.finished and not new:  # aborted before another token
+                    done = True
+                    yield text.update(generated, True), _reason(out, text), len(generated)
+        finally:
+            if not done or text.stopped:
+                self.loop.abort(request_id)
+
     # ---- POST /v1/completions --------------------------------------------------------------------
 
-    async def completion(self, body: CompletionRequest, request: Request):
+    async def completion(self, body: CompletionRequest):
         """The completion, as server-sent events (`stream: true`) or as one body at its end."""
         request_id, prompt, params, stops, outputs = await self.start(body, time.perf_counter())
         text = TextStream(self.tokenizer.decode, stops)
@@ -110,62 +140,61 @@ class OpenAIServing:
             return {"prompt_tokens": len(prompt), "completion_tokens": num_generated,
                     "total_tokens": len(prompt) + num_generated}
 
-        async def events():
-            """One event per generated token, as the engine makes them; abort the request if the client leaves."""
-            done, generated = False, []
-            try:
-                while not done:
-                    out = await outputs.get()
-                    if isinstance(out, Failed):
-                        yield format_sse_event(data_str=json.dumps({"error": {"message": out.message,
-                                                                              "type": "InternalServerError",
-                                                                              "code": 500}}))
-                        return
-                    new, generated = out.output_token_ids[len(generated):], out.output_token_ids
-                    for k in range(len(new)):
-                        last = out.finished and k == len(new) - 1
-                        delta = text.update(generated[:len(generated) - len(new) + k + 1], last)
-                        done = last or text.stopped
-                        yield format_sse_event(data_str=json.dumps(chunk(delta, _reason(out, text) if done
-                                                                         else None)))
-                        if done:
-                            break
-                    if out.finished and not new:  # aborted before another token
-                        done = True
-                        yield format_sse_event(data_str=json.dumps(chunk(text.update(generated, True),
-                                                                         _reason(out, text))))
-                if (body.stream_options or {}).get("include_usage"):
-                    yield format_sse_event(data_str=json.dumps(
-                        {**chunk("", None), "choices": [], "usage": usage(len(generated))}))
-                yield format_sse_event(data_str="[DONE]")
-            finally:
-                if not done or text.stopped:  # the client left, or a stop string ended the text early
-                    self.loop.abort(request_id)
-
+        tokens = self.deltas(request_id, outputs, text)
         if body.stream:
+            async def events():
+                """One event per generated token, as the engine makes them, then the usage and [DONE]."""
+                n = 0
+                try:
+                    async for delta, reason, n in tokens:
+                        yield format_sse_event(data_str=json.dumps(chunk(delta, reason)))
+                except EngineFailed as e:
+                    yield format_sse_event(data_str=json.dumps(error_body(500, str(e))))
+                    return
+                finally:
+                    await tokens.aclose()  # a client that left: abort now, not when the generator is collected
+                if (body.stream_options or {}).get("include_usage"):
+                    yield format_sse_event(data_str=json.dumps({**chunk("", None), "choices": [], "usage": usage(n)}))
+                yield format_sse_event(data_str="[DONE]")
+
             return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
 
-        parts = []  # not streamed: wait for the end, and notice a client that stops waiting
+        parts, reason, n = [], None, 0  # not streamed: one body at the end (a client that leaves cancels this)
         try:
-            while True:
-                try:
-                    out = await asyncio.wait_for(outputs.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self.loop.abort(request_id)
-                        return Response(status_code=499)
-                    continue
-                if isinstance(out, Failed):
-                    return error_response(500, out.message)
-                parts.append(text.update(out.output_token_ids, out.finished))
-                if out.finished or text.stopped:
-                    break
-        except asyncio.CancelledError:
-            self.loop.abort(request_id)
-            raise
-        if text.stopped and not out.finished:
-            self.loop.abort(request_id)
-        return {**chunk("".join(parts), _reason(out, text)), "usage": usage(len(out.output_token_ids))}
+            async for delta, reason, n in tokens:
+                parts.append(delta)
+        except EngineFailed as e:
+            return error_response(500, str(e))
+        finally:
+            await tokens.aclose()
+        return {**chunk("".join(parts), reason), "usage": usage(n)}
+
+
+class EngineFailed(Exception):
+    """The engine step running this request raised; the message says how."""
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return once the client has gone: after the body, the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancelled_when_client_leaves(work, request: Request):
+    """Await `work` (a handler's coroutine), cancelling it if the client disconnects first, as vLLM's
+    `with_cancellation` does: a client that stops waiting for a non-streamed answer aborts its request at
+    once, not after its last token. Returns work's result, or a 499 response nobody will read."""
+    handler, listener = asyncio.ensure_future(work), asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait([handler, listener], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (handler, listener):
+            if not task.done():
+                task.cancel()
+    if handler.done() and not handler.cancelled():
+        return handler.result()
+    await asyncio.gather(handler, return_exceptions=True)  # its finally blocks (the abort) have run
+    return Response(status_code=499)
 
 
 def _reason(out: RequestOutput, text: TextStream) -> str:
