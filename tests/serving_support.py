@@ -16,7 +16,8 @@ import pytest
 from minillm.checkpoints.tokenizer import load_tokenizer
 from minillm.engine import LLMEngine
 from minillm.scheduler import SchedulerConfig
-from minillm.serving.api_server import BackgroundServer, make_serving
+from minillm.serving.api_server import make_serving
+from minillm.serving.launch import BackgroundServer
 from models import context_model
 
 NAME = "tiny"

@@ -32,8 +32,7 @@ JSON event; lesson 12 measures the total against the engine's own records.
 """
 from __future__ import annotations
 
-import threading
-import time
+from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -42,15 +41,51 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine import LLMEngine, RequestOutput
-from .engine_loop import EngineLoop
+from .engine_loop import RETRY_AFTER_S, EngineLoop
 from .protocol import BadRequest, CompletionRequest, error_response
 from .serving import OpenAIServing, cancelled_when_client_leaves
 
 
-def build_app(serving: OpenAIServing) -> FastAPI:
-    """The FastAPI app: the four routes, and OpenAI-shaped errors for everything that goes wrong."""
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's own knobs (the engine's are LLMEngine's): where it listens, and how it shuts down."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    shutdown_timeout: float = 5.0    # seconds running requests get after SIGINT/SIGTERM; then they are aborted
+    timeout_keep_alive: float = 5.0  # an idle connection is closed after this many seconds
+
+    def __post_init__(self):
+        for name in ("shutdown_timeout", "timeout_keep_alive"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a number of seconds ≥ 0")
+
+    @classmethod
+    def from_args(cls, args) -> "ServerConfig":
+        return cls(args.host, args.port, args.shutdown_timeout, args.timeout_keep_alive)
+
+
+class Gate:
+    """ASGI middleware that answers before any route: while the server drains for shutdown, every request
+    but /metrics gets 503 with Retry-After, and the connection is closed after it."""
+
+    def __init__(self, app, serving: OpenAIServing):
+        self.app, self.serving = app, serving
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not self.serving.loop.accepting and scope["path"] != "/metrics":
+            refusal = error_response(503, "the server is shutting down and admits no new request; retry on "
+                                          "another replica, or here once it is back",
+                                     {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+            return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The FastAPI app: the routes, and OpenAI-shaped errors for everything that goes wrong."""
     app = FastAPI(title="minillm", description="An OpenAI-compatible server for minillm's engine")
     app.state.serving = serving
+    app.add_middleware(Gate, serving=serving)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -100,36 +135,3 @@ def make_serving(engine: LLMEngine, tokenizer, model_name: str, max_queue: int =
 
     loop.on_finished = finished  # before any request: none can arrive until the serving object is returned
     return serving
-
-
-class BackgroundServer:
-    """The server on a thread of this process, on a free port of 127.0.0.1 (tests, lessons, notebooks).
-
-        with BackgroundServer(make_serving(engine, tokenizer, "tiny")) as server:
-            httpx.get(server.url + "/health")
-    """
-
-    def __init__(self, serving: OpenAIServing, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-        self.serving = serving
-        config = uvicorn.Config(build_app(serving), host=host, port=port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="minillm-http", daemon=True)
-
-    def __enter__(self) -> "BackgroundServer":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.01)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.serving.loop.accepting = False
-        self.server.should_exit = True
-        self.thread.join()
-        self.serving.loop.stop()

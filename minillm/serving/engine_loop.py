@@ -105,6 +105,13 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self, why: str) -> Future:
+        """Abort every unfinished request, logging one line for each; the future holds their ids. Each
+        request's handler gets its last output (finish_reason "abort") as usual, so its stream can end."""
+        future: Future = Future()
+        self._inbox.put(("abort_all", why, future))
+        return future
+
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) on the engine thread, between steps; the future holds its result or exception."""
         future: Future = Future()
@@ -166,6 +173,15 @@ class EngineLoop:
             return False
         if command[0] == "abort":
             engine.abort_request(command[1])  # False for one already finished: nothing to do
+            return False
+        if command[0] == "abort_all":
+            _, why, future = command
+            for request_id in list(self._streams):
+                seq = engine.requests.get(request_id)
+                if engine.abort_request(request_id):
+                    log.warning("request %s aborted (%s) after %d tokens", request_id, why,
+                                len(seq.output_token_ids))
+            future.set_result(list(self._streams))
             return False
         if command[0] == "call":
             _, fn, future = command
