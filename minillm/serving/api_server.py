@@ -36,14 +36,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop
-from .protocol import BadRequest, CompletionRequest, error_response
+from .errors import APIError, error_response, read_body
+from .protocol import CompletionRequest
 from .serving import OpenAIServing, cancelled_when_client_leaves
+
+
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class Gate:
         if scope["type"] == "http" and not self.serving.loop.accepting and scope["path"] != "/metrics":
             refusal = error_response(503, "the server is shutting down and admits no new request; retry on "
                                           "another replica, or here once it is back",
-                                     {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+                                     headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
             return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -87,17 +92,29 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
     app.state.serving = serving
     app.add_middleware(Gate, serving=serving)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        message = f"{where}: {first.get('msg')}" if first.get("type") != "json_invalid" else \
-            f"the body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
-        return error_response(400, message.replace("\n", " "))
+    @app.exception_handler(APIError)
+    async def refused(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
-    @app.exception_handler(BadRequest)
-    async def bad(request: Request, exc: BadRequest):
-        return error_response(exc.status, exc.message, exc.headers)
+    @app.exception_handler(HTTPException)
+    async def no_such_route(request: Request, exc: HTTPException):  # Starlette's 404 and 405
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = f"there is no {path} here; the routes are {ROUTES}"
+        elif exc.status_code == 405:
+            message = f"{path} takes {exc.headers.get('Allow', 'another method')}, not {method}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):  # it hung up mid-body: nobody to answer
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def server_fault(request: Request, exc: Exception):  # a bug: 500 in the same shape, and a traceback
+        return error_response(500, f"the server failed: {type(exc).__name__}: {exc}; this is a bug in the "
+                                   "server, not in the request")
 
     @app.get("/health")
     async def health():
@@ -112,7 +129,8 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
         return serving.models()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await read_body(request, CompletionRequest)  # all of it, before listening for a disconnect
         return await cancelled_when_client_leaves(serving.completion(body), request)
 
     return app

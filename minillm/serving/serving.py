@@ -26,7 +26,8 @@ from ..engine import RequestOutput
 from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
 from .prometheus import ServerMetrics
-from .protocol import BadRequest, CompletionRequest, error_body, error_response, unsupported
+from .errors import APIError, error_body, error_response, param_of
+from .protocol import CompletionRequest, SamplingFields, unsupported
 from .text_stream import TextStream
 
 
@@ -46,33 +47,35 @@ class OpenAIServing:
     def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise BadRequest(400, f"the prompt is a batch of {len(prompt)} prompts; this server takes one "
-                                      "prompt per request: send one request for each")
+                raise APIError(400, f"the prompt is a batch of {len(prompt)} prompts; this server takes one "
+                                    "prompt per request: send one request for each", "prompt")
             prompt = prompt[0]
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
-    def params(self, body: CompletionRequest) -> tuple[SamplingParams, list[str]]:
+    def params(self, body: SamplingFields, num_prompt_tokens: int) -> tuple[SamplingParams, list[str]]:
+        """The engine's SamplingParams for the body (a null field: its default), and the stop strings."""
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stop_strings = [s for s in stops if isinstance(s, str)]
         stop_ids = [s for s in stops if not isinstance(s, str)] + list(body.stop_token_ids or [])
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.max_model_len - num_prompt_tokens + 1
+        given = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p),
+                                   ("top_k", body.top_k)) if v is not None}
         try:
-            return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                  max_tokens=body.max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
+            return SamplingParams(**given, max_tokens=max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
                                   ignore_eos=body.ignore_eos), stop_strings
         except ValueError as e:
-            raise BadRequest(400, str(e)) from None
+            raise APIError(400, str(e), param_of(str(e), type(body).model_fields)) from None
 
-    async def start(self, body: CompletionRequest, arrival: float) -> tuple[str, list[int], SamplingParams,
-                                                                           list[str], asyncio.Queue]:
+    async def start(self, body: SamplingFields, prompt: list[int], arrival: float) -> tuple[
+            str, SamplingParams, list[str], asyncio.Queue]:
         """Check the request, hand it to the engine thread, and wait for its answer (Accepted or Rejected)."""
         if body.model is not None and body.model != self.model_name:
-            raise BadRequest(404, f"the model {body.model!r} does not exist; this server serves "
-                                  f"{self.model_name!r} (GET /v1/models)")
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", "model")
         problem = unsupported(body)
         if problem:
-            raise BadRequest(400, problem)
-        prompt = self.prompt_ids(body.prompt)
-        params, stops = self.params(body)
+            raise APIError(400, *problem)
+        params, stops = self.params(body, len(prompt))
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
 
         def put(item) -> None:
@@ -91,8 +94,9 @@ class OpenAIServing:
         if isinstance(answer, Rejected):
             self.metrics.rejected.labels(str(answer.status)).inc()
             headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
-            raise BadRequest(answer.status, answer.message, headers)
-        return request_id, prompt, params, stops, outputs
+            param = param_of(answer.message, type(body).model_fields) if answer.status == 400 else None
+            raise APIError(answer.status, answer.message, param, headers)
+        return request_id, params, stops, outputs
 
     # ---- the text, token by token ------------------------------------------------------------------
 
@@ -128,7 +132,9 @@ class OpenAIServing:
 
     async def completion(self, body: CompletionRequest):
         """The completion, as server-sent events (`stream: true`) or as one body at its end."""
-        request_id, prompt, params, stops, outputs = await self.start(body, time.perf_counter())
+        arrival = time.perf_counter()
+        prompt = self.prompt_ids(body.prompt)
+        request_id, params, stops, outputs = await self.start(body, prompt, arrival)
         text = TextStream(self.tokenizer.decode, stops)
         created = int(time.time())
 
@@ -153,7 +159,7 @@ class OpenAIServing:
                     return
                 finally:
                     await tokens.aclose()  # a client that left: abort now, not when the generator is collected
-                if (body.stream_options or {}).get("include_usage"):
+                if body.stream_options and body.stream_options.include_usage:
                     yield format_sse_event(data_str=json.dumps({**chunk("", None), "choices": [], "usage": usage(n)}))
                 yield format_sse_event(data_str="[DONE]")
 
