@@ -32,7 +32,9 @@ JSON event; lesson 12 measures the total against the engine's own records.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import secrets
+from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -57,7 +59,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     shutdown_timeout: float = 5.0    # seconds running requests get after SIGINT/SIGTERM; then they are aborted
-    timeout_keep_alive: float = 5.0  # an idle connection is closed after this many seconds
+    timeout_keep_alive: float = 5.0  # a connection with no request in progress is closed after this many seconds
+    api_key: str | None = field(default=None, repr=False)  # every route but /health and /metrics needs it
+    enable_docs: bool = False        # /docs and /openapi.json
 
     def __post_init__(self):
         for name in ("shutdown_timeout", "timeout_keep_alive"):
@@ -67,18 +71,35 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args) -> "ServerConfig":
-        return cls(args.host, args.port, args.shutdown_timeout, args.timeout_keep_alive)
+        """The flags of `serve`; the key from --api-key, else from $MINILLM_API_KEY (as vLLM's VLLM_API_KEY)."""
+        return cls(args.host, args.port, args.shutdown_timeout, args.timeout_keep_alive,
+                   args.api_key or os.environ.get("MINILLM_API_KEY") or None, args.enable_fastapi_docs)
+
+
+OPEN_PATHS = ("/health", "/metrics")  # what a load balancer and Prometheus read: open even with an API key
 
 
 class Gate:
-    """ASGI middleware that answers before any route: while the server drains for shutdown, every request
-    but /metrics gets 503 with Retry-After, and the connection is closed after it."""
+    """ASGI middleware that answers before any route. With an API key, a request to any path but /health
+    and /metrics without `Authorization: Bearer <key>` gets 401. While the server drains for shutdown,
+    every request but /metrics gets 503 with Retry-After, and its connection is closed after it."""
 
-    def __init__(self, app, serving: OpenAIServing):
+    def __init__(self, app, serving: OpenAIServing, api_key: str | None):
         self.app, self.serving = app, serving
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not self.serving.loop.accepting and scope["path"] != "/metrics":
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):  # in constant time: no timing hints
+                refusal = error_response(401, "a valid API key is required: send the header 'Authorization: "
+                                              "Bearer <key>' with the key the server was started with "
+                                              "(--api-key or MINILLM_API_KEY)",
+                                         headers={"WWW-Authenticate": "Bearer"})
+                return await refusal(scope, receive, send)
+        if not self.serving.loop.accepting and scope["path"] != "/metrics":
             refusal = error_response(503, "the server is shutting down and admits no new request; retry on "
                                           "another replica, or here once it is back",
                                      headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
@@ -88,9 +109,12 @@ class Gate:
 
 def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> FastAPI:
     """The FastAPI app: the routes, and OpenAI-shaped errors for everything that goes wrong."""
-    app = FastAPI(title="minillm", description="An OpenAI-compatible server for minillm's engine")
+    docs = config.enable_docs
+    app = FastAPI(title="minillm", description="An OpenAI-compatible server for minillm's engine",
+                  docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.serving = serving
-    app.add_middleware(Gate, serving=serving)
+    app.add_middleware(Gate, serving=serving, api_key=config.api_key)
 
     @app.exception_handler(APIError)
     async def refused(request: Request, exc: APIError):

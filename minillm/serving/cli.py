@@ -55,7 +55,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds running requests get to finish after SIGINT/SIGTERM; the rest are aborted")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                        help="close a connection that sends nothing for this many seconds")
+                        help="close a connection with no request in progress this many seconds after it opened "
+                             "or after its last response")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                             "(default: $MINILLM_API_KEY; neither: no key needed)")
+    parser.add_argument("--enable-fastapi-docs", action="store_true", help="serve /docs and /openapi.json")
     parser.add_argument("--request-log", default=None,
                         help="append the engine's record of each finished request to this file as JSON lines "
                              "(arrival and token times in time.perf_counter seconds; lesson 12 reads it)")

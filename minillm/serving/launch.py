@@ -26,6 +26,7 @@ import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..engine import LLMEngine, RequestOutput
 from .api_server import ServerConfig, build_app, make_serving
@@ -35,12 +36,36 @@ log = logging.getLogger("minillm.server")
 LAST_BYTES_S = 2.0  # after the aborts, how long the handlers get to send their last events before uvicorn cancels
 
 
+class IdleClosingH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, which also closes a connection that never completes a request.
+
+    uvicorn starts its keep-alive clock only after a response, and stops it at the first byte received, so a
+    client that connects and sends nothing, or half a request head, holds its socket forever. Here the clock
+    (`--timeout-keep-alive`) also starts when the connection opens, and only a whole request head stops it:
+    a connection with no request in progress is closed that many seconds after it opened or after its last
+    response. A request in progress (a long stream included) is never cut."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        clock, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None  # so uvicorn does not stop it
+        super().data_received(data)
+        if clock is None:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            clock.cancel()  # a request began: it runs as long as it needs
+        elif self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = clock  # still no whole request head: the clock runs on
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, whose shutdown drains the engine first (the module's steps 1 to 3)."""
 
     def __init__(self, serving: OpenAIServing, config: ServerConfig):
         super().__init__(uvicorn.Config(build_app(serving, config), host=config.host, port=config.port,
-                                        log_level="warning", lifespan="off",
+                                        log_level="warning", lifespan="off", http=IdleClosingH11Protocol,
                                         timeout_keep_alive=config.timeout_keep_alive,
                                         timeout_graceful_shutdown=LAST_BYTES_S))
         self.serving, self.shutdown_timeout = serving, config.shutdown_timeout
