@@ -48,7 +48,7 @@ def slowed(engine: LLMEngine, step_delay: float) -> LLMEngine:
 
 
 def start(model, tokenizer, max_queue=64, num_blocks=128, step_delay=0.0, on_finished=None, server=None,
-          **engine_kwargs) -> BackgroundServer:
+          chat_template=None, **engine_kwargs) -> BackgroundServer:
     """A BackgroundServer (not yet entered) around a fresh engine; `server` holds ServerConfig fields."""
     sched = {k: engine_kwargs.pop(k) for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
              if k in engine_kwargs}
@@ -56,7 +56,8 @@ def start(model, tokenizer, max_queue=64, num_blocks=128, step_delay=0.0, on_fin
                        num_blocks=num_blocks, **engine_kwargs)
     if step_delay:
         slowed(engine, step_delay)
-    return BackgroundServer(make_serving(engine, tokenizer, NAME, max_queue, on_finished), **(server or {}))
+    serving = make_serving(engine, tokenizer, NAME, max_queue, on_finished, chat_template=chat_template)
+    return BackgroundServer(serving, **(server or {}))
 
 
 def on_engine(server, fn):

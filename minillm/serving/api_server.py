@@ -46,11 +46,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop
 from .errors import APIError, error_response, read_body
-from .protocol import CompletionRequest
+from .chat_template import ChatTemplate
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import OpenAIServing, cancelled_when_client_leaves
 
 
-ROUTES = "POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+          "GET /health, GET /metrics")
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,19 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
         body = await read_body(request, CompletionRequest)  # all of it, before listening for a disconnect
         return await cancelled_when_client_leaves(serving.completion(body), request)
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, ChatCompletionRequest)
+        return await cancelled_when_client_leaves(serving.chat(body), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return serving.tokenize(await read_body(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return serving.detokenize(await read_body(request, DetokenizeRequest))
+
     return app
 
 
@@ -164,11 +179,12 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
 
 
 def make_serving(engine: LLMEngine, tokenizer, model_name: str, max_queue: int = 256,
-                 on_finished: Callable[[RequestOutput], None] | None = None) -> OpenAIServing:
+                 on_finished: Callable[[RequestOutput], None] | None = None, root: str | None = None,
+                 chat_template: ChatTemplate | None = None) -> OpenAIServing:
     """An engine thread for `engine`, and the serving object that talks to it; `on_finished(out)` also sees
     each finished request's output, on the engine thread (the server's --request-log)."""
     loop = EngineLoop(engine, max_queue)
-    serving = OpenAIServing(loop, tokenizer, model_name, engine.config.n_ctx)
+    serving = OpenAIServing(loop, tokenizer, model_name, engine.config.n_ctx, root, chat_template)
 
     def finished(out: RequestOutput) -> None:
         serving.metrics.record(out)

@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..engine import LLMEngine, RequestOutput
 from .api_server import ServerConfig, build_app, make_serving
+from .chat_template import ChatTemplate
 from .serving import OpenAIServing
 
 log = logging.getLogger("minillm.server")
@@ -157,6 +158,7 @@ def run(args) -> int:
     from ..checkpoints.tokenizer import load_tokenizer
     from ..checkpoints.load import load_model, resolve_device, resolve_dtype
     config = ServerConfig.from_args(args)  # its checks first: a bad flag costs no model load
+    chat_template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
@@ -173,7 +175,8 @@ def run(args) -> int:
         log_file.flush()
 
     name = args.served_model_name or args.model
-    serving = make_serving(engine, tokenizer, name, args.max_queue, write_record if log_file else None)
+    serving = make_serving(engine, tokenizer, name, args.max_queue, write_record if log_file else None,
+                           root=args.model, chat_template=chat_template)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s minillm: %(message)s"))
     log.addHandler(handler)

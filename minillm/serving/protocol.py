@@ -14,6 +14,9 @@ ignored, as vLLM ignores them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -53,6 +56,93 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as a chat template reads it: content as one string (text parts joined)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content or "", **({"name": self.name} if self.name else {})}
+
+
+class ChatCompletionRequest(SamplingFields):
+    """The body of POST /v1/chat/completions: OpenAI's `messages`, `max_completion_tokens` (the newer name of
+    `max_tokens`), and vLLM's `add_generation_prompt`."""
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # as OpenAI's chat: by default, up to the end of the context
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """The body of POST /tokenize, as vLLM takes it: a `prompt`, or `messages` for the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- what comes back ---------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionShape:
+    """The bodies of /v1/completions: `text_completion` objects, streamed or whole."""
+    model: str
+    created: int
+    id_prefix = "cmpl"
+
+    def opening(self, request_id: str) -> list[dict]:
+        return []  # a completion's first event is its first token's
+
+    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+
+    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
+        return self.chunk(request_id, text, reason)
+
+
+@dataclass
+class ChatShape:
+    """The bodies of /v1/chat/completions: a `chat.completion`, or `chat.completion.chunk` events whose
+    first carries only the role, as OpenAI and vLLM send it."""
+    model: str
+    created: int
+    id_prefix = "chatcmpl"
+
+    def _chunk(self, request_id: str, delta: dict, reason: str | None) -> dict:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+    def opening(self, request_id: str) -> list[dict]:
+        return [self._chunk(request_id, {"role": "assistant", "content": ""}, None)]
+
+    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
+        return self._chunk(request_id, {"content": delta}, reason)
+
+    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
+        return {"id": request_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": reason}]}
 
 
 def unsupported(body: SamplingFields) -> tuple[str, str] | None:

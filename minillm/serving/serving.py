@@ -27,20 +27,27 @@ from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
 from .prometheus import ServerMetrics
 from .errors import APIError, error_body, error_response, param_of
-from .protocol import CompletionRequest, SamplingFields, unsupported
+from .chat_template import ChatTemplate, ChatTemplateError
+from .protocol import (ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, DetokenizeRequest,
+                       SamplingFields, TokenizeRequest, unsupported)
 from .text_stream import TextStream
 
 
 class OpenAIServing:
-    """What the endpoints need: the engine loop, the tokenizer, the model's name, and the metrics."""
+    """What the endpoints need: the engine loop, the tokenizer, the model's name and root (the checkpoint it
+    was loaded from), its chat template if it has one, and the metrics."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int):
+    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, root: str | None = None,
+                 chat_template: ChatTemplate | None = None):
         self.loop, self.tokenizer, self.model_name, self.max_model_len = loop, tokenizer, model_name, max_model_len
+        self.root, self.chat_template = root or model_name, chat_template
         self.metrics = ServerMetrics(loop)
 
     def models(self) -> dict:
+        """GET /v1/models, with vLLM's `root` (what --model named) and `max_model_len`."""
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "minillm", "max_model_len": self.max_model_len}]}
+                                            "owned_by": "minillm", "root": self.root, "parent": None,
+                                            "max_model_len": self.max_model_len}]}
 
     # ---- checking a request ----------------------------------------------------------------------
 
@@ -57,7 +64,8 @@ class OpenAIServing:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stop_strings = [s for s in stops if isinstance(s, str)]
         stop_ids = [s for s in stops if not isinstance(s, str)] + list(body.stop_token_ids or [])
-        max_tokens = body.max_tokens if body.max_tokens is not None else self.max_model_len - num_prompt_tokens + 1
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        max_tokens = max_tokens if max_tokens is not None else self.max_model_len - num_prompt_tokens + 1
         given = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p),
                                    ("top_k", body.top_k)) if v is not None}
         try:
@@ -66,12 +74,25 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), type(body).model_fields)) from None
 
-    async def start(self, body: SamplingFields, prompt: list[int], arrival: float) -> tuple[
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", "model")
+
+    def render_chat(self, messages, add_generation_prompt: bool) -> str:
+        if self.chat_template is None:
+            raise APIError(400, f"{self.model_name!r} has no chat template (GPT-2 was never trained to chat); "
+                                "start the server with --chat-template FILE (a Jinja template, as vLLM takes), "
+                                "or send a prompt to /v1/completions", "messages")
+        try:
+            return self.chat_template.render([m.as_template_input() for m in messages], add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+
+    async def start(self, body: SamplingFields, prompt: list[int], arrival: float, id_prefix: str) -> tuple[
             str, SamplingParams, list[str], asyncio.Queue]:
         """Check the request, hand it to the engine thread, and wait for its answer (Accepted or Rejected)."""
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", "model")
+        self.check_model(body.model)
         problem = unsupported(body)
         if problem:
             raise APIError(400, *problem)
@@ -84,7 +105,7 @@ class OpenAIServing:
             except RuntimeError:  # the event loop is closed: the handler is gone, nobody to tell
                 pass
 
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.loop.submit(request_id, prompt, params, arrival, put)
         try:
             answer = await outputs.get()
@@ -128,39 +149,67 @@ class OpenAIServing:
             if not done or text.stopped:
                 self.loop.abort(request_id)
 
-    # ---- POST /v1/completions --------------------------------------------------------------------
+    # ---- the endpoints ---------------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest):
-        """The completion, as server-sent events (`stream: true`) or as one body at its end."""
+        """POST /v1/completions."""
         arrival = time.perf_counter()
-        prompt = self.prompt_ids(body.prompt)
-        request_id, params, stops, outputs = await self.start(body, prompt, arrival)
-        text = TextStream(self.tokenizer.decode, stops)
-        created = int(time.time())
+        return await self.respond(body, self.prompt_ids(body.prompt), arrival,
+                                  CompletionShape(self.model_name, int(time.time())))
 
-        def chunk(delta: str, reason: str | None) -> dict:
-            return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+    async def chat(self, body: ChatCompletionRequest):
+        """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
+        arrival = time.perf_counter()
+        self.check_model(body.model)
+        prompt = self.tokenizer.encode(self.render_chat(body.messages, body.add_generation_prompt))
+        return await self.respond(body, prompt, arrival, ChatShape(self.model_name, int(time.time())))
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """POST /tokenize, as vLLM answers it."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either a prompt (text) or messages (for the chat template), not both "
+                                "nor neither", "prompt")
+        text = body.prompt if body.messages is None else self.render_chat(body.messages, body.add_generation_prompt)
+        tokens = self.tokenizer.encode(text)
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """POST /detokenize, as vLLM answers it."""
+        self.check_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"token id {t} at position {i} is outside the vocabulary [0, {vocab}); "
+                                    "send ids that /tokenize gave", f"tokens[{i}]")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def respond(self, body: SamplingFields, prompt: list[int], arrival: float, shape):
+        """Run the request; its answer as server-sent events (`stream: true`) or as one body at its end."""
+        request_id, params, stops, outputs = await self.start(body, prompt, arrival, shape.id_prefix)
+        tokens = self.deltas(request_id, outputs, TextStream(self.tokenizer.decode, stops))
 
         def usage(num_generated: int) -> dict:
             return {"prompt_tokens": len(prompt), "completion_tokens": num_generated,
                     "total_tokens": len(prompt) + num_generated}
 
-        tokens = self.deltas(request_id, outputs, text)
         if body.stream:
             async def events():
                 """One event per generated token, as the engine makes them, then the usage and [DONE]."""
                 n = 0
                 try:
+                    for event in shape.opening(request_id):
+                        yield format_sse_event(data_str=json.dumps(event))
                     async for delta, reason, n in tokens:
-                        yield format_sse_event(data_str=json.dumps(chunk(delta, reason)))
+                        yield format_sse_event(data_str=json.dumps(shape.chunk(request_id, delta, reason)))
                 except EngineFailed as e:
                     yield format_sse_event(data_str=json.dumps(error_body(500, str(e))))
                     return
                 finally:
                     await tokens.aclose()  # a client that left: abort now, not when the generator is collected
                 if body.stream_options and body.stream_options.include_usage:
-                    yield format_sse_event(data_str=json.dumps({**chunk("", None), "choices": [], "usage": usage(n)}))
+                    yield format_sse_event(data_str=json.dumps(
+                        {**shape.chunk(request_id, "", None), "choices": [], "usage": usage(n)}))
                 yield format_sse_event(data_str="[DONE]")
 
             return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
@@ -173,7 +222,7 @@ class OpenAIServing:
             return error_response(500, str(e))
         finally:
             await tokens.aclose()
-        return {**chunk("".join(parts), reason), "usage": usage(n)}
+        return {**shape.whole(request_id, "".join(parts), reason), "usage": usage(n)}
 
 
 class EngineFailed(Exception):
