@@ -77,6 +77,12 @@ CLIENT_FAULTS = [  # (what the client sends, status, the openai exception, param
     (dict(stream=True, stream_options={"include_usage": "yes"}), 400, openai.BadRequestError,
      "stream_options.include_usage", "must be a valid boolean"),
     (dict(prompt=None), 400, openai.BadRequestError, "prompt", "is null"),
+    (dict(max_tokens=10**40), 400, openai.BadRequestError, "max_tokens", "lower max_tokens"),
+    (dict(seed=2**64), 400, openai.BadRequestError, "seed", "seed=18446744073709551616"),
+    (dict(top_k=-2), 400, openai.BadRequestError, "top_k", "top_k=-2"),
+    (dict(stop="x", n=1.0), 400, openai.BadRequestError, "n", "is 1.0; it must be a valid integer"),
+    (dict(extra={"repetition_penalty": 1.2}), 400, openai.BadRequestError, "repetition_penalty",
+     "repetition_penalty=1.2 is not supported"),
 ]
 
 
@@ -85,7 +91,8 @@ CLIENT_FAULTS = [  # (what the client sends, status, the openai exception, param
 def test_the_openai_client_gets_each_error_in_openais_shape(server, server_log, fault, status, exception, param,
                                                             phrase):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    request = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 4, **fault}
+    request = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 4,
+               **{k: v for k, v in fault.items() if k != "extra"}, **fault.get("extra", {})}
     known = {k: request.pop(k) for k in ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "n",
                                          "logprobs", "echo", "presence_penalty", "stop", "stream", "stream_options")
              if k in request}
@@ -113,7 +120,11 @@ RAW_FAULTS = [  # (the request's bytes, status, type, param, a phrase of the mes
     (post_bytes("/v1/completions", b'{"prompt": [1, 2'), 400, "BadRequestError", None, "not valid JSON"),
     (post_bytes("/v1/completions", b'{"prompt": [1], "temperature": NaN}'), 400, "BadRequestError", None,
      "NaN is not a JSON number"),
-    (post_bytes("/v1/completions", b'[{"prompt": [1]}]'), 400, "BadRequestError", None, "the body is a JSON list"),
+    (post_bytes("/v1/completions", b'[{"prompt": [1]}]'), 400, "BadRequestError", None,
+     "the body is an array, not a JSON object"),
+    (post_bytes("/v1/completions", b'{"prompt": [1], "temperature": 1e999}'), 400, "BadRequestError", "temperature",
+     "temperature=inf must be a finite number"),
+    (post_bytes("/v1/completions", b"null"), 400, "BadRequestError", None, "the body is null, not a JSON object"),
     (post_bytes("/v1/completions", b'{"max_tokens": 2}'), 400, "BadRequestError", "prompt", "prompt is required"),
     (post_bytes("/v1/completions", b"", method="GET"), 405, "MethodNotAllowedError", None,
      "/v1/completions takes POST, not GET"),
@@ -125,7 +136,7 @@ RAW_FAULTS = [  # (the request's bytes, status, type, param, a phrase of the mes
 
 @pytest.mark.parametrize("data, status, kind, param, phrase", RAW_FAULTS,
                          ids=["surrogate-prompt", "surrogate-stop", "surrogate-model", "latin-1", "deep", "cut-json",
-                              "nan", "list", "missing", "get", "no-route", "too-large"])
+                              "nan", "array", "1e999", "null", "missing", "get", "no-route", "too-large"])
 def test_raw_bytes_get_each_error_in_openais_shape(server, server_log, data, status, kind, param, phrase):
     head, _, body = raw_http(server.url, data).partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()), head

@@ -86,7 +86,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, "the body nests arrays or objects deeper than this server parses; no field of a "
                             "request nests more than 3 levels") from None
     if not isinstance(obj, dict):
-        raise APIError(400, f"the body is a JSON {type(obj).__name__}; send an object, e.g. "
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
+        raise APIError(400, f"the body is {kind}, not a JSON object; send an object, e.g. "
                             '{"prompt": "Hello", "max_tokens": 16}')
     _check_unicode(obj, "")
     try:
