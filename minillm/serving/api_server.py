@@ -4,28 +4,33 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "gpt2", "prompt": "The KV cache", "max_tokens": 20, "stream": true}'
 
-Endpoints, as vLLM's `vllm serve` offers them:
+Routes, as vLLM's `vllm serve` offers them:
 
-    POST /v1/completions   one completion; `stream: true` sends it as server-sent events,
-                           one event per generated token, then `data: [DONE]`
-    GET  /v1/models        the one model served
-    GET  /health           200 while the engine thread is alive
-    GET  /metrics          Prometheus text: running/waiting requests, KV use, token
-                           counters, TTFT/ITL/end-to-end histograms
+    POST /v1/completions       one completion; `stream: true` sends it as server-sent events,
+                               one event per generated token, then `data: [DONE]`
+    POST /v1/chat/completions  the same, for messages rendered by --chat-template (GPT-2 has
+                               no template of its own: without one, 400 saying so)
+    GET  /v1/models            the one model served (`id`, `root`, `max_model_len`)
+    POST /tokenize, /detokenize  text (or messages) to token ids, and back
+    GET  /health               200 while the engine thread is alive (503 while draining)
+    GET  /metrics              Prometheus text: running/waiting requests, KV use, token
+                               counters, TTFT/ITL/end-to-end histograms
 
-GPT-2 has no chat template, so there is no /v1/chat/completions (it answers 404).
 This file only routes, as vLLM's `api_server` does: the request and response
-types are `protocol.py`'s, the work behind each route is `serving.py`'s, the one
-thread that calls the engine is `engine_loop.py`'s, the text of each event is
-`text_stream.py`'s, and the metrics are `prometheus.py`'s.
+types are `protocol.py`'s, the work behind each route is `serving.py`'s, the
+error shape and the reading of a body `errors.py`'s, the one thread that calls
+the engine is `engine_loop.py`'s, the text of each event is `text_stream.py`'s,
+the metrics `prometheus.py`'s, and the listening and the shutdown `launch.py`'s.
 
-- At most `--max-queue` requests wait for a slot; one more gets 429 and a
-  `Retry-After` header. While shutting down, 503.
-- A client that disconnects (or a stop string that ends the text) aborts its
-  request: the engine frees its blocks at once.
-- Bad input (malformed JSON, a wrong type, a prompt longer than the context, a
-  token id out of the vocabulary, top_p outside (0, 1]) gets 400 with the
-  engine's own message, and the server keeps serving.
+- A request a free batch slot will take is admitted; beyond those, at most
+  `--max-queue` wait, and one more gets 429 with `Retry-After`.
+- A client that disconnects, streamed or not, aborts its request within a
+  step (a stop string that ends the text too): the engine frees its blocks.
+- Every error, on any route, is OpenAI's {"error": {"message", "type",
+  "param", "code"}}: 4xx for what a client sent (errors.py lists them), 500
+  only for a fault of the server.
+- `Gate` answers before any route: 401 without the API key (`--api-key`),
+  503 with `Retry-After` while the server drains for shutdown.
 
 What it costs: per token, one hop between threads, one incremental decode, one
 JSON event; lesson 12 measures the total against the engine's own records.
