@@ -150,12 +150,14 @@ def _path(err: dict, obj) -> tuple[str, int]:
     return path, depth
 
 
-def param_of(message: str, fields) -> str:
-    """The field an engine's ValueError is about. SamplingParams' messages start with it (`top_p=1.5 must
-    be ...`); the engine's own name the prompt, or max_tokens where it is the one to lower."""
+def param_of(message: str, body: BaseModel) -> str:
+    """The field of `body` an engine's ValueError is about. SamplingParams' messages start with it (`top_p=1.5
+    must be ...`); the engine's own name the prompt, a stop token id, or max_tokens where it is the one to
+    lower."""
     named = re.match(r"(\w+)=", message)
-    if named and named.group(1) in fields:
+    if named and named.group(1) in type(body).model_fields:
         return named.group(1)
-    if message.startswith(("stop token id", "a stop token id")):
-        return "stop"
+    stop_id = re.match(r"(?:a )?stop token id[ =](-?\d+)", message)
+    if stop_id:
+        return "stop_token_ids" if int(stop_id.group(1)) in (body.stop_token_ids or []) else "stop"
     return "max_tokens" if "lower max_tokens" in message else "prompt"

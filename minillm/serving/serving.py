@@ -72,7 +72,7 @@ class OpenAIServing:
             return SamplingParams(**given, max_tokens=max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
                                   ignore_eos=body.ignore_eos), stop_strings
         except ValueError as e:
-            raise APIError(400, str(e), param_of(str(e), type(body).model_fields)) from None
+            raise APIError(400, str(e), param_of(str(e), body)) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -115,7 +115,7 @@ class OpenAIServing:
         if isinstance(answer, Rejected):
             self.metrics.rejected.labels(str(answer.status)).inc()
             headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
-            param = param_of(answer.message, type(body).model_fields) if answer.status == 400 else None
+            param = param_of(answer.message, body) if answer.status == 400 else None
             raise APIError(answer.status, answer.message, param, headers)
         return request_id, params, stops, outputs
 
