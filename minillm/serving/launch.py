@@ -102,13 +102,17 @@ class Server(uvicorn.Server):
     async def drain(self) -> None:
         """Steps 2 and 3: wait for the running requests, abort the rest, then let uvicorn close."""
         loop = self.serving.loop
+
+        async def busy() -> bool:  # asked of the engine thread; a dead one has nothing left to finish
+            return loop.alive and await asyncio.wrap_future(loop.call(lambda e: e.has_unfinished_requests()))
+
         deadline = time.monotonic() + self.shutdown_timeout
-        while await asyncio.wrap_future(loop.call(lambda e: e.has_unfinished_requests())) \
-                and time.monotonic() < deadline and not self.hurry.is_set():
+        while await busy() and time.monotonic() < deadline and not self.hurry.is_set():
             await asyncio.sleep(0.02)
-        await asyncio.wrap_future(loop.abort_all(f"the server is shutting down; --shutdown-timeout="
-                                                 f"{self.shutdown_timeout:g} s passed"))
-        while await asyncio.wrap_future(loop.call(lambda e: e.has_unfinished_requests())):
+        if loop.alive:
+            why = "a second signal" if self.hurry.is_set() else f"--shutdown-timeout={self.shutdown_timeout:g} s passed"
+            await asyncio.wrap_future(loop.abort_all(f"the server is shutting down; {why}"))
+        while await busy():
             await asyncio.sleep(0.01)  # the aborts reach their handlers with the next step's outputs
         self.should_exit = True
 

@@ -24,10 +24,10 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from ..engine import RequestOutput
 from ..sampling import FINISH_ABORT, FINISH_STOP, SamplingParams
-from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
-from .prometheus import ServerMetrics
-from .errors import APIError, error_body, error_response, param_of
 from .chat_template import ChatTemplate, ChatTemplateError
+from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
+from .errors import APIError, error_body, error_response, param_of
+from .prometheus import ServerMetrics
 from .protocol import (ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, DetokenizeRequest,
                        SamplingFields, TokenizeRequest, unsupported)
 from .text_stream import TextStream
@@ -64,8 +64,10 @@ class OpenAIServing:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         stop_strings = [s for s in stops if isinstance(s, str)]
         stop_ids = [s for s in stops if not isinstance(s, str)] + list(body.stop_token_ids or [])
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        max_tokens = max_tokens if max_tokens is not None else self.max_model_len - num_prompt_tokens + 1
+        max_tokens = getattr(body, "max_completion_tokens", None)  # chat's newer name for max_tokens
+        max_tokens = body.max_tokens if max_tokens is None else max_tokens
+        if max_tokens is None:  # null: up to the end of the context
+            max_tokens = self.max_model_len - num_prompt_tokens + 1
         given = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p),
                                    ("top_k", body.top_k)) if v is not None}
         try:
