@@ -1,4 +1,4 @@
-"""The HTTP server (minillm/server.py) and its load generator (minillm/bench_serve.py).
+"""The HTTP server (minillm/serving/) and its load generator (minillm/bench/serve.py).
 
 Every test starts its own server on a free port of 127.0.0.1 and stops it, on a
 context-sensitive tiny model, so the greedy text streamed over HTTP can only
@@ -10,61 +10,23 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+import openai
 import pytest
 
-import httpx  # noqa: E402
-import openai  # noqa: E402
-
-from models import context_model, random_prompts  # noqa: E402
+from models import random_prompts  # noqa: E402
+from serving_support import NAME, free_port, model, on_engine, start, tokenizer, wait_idle  # noqa: E402,F401
 
 from minillm.bench.serve import RequestResult, benchmark, meets, parse_goodput, summarize  # noqa: E402
-from minillm.engine import LLMEngine  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
-from minillm.sampling import SamplingParams  # noqa: E402
-from minillm.scheduler import SchedulerConfig  # noqa: E402
-from minillm.serving.api_server import BackgroundServer, make_frontend  # noqa: E402
+from minillm.sampling_params import SamplingParams  # noqa: E402
 from minillm.bench.workloads import BenchRequest, arrivals, workload  # noqa: E402
 from minillm.serving.text_stream import TextStream  # noqa: E402
-from minillm.checkpoints.tokenizer import load_tokenizer  # noqa: E402
-
-NAME = "tiny"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return context_model()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(NAME)
-
-
-def start(model, tokenizer, max_queue=64, num_blocks=128, **engine_kwargs):
-    sched = {k: engine_kwargs.pop(k) for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
-             if k in engine_kwargs}
-    engine = LLMEngine(model, SchedulerConfig(**{"max_num_batched_tokens": 256, "max_num_seqs": 8, **sched}),
-                       num_blocks=num_blocks, **engine_kwargs)
-    return BackgroundServer(make_frontend(engine, tokenizer, NAME, max_queue))
-
-
-def on_engine(server, fn):
-    """Run fn(engine) on the engine's own thread (the only one that may touch it)."""
-    return server.frontend.loop.call(fn).result(timeout=30)
-
-
-def wait_idle(server, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while on_engine(server, lambda e: e.has_unfinished_requests()):
-        assert time.monotonic() < deadline, "the engine still holds requests"
-        time.sleep(0.02)
-
 
 def greedy_text(model, tokenizer, prompt, max_tokens):
     ids = generate(model, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
@@ -101,7 +63,7 @@ def test_openai_client_streams_the_greedy_tokens(model, tokenizer):
         metrics = httpx.get(server.url + "/metrics").text
         assert "minillm:time_to_first_token_seconds_count 2.0" in metrics
         assert f"minillm:generation_tokens_total {2.0 * n}" in metrics
-    assert not server.thread.is_alive() and not server.frontend.loop.alive
+    assert not server.thread.is_alive() and not server.serving.loop.alive
 
 
 @pytest.mark.parametrize("knobs", [dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
@@ -237,12 +199,6 @@ def test_the_itl_target_is_met_only_when_every_gap_meets_it():
     assert not meets(RequestResult(False, 4), {})  # a failed request meets no target
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
                          ids=["SIGTERM", "SIGINT"])
 def test_the_serve_command_shuts_down_cleanly_with_exit_0(tmp_path, sig):
@@ -274,28 +230,3 @@ def test_the_serve_command_shuts_down_cleanly_with_exit_0(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_max_queue_admits_exactly_that_many_waiting_requests(model):
-    """With the engine thread held between steps, 5 requests arrive at once: exactly `max_queue` = 2 of them
-    wait, and the other 3 get 429 (an off-by-one in the bound shows here, not in a race over HTTP)."""
-    import queue as queue_module
-    import threading
-
-    from minillm.serving.engine_loop import Accepted, EngineLoop, Rejected
-    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), num_blocks=64)
-    loop = EngineLoop(engine, max_queue=2)
-    try:
-        release, held = threading.Event(), threading.Event()
-        blocker = loop.call(lambda e: (held.set(), release.wait(30)))
-        assert held.wait(30)
-        boxes = [queue_module.SimpleQueue() for _ in range(5)]
-        for i, box in enumerate(boxes):
-            loop.submit(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2), time.perf_counter(), box.put)
-        release.set()
-        blocker.result(timeout=30)
-        first = [box.get(timeout=30) for box in boxes]
-        assert [type(f) for f in first] == [Accepted, Accepted, Rejected, Rejected, Rejected], first
-        assert all(f.status == 429 and "--max-queue=2" in f.message for f in first[2:])
-    finally:
-        loop.stop(timeout=30, close=True)

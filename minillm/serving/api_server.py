@@ -4,299 +4,197 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "gpt2", "prompt": "The KV cache", "max_tokens": 20, "stream": true}'
 
-Endpoints, as vLLM's `vllm serve` offers them:
+Routes, as vLLM's `vllm serve` offers them:
 
-    POST /v1/completions   one completion; `stream: true` sends it as server-sent events,
-                           one event per generated token, then `data: [DONE]`
-    GET  /v1/models        the one model served
-    GET  /health           200 while the engine thread is alive
-    GET  /metrics          Prometheus text: running/waiting requests, KV use, token
-                           counters, TTFT/ITL/end-to-end histograms
+    POST /v1/completions       one completion; `stream: true` sends it as server-sent events,
+                               one event per generated token, then `data: [DONE]`
+    POST /v1/chat/completions  the same, for messages rendered by --chat-template (GPT-2 has
+                               no template of its own: without one, 400 saying so)
+    GET  /v1/models            the one model served (`id`, `root`, `max_model_len`)
+    POST /tokenize, /detokenize  text (or messages) to token ids, and back
+    GET  /health               200 while the engine thread is alive (503 while draining)
+    GET  /metrics              Prometheus text: running/waiting requests, KV use, token
+                               counters, TTFT/ITL/end-to-end histograms
 
-GPT-2 has no chat template, so there is no /v1/chat/completions (it answers 404).
-The request body and its checks are `protocol.py`'s; the one thread that calls
-the engine is `engine_loop.py`'s; the text of each event is `text_stream.py`'s.
+This file only routes, as vLLM's `api_server` does: the request and response
+types are `protocol.py`'s, the work behind each route is `serving.py`'s, the
+error shape and the reading of a body `errors.py`'s, the one thread that calls
+the engine is `engine_loop.py`'s, the text of each event is `text_stream.py`'s,
+the metrics `prometheus.py`'s, and the listening and the shutdown `launch.py`'s.
 
-- At most `--max-queue` requests wait for a slot; one more gets 429 and a
-  `Retry-After` header. While shutting down, 503.
-- A client that disconnects (or a stop string that ends the text) aborts its
-  request: the engine frees its blocks at once.
-- Bad input (malformed JSON, a wrong type, a prompt longer than the context, a
-  token id out of the vocabulary, top_p outside (0, 1]) gets 400 with the
-  engine's own message, and the server keeps serving.
+- A request a free batch slot will take is admitted; beyond those, at most
+  `--max-queue` wait, and one more gets 429 with `Retry-After`.
+- A client that disconnects, streamed or not, aborts its request within a
+  step (a stop string that ends the text too): the engine frees its blocks.
+- Every error, on any route, is OpenAI's {"error": {"message", "type",
+  "param", "code"}}: 4xx for what a client sent (errors.py lists them), 500
+  only for a fault of the server.
+- `Gate` answers before any route: 401 without the API key (`--api-key`),
+  503 with `Retry-After` while the server drains for shutdown.
 
 What it costs: per token, one hop between threads, one incremental decode, one
 JSON event; lesson 12 measures the total against the engine's own records.
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import threading
-import time
-import uuid
+import os
+import secrets
+from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from fastapi.sse import EventSourceResponse, format_sse_event
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine import LLMEngine, RequestOutput
-from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
-from .protocol import BadRequest, CompletionRequest, error_response, unsupported
-from ..sampling_params import FINISH_ABORT, FINISH_STOP, SamplingParams
-from .text_stream import TextStream
+from .engine_loop import RETRY_AFTER_S, EngineLoop
+from .errors import APIError, error_response, read_body
+from .chat_template import ChatTemplate
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving import OpenAIServing, cancelled_when_client_leaves
 
 
-class Frontend:
-    """What a request handler needs: the engine loop, the tokenizer, the model's name, and the metrics."""
-
-    def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int):
-        self.loop, self.tokenizer, self.model_name, self.max_model_len = loop, tokenizer, model_name, max_model_len
-        self.registry = CollectorRegistry()
-        r = self.registry
-        Gauge("minillm:num_requests_running", "Requests in the running batch", registry=r).set_function(
-            lambda: loop.num_running)
-        Gauge("minillm:num_requests_waiting", "Requests waiting for a slot", registry=r).set_function(
-            lambda: loop.num_waiting)
-        Gauge("minillm:kv_cache_usage_perc", "Share of KV blocks in use (0 to 1)", registry=r).set_function(
-            lambda: loop.num_blocks_used / loop.num_blocks)
-        self.prompt_tokens = Counter("minillm:prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("minillm:generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("minillm:request_success", "Finished requests", ["finished_reason"], registry=r)
-        self.rejected = Counter("minillm:request_rejected", "Requests refused", ["status"], registry=r)
-        buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
-        self.ttft = Histogram("minillm:time_to_first_token_seconds", "Arrival to first token, engine-side",
-                              buckets=buckets, registry=r)
-        self.itl = Histogram("minillm:inter_token_latency_seconds", "Gap between two tokens, engine-side",
-                             buckets=buckets, registry=r)
-        self.e2e = Histogram("minillm:e2e_request_latency_seconds", "Arrival to finish, engine-side",
-                             buckets=buckets, registry=r)
-
-    def record(self, out: RequestOutput) -> None:
-        """The engine's own record of a finished request, into the metrics (runs on the engine thread)."""
-        m = out.metrics
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.output_token_ids))
-        self.finished.labels(out.finish_reason).inc()
-        if m.ttft is not None:
-            self.ttft.observe(m.ttft)
-        for gap in m.itls:
-            self.itl.observe(gap)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-
-    def prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise BadRequest(400, f"the prompt is a batch of {len(prompt)} prompts; this server takes one "
-                                      "prompt per request: send one request for each")
-            prompt = prompt[0]
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-
-    def params(self, body: CompletionRequest) -> tuple[SamplingParams, list[str]]:
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        stop_strings = [s for s in stops if isinstance(s, str)]
-        stop_ids = [s for s in stops if not isinstance(s, str)] + list(body.stop_token_ids or [])
-        try:
-            return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                  max_tokens=body.max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
-                                  ignore_eos=body.ignore_eos), stop_strings
-        except ValueError as e:
-            raise BadRequest(400, str(e)) from None
-
-    async def start(self, body: CompletionRequest, arrival: float) -> tuple[str, list[int], SamplingParams,
-                                                                           list[str], asyncio.Queue]:
-        """Check the request, hand it to the engine thread, and wait for its answer (Accepted or Rejected)."""
-        if body.model is not None and body.model != self.model_name:
-            raise BadRequest(404, f"the model {body.model!r} does not exist; this server serves "
-                                  f"{self.model_name!r} (GET /v1/models)")
-        problem = unsupported(body)
-        if problem:
-            raise BadRequest(400, problem)
-        prompt = self.prompt_ids(body.prompt)
-        params, stops = self.params(body)
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
-
-        def put(item) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the event loop is closed: the handler is gone, nobody to tell
-                pass
-
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        self.loop.submit(request_id, prompt, params, arrival, put)
-        try:
-            answer = await outputs.get()
-        except asyncio.CancelledError:  # the client left before the engine answered
-            self.loop.abort(request_id)
-            raise
-        if isinstance(answer, Rejected):
-            self.rejected.labels(str(answer.status)).inc()
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
-            raise BadRequest(answer.status, answer.message, headers)
-        return request_id, prompt, params, stops, outputs
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+          "GET /health, GET /metrics")
 
 
-def build_app(frontend: Frontend) -> FastAPI:
-    """The FastAPI app: the four endpoints, and OpenAI-shaped errors for everything that goes wrong."""
-    app = FastAPI(title="minillm", description="An OpenAI-compatible server for minillm's engine")
-    app.state.frontend = frontend
-    fe = frontend
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's own knobs (the engine's are LLMEngine's): where it listens, and how it shuts down."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    shutdown_timeout: float = 5.0    # seconds running requests get after SIGINT/SIGTERM; then they are aborted
+    timeout_keep_alive: float = 5.0  # a connection with no request in progress is closed after this many seconds
+    api_key: str | None = field(default=None, repr=False)  # every route but /health and /metrics needs it
+    enable_docs: bool = False        # /docs and /openapi.json
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        message = f"{where}: {first.get('msg')}" if first.get("type") != "json_invalid" else \
-            f"the body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
-        return error_response(400, message.replace("\n", " "))
+    def __post_init__(self):
+        for name in ("shutdown_timeout", "timeout_keep_alive"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a number of seconds ≥ 0")
 
-    @app.exception_handler(BadRequest)
-    async def bad(request: Request, exc: BadRequest):
-        return error_response(exc.status, exc.message, exc.headers)
+    @classmethod
+    def from_args(cls, args) -> "ServerConfig":
+        """The flags of `serve`; the key from --api-key, else from $MINILLM_API_KEY (as vLLM's VLLM_API_KEY)."""
+        return cls(args.host, args.port, args.shutdown_timeout, args.timeout_keep_alive,
+                   args.api_key or os.environ.get("MINILLM_API_KEY") or None, args.enable_fastapi_docs)
+
+
+OPEN_PATHS = ("/health", "/metrics")  # what a load balancer and Prometheus read: open even with an API key
+
+
+class Gate:
+    """ASGI middleware that answers before any route. With an API key, a request to any path but /health
+    and /metrics without `Authorization: Bearer <key>` gets 401. While the server drains for shutdown,
+    every request but /metrics gets 503 with Retry-After, and its connection is closed after it."""
+
+    def __init__(self, app, serving: OpenAIServing, api_key: str | None):
+        self.app, self.serving = app, serving
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):  # in constant time: no timing hints
+                refusal = error_response(401, "a valid API key is required: send the header 'Authorization: "
+                                              "Bearer <key>' with the key the server was started with "
+                                              "(--api-key or MINILLM_API_KEY)",
+                                         headers={"WWW-Authenticate": "Bearer"})
+                return await refusal(scope, receive, send)
+        if not self.serving.loop.accepting and scope["path"] != "/metrics":
+            refusal = error_response(503, "the server is shutting down and admits no new request; retry on "
+                                          "another replica, or here once it is back",
+                                     headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+            return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The FastAPI app: the routes, and OpenAI-shaped errors for everything that goes wrong."""
+    docs = config.enable_docs
+    app = FastAPI(title="minillm", description="An OpenAI-compatible server for minillm's engine",
+                  docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    app.state.serving = serving
+    app.add_middleware(Gate, serving=serving, api_key=config.api_key)
+
+    @app.exception_handler(APIError)
+    async def refused(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def no_such_route(request: Request, exc: HTTPException):  # Starlette's 404 and 405
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = f"there is no {path} here; the routes are {ROUTES}"
+        elif exc.status_code == 405:
+            message = f"{path} takes {exc.headers.get('Allow', 'another method')}, not {method}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):  # it hung up mid-body: nobody to answer
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def server_fault(request: Request, exc: Exception):  # a bug: 500 in the same shape, and a traceback
+        return error_response(500, f"the server failed: {type(exc).__name__}: {exc}; this is a bug in the "
+                                   "server, not in the request")
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if fe.loop.alive else 503)
+        return Response(status_code=200 if serving.loop.alive else 503)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(fe.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(serving.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": fe.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "minillm", "max_model_len": fe.max_model_len}]}
+        return serving.models()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        arrival = time.perf_counter()
-        request_id, prompt, params, stops, outputs = await fe.start(body, arrival)
-        text = TextStream(fe.tokenizer.decode, stops)
-        created = int(time.time())
+    async def completions(request: Request):
+        body = await read_body(request, CompletionRequest)  # all of it, before listening for a disconnect
+        return await cancelled_when_client_leaves(serving.completion(body), request)
 
-        def chunk(delta: str, reason: str | None) -> dict:
-            return {"id": request_id, "object": "text_completion", "created": created, "model": fe.model_name,
-                    "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, ChatCompletionRequest)
+        return await cancelled_when_client_leaves(serving.chat(body), request)
 
-        def usage(num_generated: int) -> dict:
-            return {"prompt_tokens": len(prompt), "completion_tokens": num_generated,
-                    "total_tokens": len(prompt) + num_generated}
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return serving.tokenize(await read_body(request, TokenizeRequest))
 
-        async def events():
-            """One event per generated token, as the engine makes them; abort the request if the client leaves."""
-            done, generated = False, []
-            try:
-                while not done:
-                    out = await outputs.get()
-                    if isinstance(out, Failed):
-                        yield format_sse_event(data_str=json.dumps({"error": {"message": out.message,
-                                                                              "type": "InternalServerError",
-                                                                              "code": 500}}))
-                        return
-                    new, generated = out.output_token_ids[len(generated):], out.output_token_ids
-                    for k in range(len(new)):
-                        last = out.finished and k == len(new) - 1
-                        delta = text.update(generated[:len(generated) - len(new) + k + 1], last)
-                        done = last or text.stopped
-                        yield format_sse_event(data_str=json.dumps(chunk(delta, _reason(out, text) if done
-                                                                         else None)))
-                        if done:
-                            break
-                    if out.finished and not new:  # aborted before another token
-                        done = True
-                        yield format_sse_event(data_str=json.dumps(chunk(text.update(generated, True),
-                                                                         _reason(out, text))))
-                if (body.stream_options or {}).get("include_usage"):
-                    yield format_sse_event(data_str=json.dumps(
-                        {**chunk("", None), "choices": [], "usage": usage(len(generated))}))
-                yield format_sse_event(data_str="[DONE]")
-            finally:
-                if not done or text.stopped:  # the client left, or a stop string ended the text early
-                    fe.loop.abort(request_id)
-
-        if body.stream:
-            return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
-
-        parts = []  # not streamed: wait for the end, and notice a client that stops waiting
-        try:
-            while True:
-                try:
-                    out = await asyncio.wait_for(outputs.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        fe.loop.abort(request_id)
-                        return Response(status_code=499)
-                    continue
-                if isinstance(out, Failed):
-                    return error_response(500, out.message)
-                parts.append(text.update(out.output_token_ids, out.finished))
-                if out.finished or text.stopped:
-                    break
-        except asyncio.CancelledError:
-            fe.loop.abort(request_id)
-            raise
-        if text.stopped and not out.finished:
-            fe.loop.abort(request_id)
-        return {**chunk("".join(parts), _reason(out, text)), "usage": usage(len(out.output_token_ids))}
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return serving.detokenize(await read_body(request, DetokenizeRequest))
 
     return app
-
-
-def _reason(out: RequestOutput, text: TextStream) -> str:
-    return FINISH_STOP if text.stopped else (out.finish_reason or FINISH_ABORT)
 
 
 # ---- running it --------------------------------------------------------------------------------
 
 
-def make_frontend(engine: LLMEngine, tokenizer, model_name: str, max_queue: int = 256,
-                  on_finished: Callable[[RequestOutput], None] | None = None) -> Frontend:
-    """An engine thread for `engine`, and the frontend that talks to it; `on_finished(out)` also sees each
-    finished request's output, on the engine thread (the server's --request-log)."""
+def make_serving(engine: LLMEngine, tokenizer, model_name: str, max_queue: int = 256,
+                 on_finished: Callable[[RequestOutput], None] | None = None, root: str | None = None,
+                 chat_template: ChatTemplate | None = None) -> OpenAIServing:
+    """An engine thread for `engine`, and the serving object that talks to it; `on_finished(out)` also sees
+    each finished request's output, on the engine thread (the server's --request-log)."""
     loop = EngineLoop(engine, max_queue)
-    fe = Frontend(loop, tokenizer, model_name, engine.config.n_ctx)
+    serving = OpenAIServing(loop, tokenizer, model_name, engine.config.n_ctx, root, chat_template)
 
     def finished(out: RequestOutput) -> None:
-        fe.record(out)
+        serving.metrics.record(out)
         if on_finished is not None:
             on_finished(out)
 
-    loop.on_finished = finished  # before any request: none can arrive until the frontend is returned
-    return fe
-
-
-class BackgroundServer:
-    """The server on a thread of this process, on a free port of 127.0.0.1 (tests, lessons, notebooks).
-
-        with BackgroundServer(make_frontend(engine, tokenizer, "tiny")) as server:
-            httpx.get(server.url + "/health")
-    """
-
-    def __init__(self, frontend: Frontend, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-        self.frontend = frontend
-        config = uvicorn.Config(build_app(frontend), host=host, port=port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="minillm-http", daemon=True)
-
-    def __enter__(self) -> "BackgroundServer":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.01)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.frontend.loop.accepting = False
-        self.server.should_exit = True
-        self.thread.join()
-        self.frontend.loop.stop()
+    loop.on_finished = finished  # before any request: none can arrive until the serving object is returned
+    return serving

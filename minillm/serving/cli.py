@@ -1,21 +1,23 @@
 """The flags of `python -m minillm serve` and `bench-serve`, kept apart from the server's imports.
 
-FastAPI, uvicorn, prometheus-client and httpx come with the `[serve]` extra.
+FastAPI, uvicorn, prometheus-client, Jinja and httpx come with the `[serve]` extra.
 `python -m minillm --help` works without them; running either command
 without them is one `error:` line that says what to install.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 
 SERVE_EXTRA = 'python -m pip install -e ".[serve]"'
+SERVE_MODULES = ("fastapi", "starlette", "uvicorn", "prometheus_client", "jinja2", "httpx")
 
 
 def _needs_serve_extra(module: str):
     try:
-        return __import__(f"minillm.{module}", fromlist=[module])
+        return importlib.import_module(f"minillm.{module}")
     except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] in ("fastapi", "uvicorn", "prometheus_client", "httpx", "starlette"):
+        if e.name and e.name.split(".")[0] in SERVE_MODULES:
             raise ValueError(f"{e.name} is not installed; serving needs the [serve] extra: {SERVE_EXTRA}") from None
         raise
 
@@ -53,6 +55,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a slot in the batch; past it, 429 with Retry-After")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds running requests get to finish after SIGINT/SIGTERM; the rest are aborted")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="close a connection with no request in progress this many seconds after it opened "
+                             "or after its last response")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                             "(default: $MINILLM_API_KEY; neither: no key needed)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template for /v1/chat/completions (GPT-2 has none: without it, 400)")
+    parser.add_argument("--enable-fastapi-docs", action="store_true", help="serve /docs and /openapi.json")
     parser.add_argument("--request-log", default=None,
                         help="append the engine's record of each finished request to this file as JSON lines "
                              "(arrival and token times in time.perf_counter seconds; lesson 12 reads it)")
@@ -60,8 +71,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, streamed or not)",
-                              description="Serve the engine over HTTP: /v1/completions, /v1/models, /health, "
-                                          "/metrics. Needs the [serve] extra.")
+                              description="Serve the engine over HTTP: /v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /tokenize, /detokenize, /health, /metrics. Needs the "
+                                          "[serve] extra.")
     add_serve_arguments(p)
     p.set_defaults(func=run_serve)
     p = subparsers.add_parser("bench-serve", help="load an OpenAI-compatible server; TTFT/ITL percentiles, goodput",

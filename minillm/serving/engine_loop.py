@@ -14,8 +14,10 @@ Even `add_request` runs on that thread, so its own checks (prompt length,
 token ids, the pool) give the 400's one-line message. A test that must look at
 the engine (its invariants) asks the thread to do it: `EngineLoop.call(fn)`.
 
-Back-pressure and faults: at most `max_queue` requests wait for a slot in the
-running batch; one more is Rejected with 429 (and 503 once stopping). A step
+Back-pressure and faults: a request that a free slot of the running batch will
+take at the next step is always admitted; beyond those, at most `max_queue`
+requests wait for a slot, and one more is Rejected with 429 (503 once
+stopping). So `max_queue=0` admits only what can start now. A step
 that raises fails every request it could have touched, and the thread goes on
 serving. `stop()` aborts what is unfinished, so no request is left without an end.
 """
@@ -77,7 +79,7 @@ class EngineLoop:
                  on_finished: Callable[[RequestOutput], None] | None = None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue={max_queue!r} must be an integer ≥ 0: the most requests that may wait "
-                             "for a slot in the running batch (0: refuse any request that cannot start at once)")
+                             "for a slot in the running batch (0: admit only what can start at once)")
         self.engine = engine  # read by nobody else: the name is for the docs and for `call`
         self.max_queue = max_queue
         self.on_finished = on_finished  # runs on the engine thread for each finished request (metrics, logs)
@@ -104,6 +106,13 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def abort_all(self, why: str) -> Future:
+        """Abort every unfinished request, logging one line for each; the future holds their ids. Each
+        request's handler gets its last output (finish_reason "abort") as usual, so its stream can end."""
+        future: Future = Future()
+        self._inbox.put(("abort_all", why, future))
+        return future
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run fn(engine) on the engine thread, between steps; the future holds its result or exception."""
@@ -150,10 +159,12 @@ class EngineLoop:
         if isinstance(command, _Add):
             if not self.accepting:
                 command.put(Rejected(503, "the server is shutting down and admits no new request"))
-            elif len(engine.scheduler.waiting) >= self.max_queue:
-                command.put(Rejected(429, f"{len(engine.scheduler.waiting)} requests are already waiting, the "
-                                          f"most --max-queue={self.max_queue} allows; retry after "
-                                          f"{RETRY_AFTER_S} s, or start the server with a larger --max-queue"))
+            elif self.queued_beyond_slots(joining=1) > self.max_queue:
+                slots = engine.scheduler_config.max_num_seqs
+                command.put(Rejected(429, f"the batch's {slots} slots are taken and {self.queued_beyond_slots()} "
+                                          f"requests already wait for one, the most --max-queue={self.max_queue} "
+                                          f"allows; retry after {RETRY_AFTER_S} s, or start the server with a "
+                                          "larger --max-queue"))
             else:
                 try:
                     engine.add_request(command.prompt, command.params, command.request_id, command.arrival_time)
@@ -167,6 +178,15 @@ class EngineLoop:
         if command[0] == "abort":
             engine.abort_request(command[1])  # False for one already finished: nothing to do
             return False
+        if command[0] == "abort_all":
+            _, why, future = command
+            for request_id in list(self._streams):
+                seq = engine.requests.get(request_id)
+                if engine.abort_request(request_id):
+                    log.warning("request %s aborted (%s) after %d tokens", request_id, why,
+                                len(seq.output_token_ids))
+            future.set_result(list(self._streams))
+            return False
         if command[0] == "call":
             _, fn, future = command
             try:
@@ -175,6 +195,13 @@ class EngineLoop:
                 future.set_exception(e)
             return False
         return True  # stop
+
+    def queued_beyond_slots(self, joining: int = 0) -> int:
+        """Waiting requests (and `joining` more) that no free batch slot will take at the next step: what
+        --max-queue bounds."""
+        scheduler = self.engine.scheduler
+        free_slots = self.engine.scheduler_config.max_num_seqs - len(scheduler.running)
+        return max(0, len(scheduler.waiting) + joining - free_slots)
 
     def _step(self) -> None:
         engine = self.engine

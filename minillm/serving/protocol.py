@@ -1,70 +1,165 @@
-"""The body of POST /v1/completions, its checks, and OpenAI's error shape.
+"""The request bodies, as OpenAI's and vLLM's clients send them.
 
-The request fields mean what they mean in the OpenAI and vLLM APIs: `prompt`
-(text, or a list of token ids), `max_tokens` (default 16), `temperature`,
-`top_p`, `top_k`, `seed`, `stop` (strings, or token ids), `stop_token_ids`,
-`ignore_eos`, `stream`, `stream_options.include_usage`. `n` must be 1, and the
-fields this engine cannot honour (`logprobs`, `echo`, `best_of` > 1, penalties,
-`logit_bias`, `suffix`) are refused, not ignored: a client gets what it asked
-for, or a 400 that says why.
+The fields mean what they mean in the OpenAI and vLLM APIs: `prompt` (text, or
+a list of token ids), `max_tokens` (default 16; null: the rest of the context),
+`temperature`, `top_p`, `top_k`, `seed`, `stop` (strings, or token ids),
+`stop_token_ids`, `ignore_eos`, `stream`, `stream_options.include_usage`; a
+null means the default. Types are strict (`errors.read_body` validates with
+strict=True): `true` is not the token id 1 and `"yes"` is not a bool.
+
+`n` must be 1, and the fields this engine cannot honour (`logprobs`, `echo`,
+`best_of` > 1, penalties, `logit_bias`, `suffix`) are refused, not ignored: a
+client gets what it asked for, or a 400 that says why. Unknown fields are
+ignored, as vLLM ignores them.
 """
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from dataclasses import dataclass
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions (OpenAI's fields, and vLLM's `top_k`, `stop_token_ids`, `ignore_eos`)."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last event with `usage` and no choices, before [DONE]
+
+
+class SamplingFields(BaseModel):
+    """What every generating endpoint takes (OpenAI's fields, and vLLM's `top_k`, `stop_token_ids`,
+    `ignore_eos`, `repetition_penalty`)."""
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     # Fields this engine cannot honour: refused when set, never silently ignored.
-    best_of: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    logprobs: int | bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict | None = None
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
+class CompletionRequest(SamplingFields):
+    """The body of POST /v1/completions."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    best_of: int | None = None
+    echo: bool = False
+    suffix: str | None = None
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "code"}}."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(status, "ServiceUnavailable")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status, headers=headers)
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
 
 
-def unsupported(body: CompletionRequest) -> str | None:
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as a chat template reads it: content as one string (text parts joined)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content or "", **({"name": self.name} if self.name else {})}
+
+
+class ChatCompletionRequest(SamplingFields):
+    """The body of POST /v1/chat/completions: OpenAI's `messages`, `max_completion_tokens` (the newer name of
+    `max_tokens`), and vLLM's `add_generation_prompt`."""
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # as OpenAI's chat: by default, up to the end of the context
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """The body of POST /tokenize, as vLLM takes it: a `prompt`, or `messages` for the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- what comes back ---------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionShape:
+    """The bodies of /v1/completions: `text_completion` objects, streamed or whole."""
+    model: str
+    created: int
+    id_prefix = "cmpl"
+
+    def opening(self, request_id: str) -> list[dict]:
+        return []  # a completion's first event is its first token's
+
+    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+
+    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
+        return self.chunk(request_id, text, reason)
+
+
+@dataclass
+class ChatShape:
+    """The bodies of /v1/chat/completions: a `chat.completion`, or `chat.completion.chunk` events whose
+    first carries only the role, as OpenAI and vLLM send it."""
+    model: str
+    created: int
+    id_prefix = "chatcmpl"
+
+    def _chunk(self, request_id: str, delta: dict, reason: str | None) -> dict:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+    def opening(self, request_id: str) -> list[dict]:
+        return [self._chunk(request_id, {"role": "assistant", "content": ""}, None)]
+
+    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
+        return self._chunk(request_id, {"content": delta}, reason)
+
+    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
+        return {"id": request_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": reason}]}
+
+
+def unsupported(body: SamplingFields) -> tuple[str, str] | None:
+    """(why, which field) for the first field set to what this engine cannot do, or None."""
     if body.n != 1:
-        return f"n={body.n}: this server returns one completion per request (n=1); send {body.n} requests instead"
-    if body.best_of not in (None, 1):
-        return f"best_of={body.best_of} is not supported; only best_of=1 (one sample, returned)"
-    if body.logprobs is not None:
-        return "logprobs are not supported by this server; leave the field out"
-    if body.echo:
-        return "echo=true is not supported; the prompt you sent is yours already"
-    if body.suffix is not None:
-        return "suffix is not supported (GPT-2 has no fill-in-the-middle)"
-    if body.presence_penalty or body.frequency_penalty or body.logit_bias:
-        return "presence_penalty, frequency_penalty and logit_bias are not supported; leave them out or at 0"
+        return f"n={body.n}: this server returns one completion per request (n=1); send {body.n} requests", "n"
+    if getattr(body, "best_of", None) not in (None, 1):
+        return f"best_of={body.best_of} is not supported; only best_of=1 (one sample, returned)", "best_of"
+    if body.logprobs not in (None, False):
+        return "logprobs are not supported by this server; leave the field out", "logprobs"
+    if getattr(body, "echo", False):
+        return "echo=true is not supported; the prompt you sent is yours already", "echo"
+    if getattr(body, "suffix", None) is not None:
+        return "suffix is not supported (GPT-2 has no fill-in-the-middle)", "suffix"
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        if getattr(body, name) not in (None, neutral):
+            return f"{name}={getattr(body, name)} is not supported; leave it out or at {neutral}", name
+    if body.logit_bias:
+        return "logit_bias is not supported; leave it out", "logit_bias"
     return None
