@@ -1,16 +1,16 @@
-"""The lessons' measuring layer (lessons/measure.py): checks judged on both sides of every line, the spread
-and the machine's load, timing in turns, and the stop at an exercise still to be written (lessons/common.py)."""
+"""The verdict library (minillm/bench/verdict.py): checks judged on both sides of every line, intervals and the
+machine's load, timing in turns, and the stop at an exercise still to be written (lessons/common.py)."""
 import math
-import sys
 import time
 
 import pytest
 
+from minillm.bench import verdict as measure
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, LoadReading, MachineLoad, interleave, judge
+
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
-import common  # noqa: E402
-from minillm.bench import verdict as measure  # noqa: E402
-from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, LoadReading, MachineLoad, interleave, judge  # noqa: E402
+import common  # noqa: E402  (lessons/common.py)
 
 
 def load(share, cores=2):
@@ -225,7 +225,7 @@ def test_a_stub_stops_the_lesson_with_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "exercise kv-cache-write" in err and "python -m minillm.classroom check kv-cache-write" in err
-    assert "test_lessons_measure.py:" in err and ", in stubbed;" in err  # where the stub is: file, line, function
+    assert "test_lessons_verdict.py:" in err and ", in stubbed;" in err  # where the stub is: file, line, function
 
 
 def test_a_stub_reached_through_another_error_is_still_named(capsys):
