@@ -59,11 +59,10 @@ def test_more_rounds_narrow_the_interval_but_an_outlier_does_not_decide():
 
 
 def test_the_load_never_widens_an_interval():
-    """Issue 19: lesson 02's speedup of 2.30–2.34 against a line of 1.0 was called INCONCLUSIVE under load."""
+    """A speedup of 2.30–2.34 against a line of 1.0 holds however busy the machine was while it was measured."""
     c = Check("speedup", [2.30, 2.34, 2.31], 1.0, ">=")
     for share in (0.0, 0.5, 0.95):
-        assert judge("claim", [c], load(share)).outcome == HOLDS
-        assert c.spread(share) == c.interval() and c.outcome(share) == HOLDS  # the old names, for older lessons
+        assert judge("claim", [c], load(share)).outcome == HOLDS and c.interval() == (2.30, 2.34)
 
 
 def test_a_share_of_a_ceiling_over_100_percent_is_flagged():
