@@ -61,7 +61,8 @@ from matplotlib.ticker import MaxNLocator
 
 from common import make_parser, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 from minillm.bench.verdict import Check, judge, print_verdict
-from minillm.bench.replay import describe_trace, lognormal_trace, replay
+from minillm.bench.replay import replay
+from minillm.bench.workloads import describe_trace, lognormal_trace
 
 from minillm.engine import LLMEngine
 from minillm.model import GPT2

@@ -47,7 +47,8 @@ import statistics
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, write_results
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
-from minillm.bench.replay import Request, greedy, percentile, pool_blocks, replay
+from minillm.bench.replay import greedy, percentile, replay
+from minillm.bench.workloads import Request, pool_blocks
 
 import numpy as np
 

@@ -44,7 +44,8 @@ import statistics
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, ticks_at, write_results
 from minillm.bench.verdict import Check, interleave, judge, print_verdict
-from minillm.bench.replay import describe_trace, lognormal_trace, pool_blocks, replay
+from minillm.bench.replay import replay
+from minillm.bench.workloads import describe_trace, lognormal_trace, pool_blocks
 
 from minillm.engine import LLMEngine
 from minillm.scheduler import SchedulerConfig

@@ -69,8 +69,9 @@ import statistics
 from common import (make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, start, ticks_at,
                     write_results)
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
-from minillm.bench.replay import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload, serve,
-                       shared_prefix_workload)
+from minillm.bench.replay import serve
+from minillm.bench.workloads import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload,
+                                     shared_prefix_workload)
 
 from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.engine import LLMEngine

@@ -76,7 +76,7 @@ from minillm.bench.verdict import Check, interleave, judge, print_verdict, settl
 import numpy as np
 
 from minillm.bench.serve import benchmark, summarize
-from minillm.bench.workloads import BenchRequest, arrivals, workload
+from minillm.bench.workloads import Request, Workload
 from minillm.device import resolve_device
 
 NAME = "12_goodput"
@@ -103,7 +103,7 @@ def read_records(log: Path) -> dict:
     return {r["id"]: r for r in map(json.loads, log.read_text().splitlines())} if log.exists() else {}
 
 
-def step_costs(url: str, log: Path, pairs: list, s: dict) -> dict:
+def step_costs(url: str, log: Path, work: Workload, s: dict) -> dict:
     """What the served engine's own records show, through the unchunked server: a decode step of STREAMS
     sequences (the median gap between their tokens), the long prompt's prefill served alone, each the least of
     3 rounds (a cost: load only ever adds to it), and the capacity: requests per second when the whole trace
@@ -115,12 +115,12 @@ def step_costs(url: str, log: Path, pairs: list, s: dict) -> dict:
 
     decode, prefill = [], []
     for i in range(3):
-        streams, _ = served([BenchRequest([1 + i + j] * s["short"], 32) for j in range(STREAMS)])
+        streams, _ = served([Request([1 + i + j] * s["short"], 32) for j in range(STREAMS)])
         decode.append(statistics.median(b - a for rec in streams
                                         for a, b in zip(rec["token_times"][1:], rec["token_times"][2:])))
-        (rec,), _ = served([BenchRequest([2 + i] * s["long"], 1)])
+        (rec,), _ = served([Request([2 + i] * s["long"], 1)])
         prefill.append(rec["token_times"][0] - rec["arrival"])
-    burst, duration = served([BenchRequest(p, o) for p, o in pairs])
+    burst, duration = served(work.requests(float("inf")))
     return {"decode": min(decode), "prefill_long": min(prefill), "capacity": len(burst) / duration}
 
 
@@ -217,8 +217,8 @@ def main(argv=None) -> dict:
     lesson = start(NAME, args, ceilings=False)
     cfg = lesson.config
     s = sizes(cfg.n_ctx, args.quick)
-    pairs = workload("stutter", s["requests"], cfg.vocab_size, cfg.n_ctx, input_len=s["short"],
-                     output_len=s["output"], long_prompt_len=s["long"], long_fraction=LONG_SHARE)
+    work = Workload("stutter", s["requests"], cfg.vocab_size, cfg.n_ctx, input_len=s["short"],
+                    output_len=s["output"], long_prompt_len=s["long"], long_fraction=LONG_SHARE)
     budget = max(16, 1 << (s["long"] // 4).bit_length() - 1)  # the power of two ≤ a quarter of the long prompt
     modes = {"chunked": (True, budget), "unchunked": (False, max(UNCHUNKED_BUDGET, s["long"] + s["output"]))}
     logs = Path(tempfile.mkdtemp(prefix="lesson12-"))
@@ -226,10 +226,10 @@ def main(argv=None) -> dict:
     try:
         for mode, (chunked, b) in modes.items():
             servers[mode] = launch(args, chunked, b, logs / f"{mode}.jsonl")
-        warm = [BenchRequest(p, o) for p, o in pairs[:4]]
+        warm = work.requests(float("inf"))[:4]
         for _, url in servers.values():  # untimed: the first requests pay one-off costs
             asyncio.run(benchmark(url, warm, show_progress=False))
-        cost = step_costs(servers["unchunked"][1], logs / "unchunked.jsonl", pairs, s)
+        cost = step_costs(servers["unchunked"][1], logs / "unchunked.jsonl", work, s)
         targets = {"ttft": M_TTFT * cost["prefill_long"], "itl": K_ITL * cost["decode"]}
         capacity = cost["capacity"]
         rates = [round(share * capacity, 2) for share in s["shares"]]
@@ -248,7 +248,7 @@ def main(argv=None) -> dict:
             """Both servers at every rate, in turns (the order reversed at every other point): {mode: summaries}."""
             w, swept = next(sweep_number), {m: [] for m in modes}
             for i, rate in enumerate(rates):
-                trace = [BenchRequest(p, o, t) for (p, o), t in zip(pairs, arrivals(len(pairs), rate))]
+                trace = work.requests(rate)
                 for mode in (modes if (w + i) % 2 == 0 else list(modes)[::-1]):
                     results, duration = asyncio.run(benchmark(servers[mode][1], trace, show_progress=False))
                     swept[mode].append(summarize(results, duration, targets))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minillm import PRESETS
-from minillm.bench import replay as workloads
+from minillm.bench import workloads
 from minillm.checkpoints.load import random_model
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path

@@ -29,7 +29,7 @@ from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.scheduler import SchedulerConfig  # noqa: E402
 from minillm.serving.api_server import BackgroundServer, make_frontend  # noqa: E402
-from minillm.bench.workloads import BenchRequest, arrivals, workload  # noqa: E402
+from minillm.bench.workloads import Request as BenchRequest, Workload as workload, arrivals  # noqa: E402
 from minillm.serving.text_stream import TextStream  # noqa: E402
 from minillm.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 
