@@ -59,7 +59,8 @@ from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.bench.roofline import Ceilings, achieved, ceiling_kernels
 from minillm.bench.timing import Stopwatch
 from minillm.model import causal_attention
-from minillm.sampling import SamplingParams, sample
+from minillm.sampling import sample
+from minillm.sampling_params import SamplingParams
 
 NAME = "01_phase_split"
 ROOF_SHARE = 0.2  # a step reaching under a fifth of its roof is bound by something other than that roof
@@ -131,85 +132,91 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "contexts": [prompt // 4, prompt, n_ctx - 1], "repeats": 5}
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)  # the ceilings are timed in the rounds, beside each step
-    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
-    s = sizes(cfg.n_ctx, args.quick)
-    T, b = s["prefill_lens"][-1], dtype_bytes(dtype)
+def predict_phases(lesson, s: dict) -> dict:
+    """The costs of the longest prefill and of a decode step, and where the claim puts them against a ridge."""
+    cfg, dtype, T = lesson.config, lesson.dtype, s["prefill_lens"][-1]
     pre_cost, dec_cost = prefill_cost(cfg, T, 1, dtype), stand_in_cost(cfg, s["prompt"], dtype)
-    head_share = cfg.vocab_size * cfg.n_embd * b / pre_cost.weight_bytes
+    head_share = cfg.vocab_size * cfg.n_embd * dtype_bytes(dtype) / pre_cost.weight_bytes
     predict(lesson, f"a prefill of {T} tokens does {pre_cost.intensity:.0f} FLOP per byte it moves (2T/b = "
-            f"{2 * T / b:.0f}, less the LM head's {head_share:.0%} of the weights, read for one position only); a "
-            f"decode step after {s['prompt']} tokens does {dec_cost.intensity:.2f}",
+            f"{2 * T / dtype_bytes(dtype):.0f}, less the LM head's {head_share:.0%} of the weights, read for one "
+            f"position only); a decode step after {s['prompt']} tokens does {dec_cost.intensity:.2f}",
             f"so the claim holds on a device whose ridge (matmul FLOP/s ÷ copy bytes/s) lies between "
             f"{dec_cost.intensity:.2f} and {pre_cost.intensity:.0f} FLOP/B, and whose prefill and decode reach at "
             f"least {ROOF_SHARE:.0%} of their roofs; CPUs' ridges lie near 2–10, GPUs' near 50–300")
+    return {"T": T, "prefill": pre_cost, "decode": dec_cost, "head_share": head_share}
 
+
+def shares(rounds, kernels: dict, name: str, cost) -> tuple[list[float], list[float]]:
+    """The step's FLOP/s and bytes/s as shares of the matmul and the copy timed in the same round."""
+    mm, cp = rounds.times("matmul"), rounds.times("copy")
+    return ([cost.flops / t / (kernels["matmul"].flops / m) for t, m in zip(rounds.times(name), mm)],
+            [cost.bytes / t / (kernels["copy"].bytes / c) for t, c in zip(rounds.times(name), cp)])
+
+
+def ridges(rounds, kernels: dict) -> list[float]:
+    return [kernels["matmul"].flops / m / (kernels["copy"].bytes / c)
+            for m, c in zip(rounds.times("matmul"), rounds.times("copy"))]
+
+
+def make_checks(rounds, kernels: dict, s: dict, c: dict) -> list[Check]:
+    """Each phase's intensity against the ridge, and its share of its roof, one value per round."""
+    T, pre_cost, dec_cost = c["T"], c["prefill"], c["decode"]
+    ridge, t_pre, t_dec = ridges(rounds, kernels), rounds.median(f"prefill {T}"), rounds.median(f"decode {s['prompt']}")
+    r = kernels["matmul"].flops / rounds.median("matmul") / (kernels["copy"].bytes / rounds.median("copy"))
+    mm_share = shares(rounds, kernels, f"prefill {T}", pre_cost)[0]
+    bw_share = shares(rounds, kernels, f"decode {s['prompt']}", dec_cost)[1]
+    at_roof = pre_cost.flops / (kernels["matmul"].flops / rounds.median("matmul"))
+    floor = dec_cost.bytes / (kernels["copy"].bytes / rounds.median("copy"))
+    return [
+        Check(f"prefill of {T} tokens: intensity / ridge", [pre_cost.intensity / x for x in ridge], 1.0, ">=",
+              why=f"the ridge measured in these rounds, {r:.1f} FLOP/B, lies above the prefill's "
+                  f"{pre_cost.intensity:.0f}: this device's matmul units outrun its memory by more than a "
+                  f"{T}-token prompt can feed; about {T * r / pre_cost.intensity:.0f} tokens would cross it"),
+        Check(f"prefill of {T} tokens: share of the matmul ceiling", mm_share, ROOF_SHARE, ">=", fmt="{:.0%}",
+              of_ceiling=True,
+              why=f"at the matmul ceiling its {si(pre_cost.flops, 'FLOP')} would take {ms(at_roof)}; it took "
+                  f"{ms(t_pre)}: the other {ms(max(0.0, t_pre - at_roof))} went to what is not a large matmul "
+                  "(attention, layer norms, per-op overhead) or to a matmul shape the library runs slowly"),
+        Check(f"decode after {s['prompt']} tokens: intensity / ridge", [dec_cost.intensity / x for x in ridge],
+              1.0, "<=",
+              why=f"the ridge measured in these rounds, {r:.2f} FLOP/B, lies below decode's "
+                  f"{dec_cost.intensity:.2f}: on this device even one token per weight read keeps the "
+                  "matmul units busier than the memory"),
+        Check(f"decode after {s['prompt']} tokens: share of the copy bandwidth", bw_share, ROOF_SHARE, ">=",
+              fmt="{:.0%}", of_ceiling=True,
+              why=f"its {si(dec_cost.bytes, 'B')} would move in {ms(floor)} at the copy bandwidth; the step "
+                  f"took {ms(t_dec)}, so {ms(max(0.0, t_dec - floor))} went to something else than memory: "
+                  "per-step overhead (Python, many small kernels) or a matrix-vector kernel that streams "
+                  "weights more slowly than a copy"),
+    ]
+
+
+def measure(lesson, s: dict, c: dict) -> dict:
+    """One request's TTFT and ITLs; then every prefill and decode step in turns with the two ceiling kernels.
+    Prints each phase against the ceilings of its rounds; returns the rounds and every figure."""
+    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
     one_request(model, s["prompt"], 2)  # warm-up: the first calls pay for allocation and kernel selection
     laps = one_request(model, s["prompt"], s["new_tokens"])
     ttft, itl = laps[0], laps[1:]
     print(f"one request, prompt {s['prompt']} tokens, {s['new_tokens']} new: TTFT {ms(ttft)}, ITL median "
           f"{ms(statistics.median(itl))} (min {ms(min(itl))}, max {ms(max(itl))})\n")
-
-    kernels = ceiling_kernels(lesson.device, dtype, args.quick)
+    kernels = ceiling_kernels(lesson.device, dtype, lesson.args.quick)
     fns = {"matmul": kernels["matmul"].fn, "copy": kernels["copy"].fn}
     fns |= {f"prefill {n}": prefill_step(model, n) for n in s["prefill_lens"]}
-    fns |= {f"decode {c}": decode_step(model, c) for c in s["contexts"]}
-
-    def shares(rounds, name: str, cost) -> tuple[list[float], list[float]]:
-        """The step's FLOP/s and bytes/s as shares of the matmul and the copy timed in the same round."""
-        mm, cp = rounds.times("matmul"), rounds.times("copy")
-        return ([cost.flops / t / (kernels["matmul"].flops / m) for t, m in zip(rounds.times(name), mm)],
-                [cost.bytes / t / (kernels["copy"].bytes / c) for t, c in zip(rounds.times(name), cp)])
-
-    def ridges(rounds) -> list[float]:
-        return [kernels["matmul"].flops / m / (kernels["copy"].bytes / c)
-                for m, c in zip(rounds.times("matmul"), rounds.times("copy"))]
-
-    def make_checks(rounds) -> list[Check]:
-        ridge, t_pre, t_dec = ridges(rounds), rounds.median(f"prefill {T}"), rounds.median(f"decode {s['prompt']}")
-        r = kernels["matmul"].flops / rounds.median("matmul") / (kernels["copy"].bytes / rounds.median("copy"))
-        mm_share = shares(rounds, f"prefill {T}", pre_cost)[0]
-        bw_share = shares(rounds, f"decode {s['prompt']}", dec_cost)[1]
-        at_roof = pre_cost.flops / (kernels["matmul"].flops / rounds.median("matmul"))
-        floor = dec_cost.bytes / (kernels["copy"].bytes / rounds.median("copy"))
-        return [
-            Check(f"prefill of {T} tokens: intensity / ridge", [pre_cost.intensity / x for x in ridge], 1.0, ">=",
-                  why=f"the ridge measured in these rounds, {r:.1f} FLOP/B, lies above the prefill's "
-                      f"{pre_cost.intensity:.0f}: this device's matmul units outrun its memory by more than a "
-                      f"{T}-token prompt can feed; about {T * r / pre_cost.intensity:.0f} tokens would cross it"),
-            Check(f"prefill of {T} tokens: share of the matmul ceiling", mm_share, ROOF_SHARE, ">=", fmt="{:.0%}",
-                  of_ceiling=True,
-                  why=f"at the matmul ceiling its {si(pre_cost.flops, 'FLOP')} would take {ms(at_roof)}; it took "
-                      f"{ms(t_pre)}: the other {ms(max(0.0, t_pre - at_roof))} went to what is not a large matmul "
-                      "(attention, layer norms, per-op overhead) or to a matmul shape the library runs slowly"),
-            Check(f"decode after {s['prompt']} tokens: intensity / ridge", [dec_cost.intensity / x for x in ridge],
-                  1.0, "<=",
-                  why=f"the ridge measured in these rounds, {r:.2f} FLOP/B, lies below decode's "
-                      f"{dec_cost.intensity:.2f}: on this device even one token per weight read keeps the "
-                      "matmul units busier than the memory"),
-            Check(f"decode after {s['prompt']} tokens: share of the copy bandwidth", bw_share, ROOF_SHARE, ">=",
-                  fmt="{:.0%}", of_ceiling=True,
-                  why=f"its {si(dec_cost.bytes, 'B')} would move in {ms(floor)} at the copy bandwidth; the step "
-                      f"took {ms(t_dec)}, so {ms(max(0.0, t_dec - floor))} went to something else than memory: "
-                      "per-step overhead (Python, many small kernels) or a matrix-vector kernel that streams "
-                      "weights more slowly than a copy"),
-        ]
-
-    rounds = interleave(fns, s["repeats"], device=lesson.device, desc="timing in turns", until=settled(make_checks))
-    ridge = ridges(rounds)
+    fns |= {f"decode {k}": decode_step(model, k) for k in s["contexts"]}
+    rounds = interleave(fns, s["repeats"], device=lesson.device, desc="timing in turns",
+                        until=settled(lambda r: make_checks(r, kernels, s, c)))
     ceil = Ceilings(str(lesson.device), str(dtype).removeprefix("torch."),
                     kernels["matmul"].flops / rounds.median("matmul"), kernels["copy"].bytes / rounds.median("copy"),
                     0, kernels["copy"].bytes // 2)
 
     def point(name: str, cost) -> dict:
         p = achieved(cost, rounds.median(name), ceil)
-        p["matmul_share"], p["bandwidth_share"] = shares(rounds, name, cost)
+        p["matmul_share"], p["bandwidth_share"] = shares(rounds, kernels, name, cost)
         return p
 
     prefill = [{"tokens": n, **point(f"prefill {n}", prefill_cost(cfg, n, 1, dtype))} for n in s["prefill_lens"]]
-    decode = [{"context": c, **point(f"decode {c}", stand_in_cost(cfg, c, dtype))} for c in s["contexts"]]
+    decode = [{"context": k, **point(f"decode {k}", stand_in_cost(cfg, k, dtype))} for k in s["contexts"]]
     med = statistics.median
     rows = [["prefill", p["tokens"], 0, ms(p["seconds"]), si(p["tokens"] / p["seconds"]), f"{p['intensity']:.1f}",
              si(p["flops_per_s"]), pct(med(p["matmul_share"])), si(p["bytes_per_s"]), pct(med(p["bandwidth_share"]))]
@@ -222,26 +229,35 @@ def main(argv=None) -> dict:
     print_table(["phase", "tokens", "cached", "time", "tokens/s", "FLOP/B", "FLOP/s", "% matmul", "B/s", "% copy bw"],
                 rows, f"Each phase against the ceilings measured in the same rounds (medians of {rounds.count}):")
     print_over_100_note(rows)
-
-    big, step = prefill[-1], next(d for d in decode if d["context"] == s["prompt"])
+    big, b = prefill[-1], dtype_bytes(dtype)
     print(f"Prefill of {big['tokens']} tokens: 2T/b predicts {2 * big['tokens'] / b:.0f} FLOP/B; the LM head, "
-          f"{head_share:.0%} of the weights read, runs on the last position only, so 2T/b · (1 − "
-          f"{head_share:.2f}) = {2 * big['tokens'] / b * (1 - head_share):.0f}; the full count "
+          f"{c['head_share']:.0%} of the weights read, runs on the last position only, so 2T/b · (1 − "
+          f"{c['head_share']:.2f}) = {2 * big['tokens'] / b * (1 - c['head_share']):.0f}; the full count "
           f"(attention, KV writes, embeddings) gives {big['intensity']:.0f}.\n")
+    return {"rounds": rounds, "kernels": kernels, "ceil": ceil, "prefill": prefill, "decode": decode, "ttft": ttft,
+            "itl": itl}
 
-    checks = make_checks(rounds)
-    verdict = judge("prefill is compute-bound and decode is memory-bound", checks, lesson.load(), [rounds])
-    verdict.notes.append(f"the two phases sit {big['intensity'] / step['intensity']:.0f}× apart in intensity")
+
+def judge_claim(lesson, s: dict, c: dict, m: dict):
+    verdict = judge("prefill is compute-bound and decode is memory-bound", make_checks(m["rounds"], m["kernels"], s, c),
+                    lesson.load(), [m["rounds"]])
+    step = next(d for d in m["decode"] if d["context"] == s["prompt"])
+    verdict.notes.append(f"the two phases sit {m['prefill'][-1]['intensity'] / step['intensity']:.0f}× apart in "
+                         "intensity")
     print_verdict(verdict)
+    return verdict
 
+
+def plot(lesson, s: dict, m: dict, verdict) -> None:
+    prefill, decode, ceil, count = m["prefill"], m["decode"], m["ceil"], m["rounds"].count
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].plot([p["tokens"] for p in prefill], [p["seconds"] * 1e3 for p in prefill], "o-")
     axes[0].set(xlabel="prompt length (tokens)", ylabel="prefill time (ms)",
-                title=f"prefill time vs prompt length (medians of {rounds.count} rounds)",
-                xlim=(0, None), ylim=(0, None))
+                title=f"prefill time vs prompt length (medians of {count} rounds)", xlim=(0, None), ylim=(0, None))
     axes[1].plot([d["context"] for d in decode], [d["seconds"] * 1e3 for d in decode], "s-",
-                 label=f"decode step (median of {rounds.count} rounds)")
-    axes[1].plot([s["prompt"] + i for i in range(len(itl))], [t * 1e3 for t in itl], ".", label="ITL, one request")
+                 label=f"decode step (median of {count} rounds)")
+    axes[1].plot([s["prompt"] + i for i in range(len(m["itl"]))], [t * 1e3 for t in m["itl"]], ".",
+                 label="ITL, one request")
     axes[1].set(xlabel="tokens already in context", ylabel="step time (ms)", title="decode step time vs context",
                 xlim=(0, None), ylim=(0, None))
     axes[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
@@ -254,9 +270,18 @@ def main(argv=None) -> dict:
     axes[2].set_title(f"roofline from the ceilings in the rounds, {ceil.device}, {ceil.dtype}")
     save_plot(lesson, fig, verdict)
 
-    figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "ttft_s": ttft, "itl_s": itl,
-               "prefill": prefill, "decode": decode, "ridge_per_round": ridge, "lm_head_share": head_share,
-               "ceilings_in_rounds": ceil.as_dict()}
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)  # the ceilings are timed in the rounds, beside each step
+    s = sizes(lesson.config.n_ctx, args.quick)
+    costs = predict_phases(lesson, s)
+    m = measure(lesson, s, costs)
+    verdict = judge_claim(lesson, s, costs, m)
+    plot(lesson, s, m, verdict)
+    figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "ttft_s": m["ttft"], "itl_s": m["itl"],
+               "prefill": m["prefill"], "decode": m["decode"], "ridge_per_round": ridges(m["rounds"], m["kernels"]),
+               "lm_head_share": costs["head_share"], "ceilings_in_rounds": m["ceil"].as_dict()}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -48,7 +48,7 @@ from minillm import kv_cache, naive_decode
 from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.bench.steps import decode_step, prefill_step
 from minillm.bench.timing import Stopwatch
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 
 NAME = "02_kv_cache"
 
@@ -86,123 +86,144 @@ def flops(cfg, P: int, N: int, dtype) -> tuple[list[int], list[int]]:
     return naive, cached
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args)
-    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
-    s = sizes(cfg.n_ctx, args.quick)
-    P, N = s["prompt"], s["new_tokens"]
-    prompt = random_prompt(cfg.vocab_size, P, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
-    naive_f, cached_f = flops(cfg, P, N, dtype)
-    a, b = s["steps_at"]  # one step of each kind after a and after b tokens
+def predict_work(lesson, s: dict) -> dict:
+    """FLOPs per generated token both ways, and how much more a naive step grows with the context than a cached."""
+    cfg, dtype, (a, b) = lesson.config, lesson.dtype, s["steps_at"]  # one step of each kind after a and b tokens
+    naive_f, cached_f = flops(cfg, s["prompt"], s["new_tokens"], dtype)
     growth_flops = (prefill_cost(cfg, b + 1, 1, dtype).flops / prefill_cost(cfg, a + 1, 1, dtype).flops
                     / (decode_cost(cfg, b, 1, dtype).flops / decode_cost(cfg, a, 1, dtype).flops))
-    predict(lesson, f"over {N} tokens after a {P}-token prompt naive decode does {sum(naive_f) / sum(cached_f):.1f}× "
-            f"the FLOPs of cached decode; a naive step grows {growth_flops:.1f}× more in FLOPs than a cached one "
-            f"from {a} to {b} tokens of context",
+    predict(lesson, f"over {s['new_tokens']} tokens after a {s['prompt']}-token prompt naive decode does "
+            f"{sum(naive_f) / sum(cached_f):.1f}× the FLOPs of cached decode; a naive step grows {growth_flops:.1f}× "
+            f"more in FLOPs than a cached one from {a} to {b} tokens of context",
             "time follows FLOPs where the step is compute-bound (naive's many-token passes) and bytes where it is "
             "memory-bound (cached steps read every weight for one token), so expect a speedup above 1 but below "
             "the FLOP ratio")
+    return {"naive": naive_f, "cached": cached_f, "growth": growth_flops}
 
-    def speedup_check(r) -> Check:
-        sp = [sum(n[1]) / sum(c[1]) for n, c in zip(r.results("naive"), r.results("cached"))]
-        return Check(f"speedup over {N} tokens (naive time / cached time)", sp, 1.0, ">=", fmt="{:.2f}",
-                     why=f"cached decode took {ms(statistics.median(sum(c[1]) for c in r.results('cached')))} for "
-                         f"{sum(cached_f) / sum(naive_f):.0%} of naive's FLOPs: its one-token steps ran at "
-                         "a far lower FLOP rate, so per-step costs other than FLOPs (reading every weight, "
-                         "Python and kernel launches) outweigh the work saved at this N")
 
+def speedup_check(r, N: int, f: dict) -> Check:
+    sp = [sum(n[1]) / sum(c[1]) for n, c in zip(r.results("naive"), r.results("cached"))]
+    return Check(f"speedup over {N} tokens (naive time / cached time)", sp, 1.0, ">=", fmt="{:.2f}",
+                 why=f"cached decode took {ms(statistics.median(sum(c[1]) for c in r.results('cached')))} for "
+                     f"{sum(f['cached']) / sum(f['naive']):.0%} of naive's FLOPs: its one-token steps ran at "
+                     "a far lower FLOP rate, so per-step costs other than FLOPs (reading every weight, "
+                     "Python and kernel launches) outweigh the work saved at this N")
+
+
+def growth_check(r, a: int, b: int, f: dict) -> Check:
+    g = [n / c for n, c in zip(r.ratio("naive b", "naive a"), r.ratio("cached b", "cached a"))]
+    return Check(f"a step's growth from {a} to {b} tokens of context, naive's over cached's", g, 1.0, ">=",
+                 fmt="{:.2f}",
+                 why=f"naive's step grew {statistics.median(r.ratio('naive b', 'naive a')):.2f}× and cached's "
+                     f"{statistics.median(r.ratio('cached b', 'cached a')):.2f}× for {f['growth']:.1f}× more "
+                     "FLOPs growth: at these sizes both steps are set by fixed per-step costs, not by the context")
+
+
+def measure(lesson, s: dict, f: dict) -> dict:
+    """Naive and cached generation in turns; their greedy tokens compared, also for a batch of prompts; one step
+    of each kind at two contexts, in turns."""
+    model, cfg, (P, N), (a, b) = lesson.model, lesson.config, (s["prompt"], s["new_tokens"]), s["steps_at"]
+    prompt = random_prompt(cfg.vocab_size, P, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
     rounds = interleave({"naive": timed(model, prompt, params, cached=False),
                          "cached": timed(model, prompt, params, cached=True)},
                         s["repeats"], device=lesson.device, desc="naive and cached, in turns",
-                        until=lambda r: speedup_check(r).outcome() != "INCONCLUSIVE")
+                        until=lambda r: speedup_check(r, N, f).outcome() != "INCONCLUSIVE")
     naive_runs, cached_runs = rounds.results("naive"), rounds.results("cached")
-    naive_s = [statistics.median(r[1][i] for r in naive_runs) for i in range(N)]  # per token, median of rounds
-    cached_s = [statistics.median(r[1][i] for r in cached_runs) for i in range(N)]
-    positions = [P + i for i in range(N)]  # tokens in context when token i is emitted
-
     # The same comparison for a batch of prompts of different lengths (untimed).
     batch = [random_prompt(cfg.vocab_size, n, seed=1 + i) for i, n in enumerate(s["batch_lens"])]
     bparams = SamplingParams(temperature=0.0, max_tokens=s["batch_tokens"], ignore_eos=True)
     pairs = list(zip(naive_runs[0][0], cached_runs[0][0]))
     pairs += [t for p, c in zip((naive_decode.generate(model, p, bparams) for p in batch),
                                 kv_cache.generate(model, batch, bparams)) for t in zip(p, c)]
-    differ = sum(a != b for a, b in pairs)
-
-
-    def growth_check(r) -> Check:
-        g = [n / c for n, c in zip(r.ratio("naive b", "naive a"), r.ratio("cached b", "cached a"))]
-        return Check(f"a step's growth from {a} to {b} tokens of context, naive's over cached's", g, 1.0, ">=",
-                     fmt="{:.2f}",
-                     why=f"naive's step grew {statistics.median(r.ratio('naive b', 'naive a')):.2f}× and cached's "
-                         f"{statistics.median(r.ratio('cached b', 'cached a')):.2f}× for {growth_flops:.1f}× more "
-                         "FLOPs growth: at these sizes both steps are set by fixed per-step costs, not by the context")
-
     steps = interleave({"naive a": prefill_step(model, a + 1), "naive b": prefill_step(model, b + 1),
                         "cached a": decode_step(model, a), "cached b": decode_step(model, b)},
                        s["step_repeats"], device=lesson.device, desc="single steps, in turns",
-                       until=lambda r: growth_check(r).outcome() != "INCONCLUSIVE")
-    growth = growth_check(steps).values
+                       until=lambda r: growth_check(r, a, b, f).outcome() != "INCONCLUSIVE")
+    return {"rounds": rounds, "steps": steps, "pairs": pairs,
+            "naive_s": [statistics.median(r[1][i] for r in naive_runs) for i in range(N)],  # per token, median
+            "cached_s": [statistics.median(r[1][i] for r in cached_runs) for i in range(N)],
+            "positions": [P + i for i in range(N)],  # tokens in context when token i is emitted
+            "naive_total": statistics.median(sum(r[1]) for r in naive_runs),
+            "cached_total": statistics.median(sum(r[1]) for r in cached_runs)}
+
+
+def judge_claim(lesson, s: dict, f: dict, m: dict):
+    """The tables of single steps and of every token, the totals, then the three checks."""
+    (P, N), (a, b), steps, rounds = (s["prompt"], s["new_tokens"]), s["steps_at"], m["steps"], m["rounds"]
+    naive_f, cached_f, naive_s, cached_s = f["naive"], f["cached"], m["naive_s"], m["cached_s"]
     print_table(["one step after", "naive (recompute all)", "cached (one token)"],
                 [[n, ms(steps.median(f"naive {k}")), ms(steps.median(f"cached {k}"))] for n, k in ((a, "a"), (b, "b"))],
                 f"Single steps (medians of {steps.count} rounds): naive grows "
                 f"{statistics.median(steps.ratio('naive b', 'naive a')):.2f}×, cached "
                 f"{statistics.median(steps.ratio('cached b', 'cached a')):.2f}× from {a} to {b} tokens:")
-
     step = max(1, N // 8)
-    shown = sorted({*range(0, N, step), N - 1})
     print_table(["token", "in context", "naive", "cached", "ratio", "naive FLOPs", "cached FLOPs"],
-                [[i, positions[i], ms(naive_s[i]), ms(cached_s[i]), f"{naive_s[i] / cached_s[i]:.1f}×",
-                  si(naive_f[i]), si(cached_f[i])] for i in shown],
+                [[i, m["positions"][i], ms(naive_s[i]), ms(cached_s[i]), f"{naive_s[i] / cached_s[i]:.1f}×",
+                  si(naive_f[i]), si(cached_f[i])] for i in sorted({*range(0, N, step), N - 1})],
                 f"Latency of each generated token (one row in {step}; medians of {rounds.count} rounds), "
                 f"prompt {P} tokens:")
-    speedup = speedup_check(rounds).values
-    naive_total = statistics.median(sum(r[1]) for r in naive_runs)
-    cached_total = statistics.median(sum(r[1]) for r in cached_runs)
+    speedup = speedup_check(rounds, N, f)
     print_table(["", "naive", "KV cache"],
-                [["total time", ms(naive_total), ms(cached_total)],
-                 ["tokens/s", si(N / naive_total), si(N / cached_total)],
+                [["total time", ms(m["naive_total"]), ms(m["cached_total"])],
+                 ["tokens/s", si(N / m["naive_total"]), si(N / m["cached_total"])],
                  ["FLOPs", si(sum(naive_f)), si(sum(cached_f))]], f"{N} tokens (medians of {rounds.count} rounds):")
     wasted = sum(naive_f) - sum(cached_f)
-    time_ratio, flop_ratio = statistics.median(speedup), sum(naive_f) / sum(cached_f)
+    time_ratio, flop_ratio = statistics.median(speedup.values), sum(naive_f) / sum(cached_f)
     print(f"FLOPs wasted by recomputation: {si(wasted)} ({wasted / sum(naive_f):.0%} of naive's work). Speedup "
           f"{time_ratio:.2f}× (median of the rounds' ratios) against a FLOP ratio of {flop_ratio:.1f}×: "
           + ("naive's many-token passes run at a higher FLOP/s than one-token cached steps, so wasted FLOPs are "
              "cheaper than they look; they still grow as N² and win in the end.\n" if time_ratio < flop_ratio else
              "naive's passes ran no faster per FLOP than cached steps, so costs other than FLOPs dominate here.\n"))
-
+    pairs = m["pairs"]
+    differ = sum(x != y for x, y in pairs)
     first = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
     checks = [Check("tokens that differ between naive and cached decoding", [differ], 0, "<=", timed=False,
                     fmt="{:.0f}", why=f"{differ} of {len(pairs)} tokens differ, the first at position {first}: the "
                                       "cache returned keys or values other than recomputing them gives"),
-              speedup_check(rounds), growth_check(steps)]
+              speedup, growth_check(steps, a, b, f)]
     verdict = judge("the KV cache gives the same tokens, faster, because its step does not grow with the context",
                     checks, lesson.load(), [rounds, steps])
     print_verdict(verdict)
+    return verdict
 
+
+def plot(lesson, s: dict, m: dict, verdict) -> None:
+    N, rounds, speedup = s["new_tokens"], m["rounds"], verdict.checks[1].values
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
-    axes[0].plot(positions, [t * 1e3 for t in naive_s], ".-", label="naive (recompute all)")
-    axes[0].plot(positions, [t * 1e3 for t in cached_s], ".-", label="KV cache (first token: the prefill)")
+    axes[0].plot(m["positions"], [t * 1e3 for t in m["naive_s"]], ".-", label="naive (recompute all)")
+    axes[0].plot(m["positions"], [t * 1e3 for t in m["cached_s"]], ".-", label="KV cache (first token: the prefill)")
     axes[0].set(xlabel="tokens in context when the token is emitted", ylabel="latency (ms)",
                 title=f"per-token latency (medians of {rounds.count} rounds)", ylim=(0, None))
     axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     cum = lambda xs: [sum(xs[:i + 1]) * 1e3 for i in range(len(xs))]  # noqa: E731
     mid = sorted(range(len(speedup)), key=speedup.__getitem__)[(len(speedup) - 1) // 2]  # the round of the median
-    axes[1].plot(range(1, N + 1), cum(naive_runs[mid][1]), label="naive")
-    axes[1].plot(range(1, N + 1), cum(cached_runs[mid][1]), label="KV cache")
+    axes[1].plot(range(1, N + 1), cum(rounds.results("naive")[mid][1]), label="naive")
+    axes[1].plot(range(1, N + 1), cum(rounds.results("cached")[mid][1]), label="KV cache")
     axes[1].set(xlabel="tokens generated", ylabel="total time (ms)", ylim=(0, None),
                 title=f"total time, round {mid + 1} of {len(speedup)}\n(the median round: speedup {speedup[mid]:.2f}×)")
     axes[1].legend(fontsize=8, loc="upper left")
     plot_checks(axes[2], verdict)
     save_plot(lesson, fig, verdict)
 
-    figures = {"prompt_len": P, "new_tokens": N, "positions": positions, "naive_latency_s": naive_s,
-               "cached_latency_s": cached_s, "naive_total_s": naive_total, "cached_total_s": cached_total,
-               "speedup_per_round": speedup, "steps_at": [a, b], "step_growth_per_round": growth,
-               "step_medians_s": {k: steps.median(k) for k in steps.names}, "naive_flops": sum(naive_f),
-               "cached_flops": sum(cached_f), "wasted_flops": wasted, "tokens_compared": len(pairs),
-               "tokens_differing": differ, "identical_tokens": differ == 0, "tokens": cached_runs[0][0]}
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args)
+    s = sizes(lesson.config.n_ctx, args.quick)
+    f = predict_work(lesson, s)
+    m = measure(lesson, s, f)
+    verdict = judge_claim(lesson, s, f, m)
+    plot(lesson, s, m, verdict)
+    pairs, differ = m["pairs"], sum(x != y for x, y in m["pairs"])
+    figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "positions": m["positions"],
+               "naive_latency_s": m["naive_s"], "cached_latency_s": m["cached_s"], "naive_total_s": m["naive_total"],
+               "cached_total_s": m["cached_total"], "speedup_per_round": verdict.checks[1].values,
+               "steps_at": list(s["steps_at"]), "step_growth_per_round": verdict.checks[2].values,
+               "step_medians_s": {k: m["steps"].median(k) for k in m["steps"].names},
+               "naive_flops": sum(f["naive"]), "cached_flops": sum(f["cached"]),
+               "wasted_flops": sum(f["naive"]) - sum(f["cached"]), "tokens_compared": len(pairs),
+               "tokens_differing": differ, "identical_tokens": differ == 0, "tokens": m["rounds"].results("cached")[0][0]}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -101,22 +101,23 @@ def slack_bytes(device) -> int:
     return (2 << 20) * 2 if device.type == "cuda" else (4 << 20)
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)
-    cfg, device, dtype = lesson.config, lesson.device, lesson.dtype
-    budget = memory_budget(device)
-    available = budget["free_bytes"] if budget["free_bytes"] is not None else budget["bytes"]
-    usable = GPU_MEMORY_UTILIZATION * budget["bytes"]
-
-    configs = {n: PRESETS[n] for n in HF_CHECKPOINTS}
-    configs[args.model] = cfg  # the lesson's own model too (a checkpoint folder: its own shape)
-    b = dtype_bytes(dtype)
-    predict(lesson, f"{args.model}'s KV cache holds 2 · n_layer {cfg.n_layer} · n_embd {cfg.n_embd} · {b} bytes = "
-            f"{si(cfg.kv_bytes_per_token(dtype), 'B')} per token, so a full {cfg.n_ctx}-token context takes "
-            f"{si(cfg.kv_bytes_per_token(dtype) * cfg.n_ctx, 'B')}; what the "
+def predict_bytes(lesson) -> None:
+    cfg, dtype, device = lesson.config, lesson.dtype, lesson.device
+    predict(lesson, f"{lesson.args.model}'s KV cache holds 2 · n_layer {cfg.n_layer} · n_embd {cfg.n_embd} · "
+            f"{dtype_bytes(dtype)} bytes = {si(cfg.kv_bytes_per_token(dtype), 'B')} per token, so a full "
+            f"{cfg.n_ctx}-token context takes {si(cfg.kv_bytes_per_token(dtype) * cfg.n_ctx, 'B')}; what the "
             f"{'allocator' if device.type == 'cuda' else 'OS'} reports should match within "
             f"{REL_TOL:.0%} plus {si(slack_bytes(device), 'B')} of rounding")
+
+
+def measure(lesson, budget: dict) -> list[dict]:
+    """Per GPT-2 size (and the lesson's model): its KV bytes per token, a filled cache measured where it fits in
+    MEASURE_SHARE of the available memory, and how many tokens and full sequences fit beside the weights."""
+    device, dtype = lesson.device, lesson.dtype
+    available = budget["free_bytes"] if budget["free_bytes"] is not None else budget["bytes"]
+    usable = GPU_MEMORY_UTILIZATION * budget["bytes"]
+    configs = {n: PRESETS[n] for n in HF_CHECKPOINTS}
+    configs[lesson.args.model] = lesson.config  # the lesson's own model too (a checkpoint folder: its own shape)
     rows = []
     for name, c in configs.items():
         per_token = c.kv_bytes_per_token(dtype)
@@ -130,7 +131,6 @@ def main(argv=None) -> dict:
             row.update(measured_bytes=None, measured_by="not measured: it would take over "
                                                         f"{MEASURE_SHARE:.0%} of the available memory")
         rows.append(row)
-
     budget_label = f"{si(budget['bytes'], 'B')} × gpu_memory_utilization {GPU_MEMORY_UTILIZATION} ({budget['source']})"
     print_table(["model", "KV/token", "tokens", "formula", "measured", "measured / formula", "weights",
                  "tokens that fit", "full-context seqs"],
@@ -141,22 +141,30 @@ def main(argv=None) -> dict:
                  for r in rows],
                 f"KV cache memory, {str(dtype).removeprefix('torch.')}, measured by {rows[0]['measured_by']}; "
                 f"memory budget {budget_label}:")
+    return rows
 
-    per_token = cfg.kv_bytes_per_token(dtype)
+
+def decode_bytes(lesson) -> dict:
+    """Bytes one decode step reads, weights against KV, by batch and context; where KV reads overtake."""
+    cfg, dtype = lesson.config, lesson.dtype
     weights_read = decode_cost(cfg, 0, 1, dtype).weight_bytes
-    crossover = crossover_tokens(weights_read, per_token)
+    crossover = crossover_tokens(weights_read, cfg.kv_bytes_per_token(dtype))
     contexts = sorted({int(cfg.n_ctx * f) for f in (0, 0.125, 0.25, 0.5, 0.75)} | {cfg.n_ctx - 1})
     split = [{"context_len": c, "batch": b, "weight_bytes": weights_read,
               "kv_read_bytes": decode_cost(cfg, c, b, dtype).kv_read_bytes} for b in (1, 8, 32) for c in contexts]
     print_table(["batch", "context", "weights read", "KV read", "KV share"],
                 [[x["batch"], x["context_len"], si(x["weight_bytes"], "B"), si(x["kv_read_bytes"], "B"),
                   f"{x['kv_read_bytes'] / (x['kv_read_bytes'] + x['weight_bytes']):.0%}"] for x in split],
-                f"Bytes read by one decode step of {args.model} (the formula's minimum):")
+                f"Bytes read by one decode step of {lesson.args.model} (the formula's minimum):")
     where = (f"within one sequence's context n_ctx={cfg.n_ctx}" if crossover <= cfg.n_ctx else
              f"beyond one sequence's n_ctx={cfg.n_ctx}: at full context from batch {math.ceil(crossover / cfg.n_ctx)} up")
     print(f"KV reads overtake weight reads at context × batch = {crossover:,.0f} tokens, {where}.\n")
+    return {"split": split, "weights_read": weights_read, "crossover": crossover}
 
-    measured = [r for r in rows if r["measured_bytes"] is not None]
+
+def judge_claim(lesson, rows: list[dict]):
+    """One counted check per measured size: the measurement against the formula."""
+    device, measured = lesson.device, [r for r in rows if r["measured_bytes"] is not None]
     if not measured:
         raise SystemExit(f"{NAME}: nothing could be measured here: no CUDA device, and the OS does not report this "
                          "process's resident memory (/proc/self/statm); run it on Linux or on a GPU")
@@ -170,15 +178,19 @@ def main(argv=None) -> dict:
               for r in measured]
     verdict = judge("a KV cache holds 2 · n_layer · n_embd · bytes per token of context", checks, lesson.load())
     print_verdict(verdict)
+    return verdict
 
+
+def plot(lesson, rows: list[dict], d: dict, verdict) -> None:
+    cfg, measured, crossover = lesson.config, [r for r in rows if r["measured_bytes"] is not None], d["crossover"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     seqs = max(8, math.ceil(1.5 * crossover / cfg.n_ctx))  # full sequences shown: past the crossover
     xs = [i * seqs * cfg.n_ctx / 100 for i in range(101)]  # context × batch
-    axes[0].plot(xs, [weights_read / 1e6] * len(xs), label="weights read")
-    axes[0].plot(xs, [x * per_token / 1e6 for x in xs], label="KV read")
+    axes[0].plot(xs, [d["weights_read"] / 1e6] * len(xs), label="weights read")
+    axes[0].plot(xs, [x * cfg.kv_bytes_per_token(lesson.dtype) / 1e6 for x in xs], label="KV read")
     axes[0].axvline(crossover, color="grey", ls=":", label=f"crossover {crossover:,.0f} tokens")
     axes[0].set(xlabel="context × batch (tokens)", ylabel="MB read per decode step", xlim=(0, None), ylim=(0, None),
-                title=f"bytes per decode step, {args.model}")
+                title=f"bytes per decode step, {lesson.args.model}")
     axes[0].legend(fontsize=8)
     x = range(len(measured))
     axes[1].bar([i - 0.2 for i in x], [r["formula_bytes"] / 1e6 for r in measured], 0.4, label="formula")
@@ -194,9 +206,20 @@ def main(argv=None) -> dict:
     axes[2].tick_params(axis="x", labelsize=8)
     save_plot(lesson, fig, verdict)
 
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    budget = memory_budget(lesson.device)
+    predict_bytes(lesson)
+    rows = measure(lesson, budget)
+    d = decode_bytes(lesson)
+    verdict = judge_claim(lesson, rows)
+    plot(lesson, rows, d, verdict)
     figures = {"sizes": rows, "budget": {**budget, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION},
-               "decode_bytes_split": split, "kv_bytes_per_token": per_token, "weights_read_per_step": weights_read,
-               "crossover_tokens": crossover, "rounding_allowed_bytes": slack_bytes(device)}
+               "decode_bytes_split": d["split"], "kv_bytes_per_token": lesson.config.kv_bytes_per_token(lesson.dtype),
+               "weights_read_per_step": d["weights_read"], "crossover_tokens": d["crossover"],
+               "rounding_allowed_bytes": slack_bytes(lesson.device)}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -78,12 +78,10 @@ def sizes(n_ctx: int, quick: bool, on_gpu: bool) -> dict:
             "repeats": 5}
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args)
-    model, cfg, device, dtype, ceil = lesson.model, lesson.config, lesson.device, lesson.dtype, lesson.ceilings
-    s = sizes(cfg.n_ctx, args.quick, device.type == "cuda")
-    budget = memory_budget(device)
+def predict_batches(lesson, s: dict, budget: dict) -> dict:
+    """The batches memory holds at the sweep's context, their costs, and the largest the roofline calls nearly
+    free (B*), printed with its prediction."""
+    cfg, dtype, ceil = lesson.config, lesson.dtype, lesson.ceilings
     usable = GPU_MEMORY_UTILIZATION * budget["bytes"]
     per_token, weight_bytes = cfg.kv_bytes_per_token(dtype), cfg.weight_bytes(dtype)
     fits = max_batch(usable, weight_bytes, per_token, s["context"] + 1)
@@ -92,7 +90,6 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{NAME}: {si(usable, 'B')} usable memory, weights {si(weight_bytes, 'B')}, room for {fits} "
                          f"sequences of {s['context'] + 1} tokens: too few to batch; use a smaller --model, "
                          "--dtype bf16, or a device with more memory")
-
     costs = [decode_cost(cfg, s["context"], b, dtype) for b in batches]
     b_star = predicted_free_batch(batches, costs, ceil.ridge)
     cost_star = costs[batches.index(b_star)]
@@ -101,74 +98,102 @@ def main(argv=None) -> dict:
             f"roofline puts both at their byte time, {ms(costs[0].bytes / ceil.bandwidth)} and "
             f"{ms(cost_star.bytes / ceil.bandwidth)}, so batch {b_star} should give ≥ {LINEAR_EFFICIENCY:.0%} of "
             f"{b_star}× batch 1's tokens/s")
+    return {"batches": batches, "costs": costs, "b_star": b_star, "usable": usable, "fits": fits,
+            "per_token": per_token, "weight_bytes": weight_bytes, "budget": budget}
 
-    # Matrices of the shape of the MLP's first weight ([n_embd, 4·n_embd], the checkpoint's [in, out] layout), each
-    # multiplied once per call at 1, B* and 2·B* rows, as a step streams its layers: enough of them to stream from
-    # memory (128 MiB, past any CPU's cache; at most 64 of them), so the time per matrix is what a step pays.
+
+def matrix_probes(lesson, b_star: int) -> dict:
+    """Matrices of the shape of the MLP's first weight ([n_embd, 4·n_embd], the checkpoint's [in, out] layout), each
+    multiplied once per call at 1, B* and 2·B* rows, as a step streams its layers: enough of them to stream from
+    memory (128 MiB, past any CPU's cache; at most 64 of them), so the time per matrix is what a step pays."""
+    cfg, device, dtype = lesson.config, lesson.device, lesson.dtype
     weight = torch.randn(cfg.n_embd, 4 * cfg.n_embd, device=device).to(dtype)
     weights = [weight] + [torch.randn_like(weight) for _ in range(min(64, -(-(128 << 20) // weight.nbytes)) - 1)]
-    rows_probe = sorted({1, b_star, 2 * b_star})
-    xs = {r: torch.randn(r, weight.shape[0], device=device, dtype=dtype) for r in rows_probe}
-    probes = {f"matmul {r} rows": (lambda x=xs[r]: [x @ w for w in weights]) for r in rows_probe}
-    per_matrix = lambda rounds, r: rounds.median(f"matmul {r} rows") / len(weights)  # noqa: E731
+    rows = sorted({1, b_star, 2 * b_star})
+    xs = {r: torch.randn(r, weight.shape[0], device=device, dtype=dtype) for r in rows}
+    return {"weight": weight, "count": len(weights), "rows": rows,
+            "fns": {f"matmul {r} rows": (lambda x=xs[r]: [x @ w for w in weights]) for r in rows}}
 
-    copy = ceiling_kernels(device, dtype, args.quick)["copy"]
-    fns = {"copy": copy.fn, **{f"batch {b}": decode_step(model, s["context"], b) for b in batches}, **probes}
 
-    def make_check(rounds) -> Check:
-        eff = [t1 / t for t1, t in zip(rounds.times("batch 1"), rounds.times(f"batch {b_star}"))]
-        floor = weight.nbytes / (copy.bytes / rounds.median("copy"))
-        probe = ", ".join(f"{r} row{'s' * (r > 1)} {ms(per_matrix(rounds, r))}" for r in rows_probe)
-        grow = per_matrix(rounds, b_star) / per_matrix(rounds, 1)
-        return Check(f"tokens/s at batch {b_star} ÷ ({b_star} × tokens/s at batch 1)", eff, LINEAR_EFFICIENCY, ">=",
-                     fmt="{:.2f}",
-                     why=f"a [{weight.shape[0]}×{weight.shape[1]}] weight matrix streamed from memory, times {probe}, "
-                         "against "
-                         f"{ms(floor)} to read it once at the copy bandwidth: {b_star} rows cost {grow:.2f}× one row, "
-                         + ("so the kernel's time grows with its rows: it re-reads or repacks the weights for a "
-                            "matrix-matrix product instead of streaming them once"
-                            if grow > 1 / LINEAR_EFFICIENCY else
-                            "so the product itself is nearly free; the rest of the step (attention over each "
-                            "sequence's KV, per-sequence work) grows with the batch"))
+def per_matrix(rounds, probes: dict, r: int) -> float:
+    return rounds.median(f"matmul {r} rows") / probes["count"]
 
-    rounds = interleave(fns, s["repeats"], device=device, desc="batch sizes, in turns",
-                        until=lambda r: make_check(r).outcome() != "INCONCLUSIVE")
+
+def make_check(rounds, b_star: int, probes: dict, copy) -> Check:
+    eff = [t1 / t for t1, t in zip(rounds.times("batch 1"), rounds.times(f"batch {b_star}"))]
+    weight = probes["weight"]
+    floor = weight.nbytes / (copy.bytes / rounds.median("copy"))
+    probe = ", ".join(f"{r} row{'s' * (r > 1)} {ms(per_matrix(rounds, probes, r))}" for r in probes["rows"])
+    grow = per_matrix(rounds, probes, b_star) / per_matrix(rounds, probes, 1)
+    return Check(f"tokens/s at batch {b_star} ÷ ({b_star} × tokens/s at batch 1)", eff, LINEAR_EFFICIENCY, ">=",
+                 fmt="{:.2f}",
+                 why=f"a [{weight.shape[0]}×{weight.shape[1]}] weight matrix streamed from memory, times {probe}, "
+                     "against "
+                     f"{ms(floor)} to read it once at the copy bandwidth: {b_star} rows cost {grow:.2f}× one row, "
+                     + ("so the kernel's time grows with its rows: it re-reads or repacks the weights for a "
+                        "matrix-matrix product instead of streaming them once"
+                        if grow > 1 / LINEAR_EFFICIENCY else
+                        "so the product itself is nearly free; the rest of the step (attention over each "
+                        "sequence's KV, per-sequence work) grows with the batch"))
+
+
+def measure(lesson, s: dict, p: dict, probes: dict) -> dict:
+    """Every batch's decode step, the copy kernel and the matrix probes, in turns; a point per batch."""
+    copy = ceiling_kernels(lesson.device, lesson.dtype, lesson.args.quick)["copy"]
+    fns = {"copy": copy.fn, **{f"batch {b}": decode_step(lesson.model, s["context"], b) for b in p["batches"]},
+           **probes["fns"]}
+    rounds = interleave(fns, s["repeats"], device=lesson.device, desc="batch sizes, in turns",
+                        until=lambda r: make_check(r, p["b_star"], probes, copy).outcome() != "INCONCLUSIVE")
     points = []
-    for b, cost in zip(batches, costs):
+    for b, cost in zip(p["batches"], p["costs"]):
         times = rounds.times(f"batch {b}")
-        points.append({"batch": b, **achieved(cost, rounds.median(f"batch {b}"), ceil), "times_s": times,
+        points.append({"batch": b, **achieved(cost, rounds.median(f"batch {b}"), lesson.ceilings), "times_s": times,
                        "efficiency": [t1 / t for t1, t in zip(rounds.times("batch 1"), times)],
                        "bandwidth_share": [cost.bytes / t / (copy.bytes / c) for t, c in
                                            zip(times, rounds.times("copy"))],
                        "kv_share": cost.kv_read_bytes / cost.bytes})
     print_table(["batch", "step", "tokens/s", "÷ (B × batch 1)", "bytes", "FLOP/B", "B/s", "% copy bw", "KV share"],
-                [[p["batch"], ms(p["seconds"]), si(p["batch"] / p["seconds"]), f"{statistics.median(p['efficiency']):.2f}",
-                  si(p["bytes"], "B"), f"{p['intensity']:.2f}", si(p["bytes_per_s"]),
-                  f"{statistics.median(p['bandwidth_share']):.0%}", f"{p['kv_share']:.0%}"] for p in points],
-                f"Decode steps at context {s['context']}, {args.model}, {ceil.dtype} (medians of {rounds.count} rounds):")
+                [[q["batch"], ms(q["seconds"]), si(q["batch"] / q["seconds"]), f"{statistics.median(q['efficiency']):.2f}",
+                  si(q["bytes"], "B"), f"{q['intensity']:.2f}", si(q["bytes_per_s"]),
+                  f"{statistics.median(q['bandwidth_share']):.0%}", f"{q['kv_share']:.0%}"] for q in points],
+                f"Decode steps at context {s['context']}, {lesson.args.model}, {lesson.ceilings.dtype} (medians of "
+                f"{rounds.count} rounds):")
+    return {"rounds": rounds, "points": points, "copy": copy}
 
-    capacity = {"budget_bytes": usable, "budget_source": f"{budget['source']} × {GPU_MEMORY_UTILIZATION}",
-                "max_batch_at_sweep_context": fits,
-                "max_batch_at_full_context": max_batch(usable, weight_bytes, per_token, cfg.n_ctx),
+
+def capacity_of(lesson, s: dict, p: dict) -> dict:
+    """What memory holds beside the weights: tokens in flight, and batches at the sweep's and the full context."""
+    usable, weight_bytes, per_token, n_ctx = p["usable"], p["weight_bytes"], p["per_token"], lesson.config.n_ctx
+    capacity = {"budget_bytes": usable, "budget_source": f"{p['budget']['source']} × {GPU_MEMORY_UTILIZATION}",
+                "max_batch_at_sweep_context": p["fits"],
+                "max_batch_at_full_context": max_batch(usable, weight_bytes, per_token, n_ctx),
                 "max_tokens_in_flight": max(0, int((usable - weight_bytes) // per_token))}
     print(f"Memory: {si(usable, 'B')} usable ({capacity['budget_source']}), weights {si(weight_bytes, 'B')}, KV "
-          f"{si(per_token, 'B')}/token → at most {capacity['max_tokens_in_flight']:,} tokens in flight: batch ≤ {fits:,} "
-          f"at context {s['context']}, ≤ {capacity['max_batch_at_full_context']:,} at {cfg.n_ctx}\n")
+          f"{si(per_token, 'B')}/token → at most {capacity['max_tokens_in_flight']:,} tokens in flight: batch ≤ "
+          f"{p['fits']:,} at context {s['context']}, ≤ {capacity['max_batch_at_full_context']:,} at {n_ctx}\n")
+    return capacity
 
-    check = make_check(rounds)
+
+def judge_claim(lesson, p: dict, probes: dict, m: dict):
+    b_star, points = p["b_star"], m["points"]
     verdict = judge(f"while decode is memory-bound, a batch of {b_star} costs about one step (the roofline's "
-                    f"prediction for this device)", [check], lesson.load(), [rounds])
+                    f"prediction for this device)", [make_check(m["rounds"], b_star, probes, m["copy"])],
+                    lesson.load(), [m["rounds"]])
     second = points[1]
-    later = [p for p in points if p["batch"] > second["batch"]]
+    later = [q for q in points if q["batch"] > second["batch"]]
     if later:
         verdict.notes.append(f"from batch {second['batch']} on: " + ", ".join(
-            f"batch {p['batch']} costs {p['seconds'] / second['seconds']:.2f}× batch {second['batch']}'s step"
-            for p in later))
+            f"batch {q['batch']} costs {q['seconds'] / second['seconds']:.2f}× batch {second['batch']}'s step"
+            for q in later))
     print_verdict(verdict)
+    return verdict
 
+
+def plot(lesson, p: dict, m: dict, verdict) -> None:
+    batches, b_star, points, count, check = p["batches"], p["b_star"], m["points"], m["rounds"].count, verdict.checks[0]
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.3))
-    tps = [p["batch"] / p["seconds"] for p in points]
-    axes[0].plot(batches, tps, "o-", label=f"measured (medians of {rounds.count} rounds)")
+    tps = [q["batch"] / q["seconds"] for q in points]
+    axes[0].plot(batches, tps, "o-", label=f"measured (medians of {count} rounds)")
     axes[0].plot(batches, [tps[0] * b for b in batches], "k:", label="linear from batch 1")
     axes[0].plot(batches, [LINEAR_EFFICIENCY * tps[0] * b for b in batches], "r--", lw=1,
                  label=f"the claim's line: {LINEAR_EFFICIENCY:.0%} of linear")
@@ -178,23 +203,35 @@ def main(argv=None) -> dict:
     axes[0].set(xlabel="batch", ylabel="tokens/s (log)",
                 title=f"throughput: batch {b_star} at {check.median:.2f} of linear (median)")
     axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    axes[1].errorbar(batches, [p["seconds"] * 1e3 for p in points], capsize=3, fmt="o-",
-                     yerr=[[(p["seconds"] - min(p["times_s"])) * 1e3 for p in points],
-                           [(max(p["times_s"]) - p["seconds"]) * 1e3 for p in points]])
+    axes[1].errorbar(batches, [q["seconds"] * 1e3 for q in points], capsize=3, fmt="o-",
+                     yerr=[[(q["seconds"] - min(q["times_s"])) * 1e3 for q in points],
+                           [(max(q["times_s"]) - q["seconds"]) * 1e3 for q in points]])
     axes[1].set_xscale("log", base=2)
     axes[1].set(xlabel="batch", ylabel="step time (ms)", ylim=(0, None),
-                title=f"step time (medians; bars: range of {rounds.count} rounds)")
+                title=f"step time (medians; bars: range of {count} rounds)")
     for ax in axes[:2]:
         ticks_at(ax, batches)
     axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    plot_roofline(axes[2], ceil, {f"decode, batch {batches[0]}..{batches[-1]}": ([p["intensity"] for p in points],
-                                                                                 [p["flops_per_s"] for p in points])})
+    plot_roofline(axes[2], lesson.ceilings, {f"decode, batch {batches[0]}..{batches[-1]}": (
+        [q["intensity"] for q in points], [q["flops_per_s"] for q in points])})
     axes[2].set_title("roofline (ceilings measured at the start)")
     save_plot(lesson, fig, verdict)
 
-    figures = {"context_len": s["context"], "points": points,
-               "matmul_probe_s": {r: per_matrix(rounds, r) for r in rows_probe}, "predicted_free_batch": b_star, "capacity": capacity,
-               "kv_bytes_per_token": per_token, "weight_bytes": weight_bytes}
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args)
+    s = sizes(lesson.config.n_ctx, args.quick, lesson.device.type == "cuda")
+    p = predict_batches(lesson, s, memory_budget(lesson.device))
+    probes = matrix_probes(lesson, p["b_star"])
+    m = measure(lesson, s, p, probes)
+    capacity = capacity_of(lesson, s, p)
+    verdict = judge_claim(lesson, p, probes, m)
+    plot(lesson, p, m, verdict)
+    figures = {"context_len": s["context"], "points": m["points"],
+               "matmul_probe_s": {r: per_matrix(m["rounds"], probes, r) for r in probes["rows"]},
+               "predicted_free_batch": p["b_star"], "capacity": capacity, "kv_bytes_per_token": p["per_token"],
+               "weight_bytes": p["weight_bytes"]}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

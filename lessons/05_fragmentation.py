@@ -61,7 +61,8 @@ from matplotlib.ticker import MaxNLocator
 
 from common import make_parser, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 from minillm.bench.verdict import Check, judge, print_verdict
-from minillm.bench.replay import describe_trace, lognormal_trace, replay
+from minillm.bench.replay import replay
+from minillm.bench.workloads import describe_trace, lognormal_trace
 
 from minillm.engine import LLMEngine
 from minillm.model import GPT2
@@ -116,26 +117,20 @@ def sizes(quick: bool) -> dict:
     return {"block_sizes": [1, 4, 16, 64] if quick else [1, 4, 8, 16, 32, 64, 128], "real_model": not quick}
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)
-    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
-    s, M = sizes(args.quick), cfg.n_ctx
-    trace = lognormal_trace(REQUESTS, M, cfg.vocab_size, prompt_median=M * 5 / 32, output_median=M / 16, seed=0)
-    stats = describe_trace(trace)
-    budget_tokens = RESERVATIONS * M
-    budget_bytes = budget_tokens * cfg.kv_bytes_per_token(dtype)
-    print(f"trace: {stats['requests']} requests, prompt mean {stats['prompt_mean']:.0f} (max {stats['prompt_max']}), "
-          f"output mean {stats['output_mean']:.0f} (max {stats['output_max']}), all queued at t = 0")
-    print(f"KV budget: {RESERVATIONS} slabs of max_model_len={M} = {budget_tokens:,} tokens = "
-          f"{si(budget_bytes, 'B')} for {args.model}\n")
-
-    mean_len = stats["prompt_mean"] + stats["output_mean"]
+def predict_waste(lesson, stats: dict) -> float:
+    """What a slab and a block each waste of a sequence of the trace's mean length; returns that length."""
+    M, mean_len = lesson.config.n_ctx, stats["prompt_mean"] + stats["output_mean"]
     predict(lesson, f"a sequence holds {mean_len:.0f} tokens on average: a max_model_len={M} slab wastes about "
             f"1 − {mean_len:.0f}/{M} = {1 - mean_len / M:.0%} of itself, and {BLOCK_SIZE}-token blocks waste half a "
             f"block per sequence, about {BLOCK_SIZE / 2 / mean_len:.1%} (at the peak, where sequences are longest, "
             "less)", f"so paging should fit about {M / mean_len:.1f}× the sequences while requests wait")
+    return mean_len
 
+
+def measure(lesson, s: dict, trace: list, budget_tokens: int, budget_bytes: int) -> dict:
+    """The trace served contiguous and paged, and paged by block size (a narrow model: counts need no width);
+    with `real_model`, the two policies again through the lesson's model."""
+    model, name = lesson.model, lesson.args.model
     narrow = narrow_model(model)
     with one_thread():
         runs = {policy: serve(narrow, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous")
@@ -145,7 +140,7 @@ def main(argv=None) -> dict:
     real = {}
     if s["real_model"]:  # the same trace through the lesson's model: the same waste, and real tokens/s
         real = {policy: serve(model, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous",
-                              desc=f"{policy}, {args.model}") for policy in ("contiguous", "paged")}
+                              desc=f"{policy}, {name}") for policy in ("contiguous", "paged")}
     shown = real or runs
     print_table(["policy", "waste of allocated", "real / budget", "peak seqs", "sustained seqs", "steps", "preemptions"]
                 + (["tokens/s", "time"] if real else []),
@@ -153,12 +148,16 @@ def main(argv=None) -> dict:
                   f"{r['sustained_running']:.1f}", r["steps"], r["preemptions"]]
                  + ([f"{r['throughput']:.1f}", f"{r['seconds']:.1f} s"] if real else []) for p, r in shown.items()],
                 f"Contiguous vs paged (block {BLOCK_SIZE}), one {si(budget_bytes, 'B')} KV budget, "
-                + (f"served by {args.model}:" if real else "replayed through the narrow model:"))
-
+                + (f"served by {name}:" if real else "replayed through the narrow model:"))
     print_table(["block", "waste", "peak seqs", "sustained seqs", "preemptions"],
                 [[r["block_size"], f"{r['waste']:.1%}", r["peak_running"], f"{r['sustained_running']:.1f}",
                   r["preemptions"]] for r in sweep], "Block-size sweep (narrow-model replay of the same trace):")
+    return {"runs": runs, "sweep": sweep, "real": real, "shown": shown}
 
+
+def judge_claim(lesson, m: dict, mean_len: float):
+    """Two counts: paged waste against its line, and the sequences paging sustains against contiguous slabs."""
+    M, runs, sweep, real = lesson.config.n_ctx, m["runs"], m["sweep"], m["real"]
     c, p = runs["contiguous"], runs["paged"]
     checks = [Check(f"paged waste, block {BLOCK_SIZE}", [p["waste"]], PAGED_WASTE_LIMIT, "<=", timed=False,
                     fmt="{:.1%}",
@@ -182,13 +181,17 @@ def main(argv=None) -> dict:
     if real:
         agree = all(abs(real[k]["waste"] - runs[k]["waste"]) < 1e-9 for k in runs)
         rc, rp = real["contiguous"], real["paged"]
-        verdict.notes.append(f"served by {args.model}: the same waste as the narrow replay ({'yes' if agree else 'NO'});"
-                             f" tokens/s {rp['throughput']:.1f} paged vs {rc['throughput']:.1f} contiguous "
-                             f"({rp['throughput'] / rc['throughput']:.2f}×, one run each, not judged) with "
-                             f"{rp['sustained_running'] / rc['sustained_running']:.1f}× the sequences running; lesson "
-                             "04 shows what a bigger decode batch is worth on this device")
+        verdict.notes.append(f"served by {lesson.args.model}: the same waste as the narrow replay "
+                             f"({'yes' if agree else 'NO'}); tokens/s {rp['throughput']:.1f} paged vs "
+                             f"{rc['throughput']:.1f} contiguous ({rp['throughput'] / rc['throughput']:.2f}×, one run "
+                             f"each, not judged) with {rp['sustained_running'] / rc['sustained_running']:.1f}× the "
+                             "sequences running; lesson 04 shows what a bigger decode batch is worth on this device")
     print_verdict(verdict)
+    return verdict
 
+
+def plot(lesson, m: dict, verdict) -> None:
+    shown, sweep, c = m["shown"], m["sweep"], m["runs"]["contiguous"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for policy, color in (("contiguous", "C1"), ("paged", "C0")):
         snaps = shown[policy]["snapshots"]
@@ -214,11 +217,27 @@ def main(argv=None) -> dict:
     axes[2].legend(fontsize=8, loc="upper left")
     save_plot(lesson, fig, verdict)
 
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    cfg, M = lesson.config, lesson.config.n_ctx
+    trace = lognormal_trace(REQUESTS, M, cfg.vocab_size, prompt_median=M * 5 / 32, output_median=M / 16, seed=0)
+    stats, budget_tokens = describe_trace(trace), RESERVATIONS * M
+    budget_bytes = budget_tokens * cfg.kv_bytes_per_token(lesson.dtype)
+    print(f"trace: {stats['requests']} requests, prompt mean {stats['prompt_mean']:.0f} (max {stats['prompt_max']}), "
+          f"output mean {stats['output_mean']:.0f} (max {stats['output_max']}), all queued at t = 0")
+    print(f"KV budget: {RESERVATIONS} slabs of max_model_len={M} = {budget_tokens:,} tokens = "
+          f"{si(budget_bytes, 'B')} for {args.model}\n")
+    mean_len = predict_waste(lesson, stats)
+    m = measure(lesson, sizes(args.quick), trace, budget_tokens, budget_bytes)
+    verdict = judge_claim(lesson, m, mean_len)
+    plot(lesson, m, verdict)
     figures = {"trace": stats, "budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "reservation_tokens": M,
-               "contiguous": runs["contiguous"], "paged": runs["paged"],
+               "contiguous": m["runs"]["contiguous"], "paged": m["runs"]["paged"],
                "block_sweep": [{k: r[k] for k in ("block_size", "waste", "peak_running", "sustained_running",
-                                                  "preemptions")} for r in sweep],
-               "served_by_model": real}
+                                                  "preemptions")} for r in m["sweep"]],
+               "served_by_model": m["real"]}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -121,11 +121,9 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "block_sizes": [1, 4, 8, 16, 32, 64, 128], "repeats": 5}
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args)
-    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
-    s = sizes(cfg.n_ctx, args.quick)
+def predict_gather(lesson, s: dict) -> int:
+    """The bytes paging's gather moves per step against the bytes a contiguous step reads; returns the gather's."""
+    cfg, dtype = lesson.config, lesson.dtype
     moved = 2 * BATCH * (s["judged"] + 1) * cfg.kv_bytes_per_token(dtype)  # K and V read once and written once
     cost = decode_cost(cfg, s["judged"], BATCH, dtype)
     predict(lesson, f"a contiguous step at batch {BATCH}, context {s['judged']} reads {si(cost.bytes, 'B')}; paging "
@@ -133,12 +131,19 @@ def main(argv=None) -> dict:
             f"about 1 + {si(moved, 'B')} ÷ {si(cost.bytes, 'B')} = {1 + moved / cost.bytes:.2f}× the contiguous one, "
             f"{'under' if 1 + moved / cost.bytes <= STEP_COST_LIMIT else 'over'} the {STEP_COST_LIMIT}× line (if the "
             "rest of the step ran at the copy bandwidth too; a slower rest makes the gather's share smaller)")
+    return moved
 
-    def make_check(ratios) -> Check:
-        return Check(f"paged step ÷ contiguous step at batch {BATCH}, context {s['judged']}, block {BLOCK_SIZE}",
-                     ratios, STEP_COST_LIMIT, "<=", fmt="{:.2f}")
 
-    settle = lambda r: make_check(r.ratio("paged step", "contiguous step")).outcome() != "INCONCLUSIVE"  # noqa: E731
+def make_check(ratios, s: dict) -> Check:
+    return Check(f"paged step ÷ contiguous step at batch {BATCH}, context {s['judged']}, block {BLOCK_SIZE}",
+                 ratios, STEP_COST_LIMIT, "<=", fmt="{:.2f}")
+
+
+def measure(lesson, s: dict) -> dict:
+    """Paged against contiguous by context, and by block size at the judged context (the judged point's rounds
+    added until decided); printed as two tables."""
+    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
+    settle = lambda r: make_check(r.ratio("paged step", "contiguous step"), s).outcome() != "INCONCLUSIVE"  # noqa
     by_context = [compare(model, c, BLOCK_SIZE, s["repeats"], settle if c == s["judged"] else None)
                   for c in s["contexts"]]
     point = next(r for r in by_context if r["context"] == s["judged"])
@@ -154,11 +159,16 @@ def main(argv=None) -> dict:
     print_table(headers, [row(r) for r in by_context], f"Batch {BATCH}, block {BLOCK_SIZE}, by context "
                 f"(medians of {s['repeats']} rounds; {point['rounds'].count} at context {s['judged']}):")
     print_table(headers, [row(r) for r in by_block], f"Batch {BATCH}, context {s['judged']}, by block size:")
+    return {"by_context": by_context, "by_block": by_block, "point": point}
 
+
+def judge_claim(lesson, s: dict, m: dict, moved: int):
+    """The judged point's step ratio, explained by the gather and attention; notes against vLLM's kernel."""
+    point = m["point"]
     share = moved / point["gather_s"] / lesson.ceilings.bandwidth
     attn = statistics.median(point["attention_ratio"]) - 1
     extra = point["paged_step_s"] - point["contiguous_step_s"]
-    check = make_check(point["step_ratio"])
+    check = make_check(point["step_ratio"], s)
     check.why = (f"the paged step took {ms(point['paged_step_s'])} against {ms(point['contiguous_step_s'])}: "
                  f"{ms(extra)} more, of which the gather alone is {ms(point['gather_s'])} "
                  f"({si(moved, 'B')} at {pct(share)} of the copy bandwidth) and paged attention "
@@ -174,9 +184,13 @@ def main(argv=None) -> dict:
                          + (f"; the paged step's extra {ms(extra)} is {extra / point['gather_s']:.1f}× the gather alone"
                             if extra > 0 else "; the paged step was no slower here"))
     print_verdict(verdict)
+    return verdict, share
 
-    sweeps = [(by_context, "context", "context (tokens)", f"by context, block {BLOCK_SIZE}"),
-              (by_block, "block_size", "block size (tokens)", f"by block size, context {s['judged']}")]
+
+def plot(lesson, s: dict, m: dict, verdict) -> None:
+    point = m["point"]
+    sweeps = [(m["by_context"], "context", "context (tokens)", f"by context, block {BLOCK_SIZE}"),
+              (m["by_block"], "block_size", "block size (tokens)", f"by block size, context {s['judged']}")]
     sweeps = [sw for sw in sweeps if len(sw[0]) > 1]  # a quick run times one context: no sweep to draw
     fig, axes = plt.subplots(1, 1 + len(sweeps), figsize=(5.5 * (1 + len(sweeps)), 5.2))
     bars = {"contiguous": (point["contiguous_step_s"], point["contiguous_attention_s"], 0.0),
@@ -213,13 +227,21 @@ def main(argv=None) -> dict:
             ax.set_ylim(min(0.5, *(median_interval(r[k])[0] * 0.8 for r in rows for k in ("step_ratio",
                                                                                           "attention_ratio"))), top)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-
     save_plot(lesson, fig, verdict)
 
-    for r in by_context + by_block:
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args)
+    s = sizes(lesson.config.n_ctx, args.quick)
+    moved = predict_gather(lesson, s)
+    m = measure(lesson, s)
+    verdict, share = judge_claim(lesson, s, m, moved)
+    plot(lesson, s, m, verdict)
+    for r in m["by_context"] + m["by_block"]:
         r.pop("rounds", None)
-    figures = {"batch": BATCH, "judged_context": s["judged"], "by_context": by_context, "by_block_size": by_block,
-               "gather_bytes": moved, "gather_bandwidth_share": share}
+    figures = {"batch": BATCH, "judged_context": s["judged"], "by_context": m["by_context"],
+               "by_block_size": m["by_block"], "gather_bytes": moved, "gather_bandwidth_share": share}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -47,7 +47,8 @@ import statistics
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, write_results
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
-from minillm.bench.replay import Request, greedy, percentile, pool_blocks, replay
+from minillm.bench.replay import greedy, percentile, replay
+from minillm.bench.workloads import Request, pool_blocks
 
 import numpy as np
 
@@ -126,46 +127,44 @@ def timeline(ax, run: dict, title: str) -> None:
     ax.set(xlabel="seconds since the long prompt arrived  (o arrival, ▶ first token, | each token)", title=title)
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)
-    model = lesson.model
-    s = sizes(lesson.config.n_ctx, args.quick)
-    B = sized_budget(s["long_prompt"])
-    modes = {"unchunked": (False, max(UNCHUNKED_BUDGET, s["long_prompt"] + s["long_tokens"]))}
-    modes |= {f"chunked {m * B}": (True, m * B) for m in s["multiples"]}
+def predict_stall(lesson, s: dict, B: int) -> None:
     P = s["long_prompt"]
     predict(lesson, f"unchunked, the {P}-token prompt is prefilled in one step that every stream waits for; chunked "
             f"at {B} tokens it takes {-(-P // B)} steps of at most {B} tokens, each a stream's gap: if a step's time "
             f"grows with its tokens, the worst gap shrinks up to {P / B:.1f}-fold (the line: {STUTTER_FACTOR:g})",
             f"and throughput loses about what {-(-P // B) - 1} extra steps cost, each reading every weight once more")
 
-    def make_checks(rounds) -> list[Check]:
-        base, chosen = rounds.results("unchunked"), rounds.results(f"chunked {B}")
-        m = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
-        return [Check(f"unchunked max ITL ÷ chunked max ITL, budget {B}",
-                      [u["window_max_itl_s"] / c["window_max_itl_s"] for u, c in zip(base, chosen)], STUTTER_FACTOR,
-                      ">=", fmt="{:.2f}",
-                      why=f"the worst gap fell from {ms(m(base, 'window_max_itl_s'))} to "
-                          f"{ms(m(chosen, 'window_max_itl_s'))}, while a gap without any prefill was "
-                          f"{ms(m(chosen, 'itl_before_median_s'))}: a {B}-token chunk costs "
-                          f"{m(chosen, 'window_max_itl_s') / m(chosen, 'itl_before_median_s'):.1f}× a plain decode "
-                          f"step, and the whole {P}-token prefill "
-                          f"{m(base, 'window_max_itl_s') / m(chosen, 'itl_before_median_s'):.1f}×: a step's time "
-                          "grows more slowly than its tokens here (fixed per-step costs)"),
-                Check(f"chunked throughput ÷ unchunked, budget {B}",
-                      [c["throughput"] / u["throughput"] for u, c in zip(base, chosen)], 1 - THROUGHPUT_LOSS_LIMIT,
-                      ">=", fmt="{:.2f}",
-                      why=f"chunked served {m(chosen, 'throughput'):.1f} tokens/s against {m(base, 'throughput'):.1f}: "
-                          f"the {-(-P // B)} chunks took {ms(m(chosen, 'long_ttft_s'))} to the long prompt's first "
-                          f"token against {ms(m(base, 'long_ttft_s'))} in one step, so each extra step's fixed cost "
-                          "(every weight read once more) was paid again")]
 
-    stutter_run(model, s, True, B)()  # warm-up, untimed
-    rounds = interleave({mode: stutter_run(model, s, *cfg) for mode, cfg in modes.items()}, s["repeats"], warmup=0,
-                        device=lesson.device, desc="unchunked and chunked, in turns", until=settled(make_checks))
+def make_checks(rounds, s: dict, B: int) -> list[Check]:
+    """Per round: the worst stall unchunked ÷ chunked at budget B, and chunked throughput ÷ unchunked."""
+    base, chosen, P = rounds.results("unchunked"), rounds.results(f"chunked {B}"), s["long_prompt"]
+    m = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+    return [Check(f"unchunked max ITL ÷ chunked max ITL, budget {B}",
+                  [u["window_max_itl_s"] / c["window_max_itl_s"] for u, c in zip(base, chosen)], STUTTER_FACTOR,
+                  ">=", fmt="{:.2f}",
+                  why=f"the worst gap fell from {ms(m(base, 'window_max_itl_s'))} to "
+                      f"{ms(m(chosen, 'window_max_itl_s'))}, while a gap without any prefill was "
+                      f"{ms(m(chosen, 'itl_before_median_s'))}: a {B}-token chunk costs "
+                      f"{m(chosen, 'window_max_itl_s') / m(chosen, 'itl_before_median_s'):.1f}× a plain decode "
+                      f"step, and the whole {P}-token prefill "
+                      f"{m(base, 'window_max_itl_s') / m(chosen, 'itl_before_median_s'):.1f}×: a step's time "
+                      "grows more slowly than its tokens here (fixed per-step costs)"),
+            Check(f"chunked throughput ÷ unchunked, budget {B}",
+                  [c["throughput"] / u["throughput"] for u, c in zip(base, chosen)], 1 - THROUGHPUT_LOSS_LIMIT,
+                  ">=", fmt="{:.2f}",
+                  why=f"chunked served {m(chosen, 'throughput'):.1f} tokens/s against {m(base, 'throughput'):.1f}: "
+                      f"the {-(-P // B)} chunks took {ms(m(chosen, 'long_ttft_s'))} to the long prompt's first "
+                      f"token against {ms(m(base, 'long_ttft_s'))} in one step, so each extra step's fixed cost "
+                      "(every weight read once more) was paid again")]
+
+
+def measure(lesson, s: dict, B: int, modes: dict):
+    """Every mode's stutter run, in turns, until both checks are decided; a table of their medians."""
+    stutter_run(lesson.model, s, True, B)()  # warm-up, untimed
+    rounds = interleave({mode: stutter_run(lesson.model, s, *cfg) for mode, cfg in modes.items()}, s["repeats"],
+                        warmup=0, device=lesson.device, desc="unchunked and chunked, in turns",
+                        until=settled(lambda r: make_checks(r, s, B)))
     runs = {mode: rounds.results(mode) for mode in modes}
-    base = runs["unchunked"]
     med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     print_table(["mode", "budget", "max ITL in window", "÷ unchunked", "p99 ITL in window", "ITL before",
                  "long TTFT", "tokens/s"],
@@ -175,12 +174,15 @@ def main(argv=None) -> dict:
                   f"{med(mode, 'throughput'):.1f}"] for mode, (_, budget) in modes.items()],
                 f"{s['streams']} streams decoding when a {s['long_prompt']}-token prompt arrives "
                 f"(medians of {rounds.count} rounds):")
+    return rounds, runs
 
-    chosen = runs[f"chunked {B}"]
-    checks = make_checks(rounds)
+
+def judge_claim(lesson, s: dict, B: int, modes: dict, rounds, runs: dict):
+    med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     verdict = judge(f"chunked prefill at max_num_batched_tokens={B} (sized before measuring: the power of two ≤ "
                     f"P/(2·{STUTTER_FACTOR:g}) for P = {s['long_prompt']}) cuts the streams' worst stall at least "
-                    f"{STUTTER_FACTOR:g}-fold and keeps 90% of the throughput", checks, lesson.load(), [rounds])
+                    f"{STUTTER_FACTOR:g}-fold and keeps 90% of the throughput", make_checks(rounds, s, B),
+                    lesson.load(), [rounds])
     verdict.notes.append(f"the long request's TTFT: {ms(med('unchunked', 'long_ttft_s'))} unchunked, "
                          f"{ms(med(f'chunked {B}', 'long_ttft_s'))} chunked: what the streams gain, it pays")
     if len(modes) > 2:
@@ -188,7 +190,11 @@ def main(argv=None) -> dict:
             f"{mode} → 1/{med('unchunked', 'window_max_itl_s') / med(mode, 'window_max_itl_s'):.1f}"
             for mode in list(modes)[1:]))
     print_verdict(verdict)
+    return verdict
 
+
+def plot(lesson, B: int, modes: dict, runs: dict, verdict) -> None:
+    base, chosen, checks = runs["unchunked"], runs[f"chunked {B}"], verdict.checks
     stall = checks[0].values
     k = sorted(range(len(stall)), key=stall.__getitem__)[(len(stall) - 1) // 2]  # the round of the median stall ratio
     shown = f"round {k + 1} of {len(stall)}, the median"
@@ -226,6 +232,18 @@ def main(argv=None) -> dict:
     axes[1, 0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
     save_plot(lesson, fig, verdict)
 
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    s = sizes(lesson.config.n_ctx, args.quick)
+    B = sized_budget(s["long_prompt"])
+    modes = {"unchunked": (False, max(UNCHUNKED_BUDGET, s["long_prompt"] + s["long_tokens"]))}
+    modes |= {f"chunked {m * B}": (True, m * B) for m in s["multiples"]}
+    predict_stall(lesson, s, B)
+    rounds, runs = measure(lesson, s, B, modes)
+    verdict = judge_claim(lesson, s, B, modes, rounds, runs)
+    plot(lesson, B, modes, runs, verdict)
     setup = {**s, "chunk_budget": B, "modes": {m: {"chunked": c, "budget": b} for m, (c, b) in modes.items()}}
     figures = {"setup": setup, "runs": runs}
     write_results(lesson, figures, verdict)

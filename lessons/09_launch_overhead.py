@@ -148,28 +148,19 @@ def sizes(quick: bool) -> dict:
     return {"context": 16, "rounds": 5, "turn_s": 0.01} if quick else {"context": 64, "rounds": 9, "turn_s": 0.03}
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args)
-    device, dtype, bandwidth, on_cuda = lesson.device, lesson.dtype, lesson.ceilings.bandwidth, lesson.device.type == "cuda"
-    s = sizes(args.quick)
-    points = []
-    names = ladder(args.model, lesson.config.num_params())
-    with contextlib.nullcontext() if on_cuda else one_thread():
-        x = torch.zeros(1, device=device)
-        bare = time_fn(lambda: [x.add_(1) for _ in range(1000)], device, 1, 5).median_s / 1000  # one bare op
-        floors = {n: (PRESETS[n] if n in PRESETS else lesson.config).weight_bytes(dtype) / bandwidth for n in names}
-        predict(lesson, f"one bare op costs the host {bare * 1e6:.1f} µs here, and a decode step is hundreds of "
-                "ops (more per layer), so host time grows with depth; the weight-read floor grows with the weight "
-                "bytes: " + ", ".join(f"{n} {ms(f)}" for n, f in floors.items())
-                + f" at the copy bandwidth ({si(bandwidth, 'B/s')})",
-                "so the smallest shape should wait on its host and the largest on memory if its floor outgrows "
-                "its ops' host time")
-        for name in names:
-            model = lesson.model if name == args.model else random_model(PRESETS[name], device, dtype)
-            points.append(measure(model, name, s, bandwidth))
-            del model
+def predict_ladder(lesson, names: list[str], bare: float) -> None:
+    """Host time grows with the ops, the weight-read floor with the bytes: where each shape should wait."""
+    bandwidth = lesson.ceilings.bandwidth
+    floors = {n: (PRESETS[n] if n in PRESETS else lesson.config).weight_bytes(lesson.dtype) / bandwidth for n in names}
+    predict(lesson, f"one bare op costs the host {bare * 1e6:.1f} µs here, and a decode step is hundreds of "
+            "ops (more per layer), so host time grows with depth; the weight-read floor grows with the weight "
+            "bytes: " + ", ".join(f"{n} {ms(f)}" for n, f in floors.items())
+            + f" at the copy bandwidth ({si(bandwidth, 'B/s')})",
+            "so the smallest shape should wait on its host and the largest on memory if its floor outgrows "
+            "its ops' host time")
 
+
+def print_ladder(lesson, s: dict, points: list[dict]) -> None:
     modes = [m for m in points[0]["step_s"] if m != "twin graph"]
     print_table(["shape", "weights", "ops " + "/".join(m for m in modes if m != "twin"),
                  *[f"step {m}" for m in modes], "µs/op", "floor", "floor ÷ eager", "overhead share", "bound",
@@ -178,10 +169,15 @@ def main(argv=None) -> dict:
                   *[ms(p["step_s"][m]) for m in modes], f"{p['host_per_op_s'] * 1e6:.1f}", ms(p["floor_s"]),
                   f"{p['floor_s'] / p['step_s']['eager']:.0%}", f"{p['share_median']:.2f}", bound(p["share_median"]),
                   ms(p["graph_removes_s"])] for p in points],
-                f"Batch-1 decode after {s['context']} tokens, {str(dtype).removeprefix('torch.')} (medians of "
+                f"Batch-1 decode after {s['context']} tokens, {str(lesson.dtype).removeprefix('torch.')} (medians of "
                 f"{s['rounds']} rounds; twin = the same ops at width 8; share = twin ÷ eager step):")
 
-    small, large = points[0], points[-1]
+
+def judge_claim(lesson, points: list[dict], bare: float):
+    """The smallest shape's overhead share above the line, the largest's below (on CUDA, of the graph step, and
+    the graph's gain); notes on where host time and bytes cross. Returns the verdict and the bytes at evens."""
+    small, large, bandwidth, on_cuda = points[0], points[-1], lesson.ceilings.bandwidth, lesson.device.type == "cuda"
+
     def why(p) -> str:
         return (f"{p['name']}'s twin (its {p['ops']['eager']} ops at width 8, almost no bytes) took "
                 f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
@@ -210,9 +206,9 @@ def main(argv=None) -> dict:
                              f"its weights ({si(large['weight_bytes'] / (large['step_s']['eager'] - large['overhead_s']), 'B/s')}) "
                              f"that is the time to read {si(even, 'B')}: a model of its depth with fewer weight "
                              f"bytes waits more on its host than on memory")
-    at_floor = large["overhead_s"] * bandwidth
     verdict.notes.append(f"at the copy bandwidth ({si(bandwidth, 'B/s')}) the floor of {large['name']}'s step is "
-                         f"{ms(large['floor_s'])}, and its host time equals the floor of a model of {si(at_floor, 'B')}")
+                         f"{ms(large['floor_s'])}, and its host time equals the floor of a model of "
+                         f"{si(large['overhead_s'] * bandwidth, 'B')}")
     if on_cuda:
         verdict.notes.append(", ".join(f"{p['name']}: graph {ms(p['step_s']['graph'])} against eager "
                                        f"{ms(p['step_s']['eager'])}, {p['floor_s'] / p['step_s']['graph']:.0%} of the "
@@ -223,7 +219,12 @@ def main(argv=None) -> dict:
                              f"{ms(small['graph_removes_s'])} of its {ms(small['step_s']['static'])}, {large['name']} "
                              f"{ms(large['graph_removes_s'])} of its {ms(large['step_s']['static'])}")
     print_verdict(verdict)
+    return verdict, even
 
+
+def plot(lesson, s: dict, points: list[dict], even, verdict) -> None:
+    large, bandwidth = points[-1], lesson.ceilings.bandwidth
+    modes = [m for m in points[0]["step_s"] if m != "twin graph"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     wb = [p["weight_bytes"] for p in points]
     styles = {"eager": "o-", "static": "s--", "graph": "^-", "twin": "x:"}
@@ -262,8 +263,26 @@ def main(argv=None) -> dict:
     axes[2].legend(fontsize=8, loc="upper left")
     save_plot(lesson, fig, verdict)
 
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args)
+    s, names = sizes(args.quick), ladder(args.model, lesson.config.num_params())
+    with contextlib.nullcontext() if lesson.device.type == "cuda" else one_thread():
+        x = torch.zeros(1, device=lesson.device)
+        bare = time_fn(lambda: [x.add_(1) for _ in range(1000)], lesson.device, 1, 5).median_s / 1000  # one bare op
+        predict_ladder(lesson, names, bare)
+        points = []
+        for name in names:
+            model = lesson.model if name == args.model else random_model(PRESETS[name], lesson.device, lesson.dtype)
+            points.append(measure(model, name, s, lesson.ceilings.bandwidth))
+            del model
+    print_ladder(lesson, s, points)
+    verdict, even = judge_claim(lesson, points, bare)
+    plot(lesson, s, points, even, verdict)
     figures = {"context_len": s["context"], "rounds": s["rounds"], "bare_op_s": bare, "points": points,
-               "crossover": crossover(points), "even_bytes": even, "host_time_equals_floor_of_bytes": at_floor}
+               "crossover": crossover(points), "even_bytes": even,
+               "host_time_equals_floor_of_bytes": points[-1]["overhead_s"] * lesson.ceilings.bandwidth}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

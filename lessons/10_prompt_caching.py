@@ -40,22 +40,21 @@ preempted: caching is the only difference), greedy answers of fixed length.
                 turn), each turn resending the history: served once each way, shown
                 for its hit rate and prefill saved, not judged.
 
-Sizes scale with the context (gpt2's above); --quick keeps the proportions
-that decide each line, so the same lines apply: the sweep at S ∈ {96, 384} with
-U = 16 (again (S + U) / U = 25 at the checked point); `shared` of 6 requests with a 96-token
-system prompt, 4 tokens of each request's own and 4-token answers (prompt ÷
-answer = 25, as in the full run); the control of 100-token prompts; turns of
-32 then 8 tokens. The sweep, shared and control runs go in turns, caching off
-and on, three rounds (two with --quick); every ratio is taken within a round.
-On a CPU the model runs on one thread: on shared cores a second thread makes
-each small step wait for it, and the runs of a round then differ more than
-caching makes them differ.
+Sizes scale with the context (gpt2's above); --quick keeps the proportions that decide
+each line, so the same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again
+(S + U) / U = 25 at the checked point); `shared` of 6 requests with a 96-token system
+prompt, 4 tokens of each request's own and 4-token answers (prompt ÷ answer = 25, as
+in the full run); the control of 100-token prompts; turns of 32 then 8 tokens. The
+sweep, shared and control runs go in turns, caching off and on, three rounds (two with
+--quick); every ratio is taken within a round. On a CPU the model runs on one thread:
+on shared cores a second thread makes each small step wait for it, and the runs of a
+round then differ more than caching makes them differ.
 
-The verdict: per round, the checked TTFT off ÷ on ≥ 5, shared throughput on ÷
-off ≥ 2, control throughput on ÷ off ≥ 0.97. Where a line is missed, the lesson
-computes why from the run: the share of the uncached run's time spent in steps
-that prefill, and the share of prefill tokens caching saved, bound the
-throughput gain at 1 / (1 − share · saved) even if saved tokens cost nothing.
+The verdict: per round, the checked TTFT off ÷ on ≥ 5, shared throughput on ÷ off ≥ 2,
+control throughput on ÷ off ≥ 0.97. Where a line is missed, the lesson computes why
+from the run: the share of the uncached run's time spent in steps that prefill, and
+the share of prefill tokens caching saved, bound the throughput gain at
+1 / (1 − share · saved) even if saved tokens cost nothing.
 
 Predict before you run: a gpt2 prefill of 800 tokens costs about as much as
 how many decode steps? With 32-token answers, what throughput gain can caching
@@ -69,8 +68,9 @@ import statistics
 from common import (make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, start, ticks_at,
                     write_results)
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
-from minillm.bench.replay import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload, serve,
-                       shared_prefix_workload)
+from minillm.bench.replay import serve
+from minillm.bench.workloads import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload,
+                                     shared_prefix_workload)
 
 from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.engine import LLMEngine
@@ -112,8 +112,7 @@ def runner(model, conversations: list[Conversation], caching: bool, concurrency:
     return lambda: serve(make_engine(model, conversations, caching), conversations, concurrency)
 
 
-def make_checks(s: dict, ttft_speedups: list[float], shared_gains: list[float],
-                control_gains: list[float]) -> list[Check]:
+def make_checks(s: dict, ttft_speedups: list[float], shared_gains: list[float], control_gains: list[float]) -> list[Check]:
     """The claim's three lines, one value per round: TTFT off ÷ on of the checked hit, throughput on ÷ off of the
     shared workload and of the control."""
     return [Check(f"TTFT off ÷ on, a hit on {s['sweep'][-1]} shared + {s['sweep_suffix']} own tokens", ttft_speedups,
@@ -149,8 +148,7 @@ def explain(checks: list[Check], bound: dict, s: dict, ttft: dict) -> list[str]:
     """The lesson's reading of its numbers: why each line was met or missed, from what this run measured.
     `ttft` holds the sweep's median TTFTs, caching "off" and "on", one per shared length."""
     ttft_check, gain, control = checks
-    S, U = s["sweep"], s["sweep_suffix"]
-    on, off = ttft["on"], ttft["off"]
+    (S, U), (on, off) = (s["sweep"], s["sweep_suffix"]), (ttft["on"], ttft["off"])
     notes = [f"TTFT: a hit at S = {S[-1]} computes {U} of {S[-1] + U} prompt tokens, an ideal "
              f"{(S[-1] + U) / U:.0f}× by tokens; measured {ttft_check.median:.1f}×. A hit took {ms(on[-1])} at "
              f"S = {S[-1]}, and already {ms(on[0])} ({on[0] / on[-1]:.0%} of it) at S = {S[0]}: that part is the cost "
@@ -170,12 +168,9 @@ def explain(checks: list[Check], bound: dict, s: dict, ttft: dict) -> list[str]:
     return notes
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args)
-    model, cfg = lesson.model, lesson.config
-    s = sizes(cfg.n_ctx, args.quick)
-    pb = predicted_bound(cfg, s, lesson.ceilings, lesson.dtype)
+def predict_gains(lesson, s: dict) -> dict:
+    """A hit's TTFT gain by tokens, and the throughput bound of the shared workload from the ceilings."""
+    pb = predicted_bound(lesson.config, s, lesson.ceilings, lesson.dtype)
     predict(lesson, f"a hit at S = {s['sweep'][-1]} computes {s['sweep_suffix']} of its "
             f"{s['sweep'][-1] + s['sweep_suffix']} prompt tokens: an ideal {(s['sweep'][-1] + s['sweep_suffix']) / s['sweep_suffix']:.0f}× "
             f"by tokens, less once a pass's fixed costs count",
@@ -185,32 +180,37 @@ def main(argv=None) -> dict:
             f"{pb['tokens_saved']:.0%} of the prefill tokens, so throughput can gain at most "
             f"{pb['bound']:.2f}× ({'the' if pb['bound'] >= THROUGHPUT_LINE else 'not even the'} "
             f"{THROUGHPUT_LINE:g}× line is reachable in principle)")
+    return pb
+
+
+def checks_of(r, s: dict) -> list[Check]:
+    off, on = ([run["records"][-1]["ttft_s"] for run in r.results(f"sweep {c}")] for c in ("off", "on"))
+    gain = {w: [b["throughput"] / a["throughput"] for a, b in zip(r.results(f"{w} off"), r.results(f"{w} on"))]
+            for w in ("shared", "control")}
+    return make_checks(s, [a / b for a, b in zip(off, on)], gain["shared"], gain["control"])
+
+
+def measure(lesson, s: dict):
+    """Every workload caching off and on, in turns (the conversations once each way); their medians printed."""
+    model, cfg = lesson.model, lesson.config
     work = {"sweep": ttft_sweep(s["sweep"], s["sweep_suffix"], cfg.vocab_size),
             "shared": shared_prefix_workload(s["requests"], s["prefix"], s["suffix"], s["answer"], cfg.vocab_size),
             "control": no_sharing_workload(s["control_requests"], s["control_prompt"], s["answer"], cfg.vocab_size,
                                            seed=2),
             "turns": multi_turn_workload(s["conversations"], s["turns"], s["first"], s["user"], s["answer"],
                                          cfg.vocab_size, seed=1)}
-    warm = no_sharing_workload(2, 32, 2, cfg.vocab_size)
     served = {"sweep off": work["sweep"][1:], "sweep on": work["sweep"],  # uncached, no request warms anything
               **{f"{w} {c}": work[w] for w in ("shared", "control") for c in ("off", "on")}}
     fns = {name: runner(model, convs, name.endswith(" on"), 1 if name.startswith("sweep") else None)
            for name, convs in served.items()}
-    def checks_of(r) -> list[Check]:
-        hits = {c: [run["records"][-1]["ttft_s"] for run in r.results(f"sweep {c}")] for c in ("off", "on")}
-        gain = {w: [on["throughput"] / off["throughput"] for off, on in zip(r.results(f"{w} off"), r.results(f"{w} on"))]
-                for w in ("shared", "control")}
-        return make_checks(s, [a / b for a, b in zip(hits["off"], hits["on"])], gain["shared"], gain["control"])
-
     with one_thread() if lesson.device.type == "cpu" else contextlib.nullcontext():
-        runner(model, warm, True)()  # the first forward passes allocate: keep them out of the figures
+        runner(model, no_sharing_workload(2, 32, 2, cfg.vocab_size), True)()  # the first passes allocate: unshown
         rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device, desc="caching off and on, in turns",
-                            until=settled(checks_of))
+                            until=settled(lambda r: checks_of(r, s)))
         runs = {name: rounds.results(name) for name in fns}
         for c in ("off", "on"):  # shown, not judged: one run each way
             runs[f"turns {c}"] = [runner(model, work["turns"], c == "on")()]
     med = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
-    pair = lambda w, f: [f(off, on) for off, on in zip(runs[f"{w} off"], runs[f"{w} on"])]  # noqa: E731
 
     def row(w: str, c: str) -> list:  # times: medians of the rounds; counts: the same in every round
         name, counts = f"{w} {c}", runs[f"{w} {c}"][0]
@@ -230,18 +230,28 @@ def main(argv=None) -> dict:
                   f"{ttft['off'][i] / ttft['on'][i]:.1f}×",
                   runs["sweep on"][0]["records"][i + 1]["cached_tokens"]] for i, p in enumerate(s["sweep"])],
                 "one request at a time, after one that filled the cache (medians of the rounds):")
+    return {"rounds": rounds, "runs": runs, "sweep_rows": sweep_rows, "ttft": ttft}
 
-    checks = checks_of(rounds)
+
+def judge_claim(lesson, s: dict, m: dict):
+    """The three checks, each with its reading of the numbers; the throughput bound measured round by round."""
+    runs, checks = m["runs"], checks_of(m["rounds"], s)
     verdict = judge(f"prefix caching cuts a hit's TTFT at least {TTFT_LINE:g}× (SGLang: up to 5×), at least doubles "
                     "the throughput of requests sharing a system prompt, and costs under 3% when nothing is shared",
-                    checks, lesson.load(), [rounds])
-    bounds = pair("shared", throughput_bound)
+                    checks, lesson.load(), [m["rounds"]])
+    bounds = [throughput_bound(off, on) for off, on in zip(runs["shared off"], runs["shared on"])]
     bound = {k: statistics.median(b[k] for b in bounds) for k in bounds[0]}
-    for check, why in zip(checks, explain(checks, bound, s, ttft)):  # one reading per line, printed either way
+    for check, why in zip(checks, explain(checks, bound, s, m["ttft"])):  # one reading per line, printed either way
         check.why = why
         verdict.notes += [] if check.outcome() == "NOT SUPPORTED" else [why]
     print_verdict(verdict)
+    return verdict, bound, bounds
 
+
+def plot(lesson, s: dict, m: dict, pb: dict, bound: dict, verdict) -> float:
+    """The figure; returns the conversations' throughput on ÷ off, drawn (and saved) beside the judged ratios."""
+    runs, ttft, sweep_rows, checks, count = m["runs"], m["ttft"], m["sweep_rows"], verdict.checks, m["rounds"].count
+    med = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.6))
     ax = axes[0]
     for c, color in (("off", "C3"), ("on", "C0")):
@@ -255,7 +265,7 @@ def main(argv=None) -> dict:
     ax.set(xlabel=f"shared-prefix length S (tokens; each request adds {s['sweep_suffix']} of its own)",
            ylabel="TTFT (ms), one request at a time", ylim=(0, None), xlim=(0, None),
            title=f"TTFT of a hit ({checks[0].median:.2f}× lower at S = {s['sweep'][-1]})\n"
-                 f"(medians of {rounds.count} rounds; bars: range)")
+                 f"(medians of {count} rounds; bars: range)")
     ticks_at(ax, [0] + s["sweep"])
     ax = axes[1]
     names = ["shared", "turns", "control"]
@@ -271,29 +281,37 @@ def main(argv=None) -> dict:
         ax.plot([x - 0.2, x + 0.2], [line * med(f"{w} off", "throughput")] * 2, "k:", lw=2,
                 label="the claim's line: caching off × 2 (shared), × 0.97 (control)" if i == 0 else None)
     ax.set_xticks(range(3), [f"{w}{' (one run)' * (w == 'turns')}\non ÷ off {on_off[w]:.2f}×" for w in names])
-    ax.set(ylabel="generated tokens/s", title=f"throughput by workload\n(medians of {rounds.count} rounds; bars: range)")
+    ax.set(ylabel="generated tokens/s", title=f"throughput by workload\n(medians of {count} rounds; bars: range)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     ax = axes[2]
     for j, c in enumerate(("off", "on")):
         pre, dec = med(f"shared {c}", "prefill_steps_s"), med(f"shared {c}", "decode_steps_s")
         ax.bar(j, pre, 0.6, color="C1", label="steps that prefill" if j == 0 else None)
         ax.bar(j, dec, 0.6, bottom=pre, color="C2", label="decode-only steps" if j == 0 else None)
-    ax.set_xticks([0, 1], ["caching off", "caching on"])
-    ax.set(ylabel="seconds of engine steps, shared workload",
+    ax.set(xticks=[0, 1], xticklabels=["caching off", "caching on"], ylabel="seconds of engine steps, shared workload",
            title=f"where the time went (medians)\ncaching prefill can gain ≤ {bound['bound']:.2f}× "
                  f"(predicted: ≤ {pb['bound']:.2f}×)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     for ax in axes:  # below the axes: never over the data
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     save_plot(lesson, fig, verdict)
+    return on_off["turns"]
 
-    figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": ttft["off"], "ttft_on_s": ttft["on"]},
-               "throughput_bound": bound, "per_round_bounds": bounds, "predicted_bound": pb,
-               "on_off_turns": on_off["turns"],
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args)
+    s = sizes(lesson.config.n_ctx, args.quick)
+    pb = predict_gains(lesson, s)
+    m = measure(lesson, s)
+    verdict, bound, bounds = judge_claim(lesson, s, m)
+    on_off_turns = plot(lesson, s, m, pb, bound, verdict)
+    figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": m["ttft"]["off"], "ttft_on_s": m["ttft"]["on"]},
+               "throughput_bound": bound, "per_round_bounds": bounds, "predicted_bound": pb, "on_off_turns": on_off_turns,
                "claim": {"ttft_line": TTFT_LINE, "throughput_line": THROUGHPUT_LINE,
                          "control_cost_limit": 1 - CONTROL_LINE},
                "runs": {name: [{k: v for k, v in r.items() if k != "records"} for r in rs]
-                        for name, rs in runs.items()}}
+                        for name, rs in m["runs"].items()}}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -15,16 +15,14 @@ at γ = 4. The notes compute from the measurements why a line was missed.
 
 What this lesson measures
 -------------------------
-1. A pass over k new tokens after 256 cached ones (logits at all k, as
-   verification needs) ÷ a one-token step, beside its matrix products alone;
-   c: a draft step, and a lookup that finds nothing, ÷ that step.
-2. Greedy, in turns with the target alone (`kv_cache.generate`), decode phase
-   timed, γ = 1, 2, 4, 8, for a draft of the target's first quarter of blocks and
-   for prompt lookup (vLLM's n-gram draft), on a passage, the target's greedy
-   continuation and the passage again: α, tokens per pass against
-   (1 − α^(γ+1)) / (1 − α), the speedup, S, and S fed the run's own guesses
-   and pass costs (random weights say nothing of a real checkpoint's α).
-   First, a sampled run: α under Leviathan's rule (the exercise).
+1. A pass over k new tokens after 256 cached ones (logits at all k, as verification
+   needs) ÷ a one-token step, beside its matrix products alone; c: a draft step,
+   and a lookup that finds nothing, ÷ that step.
+2. Greedy, decode phase timed in turns with the target alone, γ = 1, 2, 4, 8, for
+   a draft and for prompt lookup (vLLM's n-gram draft), on a passage, the target's
+   greedy continuation and the passage again: α, tokens per pass against
+   (1 − α^(γ+1)) / (1 − α), the speedup, S, and S fed the run's own guesses and
+   pass costs. First, a sampled run: α under Leviathan's rule (the exercise).
 --quick: γ = 4 only, a 42-token prompt, 10 new tokens, two rounds; the same lines.
 
 Predict before you run: what share of a decode step is not reading weights on
@@ -40,15 +38,15 @@ import numpy as np
 import torch
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
+from drafts import choose_draft
 from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 
 from minillm.bench.cost import step_cost
 from minillm.kv_cache import KVCache, Segment, generate
 from minillm.bench.steps import decode_step
 from minillm.model import GPT2, Conv1D
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
-from minillm.checkpoints.load import load_model, locate
 
 NAME = "11_speculative_decoding"
 CONTEXT = 256                      # cached tokens before the measured passes
@@ -59,47 +57,6 @@ LOOKUP_GAMMA, LOOKUP_LINE = 4, 1.5  # prompt lookup at γ = 4 (fixed beforehand)
 PAYS = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (its interval straddles 1×)"}
 SIZES = {"quick": dict(gammas=[LOOKUP_GAMMA], passage=16, quoted=10, max_tokens=10, repeats=2, cost_repeats=3, ks=[]),
          "full": dict(gammas=[1, 2, 4, 8], passage=64, quoted=24, max_tokens=24, repeats=3, cost_repeats=7, ks=[16])}
-
-
-def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
-    """The target's first n_layer blocks, its embeddings, ln_f and tied head: a draft sharing (not copying) them."""
-    with torch.device("meta"):
-        draft = GPT2(target.config.with_(n_layer=n_layer), seed=None)
-    draft.wte, draft.wpe, draft.ln_f = target.wte, target.wpe, target.ln_f
-    draft.h = torch.nn.ModuleList(target.h[:n_layer])
-    draft.weights_source = f"the target's first {n_layer} of {target.config.n_layer} blocks"
-    return draft.eval()
-
-
-CLASSIC_DRAFTS = {"gpt2": "distilgpt2", "gpt2-medium": "gpt2", "gpt2-large": "gpt2", "gpt2-xl": "gpt2"}
-
-
-def has_weights(name: str) -> bool:
-    """Whether `name` is a checkpoint whose weights are on disk (a preset folder holding safetensors)."""
-    try:
-        folder, preset = locate(name)
-    except ValueError:
-        return False
-    return folder.is_dir() and any(folder.glob("*.safetensors"))
-
-
-def choose_draft(target: GPT2, target_name: str, asked: str, device, dtype) -> tuple[GPT2, str]:
-    """The draft model and why: `asked` may name any checkpoint with the target's vocabulary; `auto` takes the
-    classic pair (distilgpt2 for gpt2, gpt2 for the larger ones) when its weights are present, else the shallow
-    draft; `shallow` always takes the target's first quarter of blocks."""
-    shallow = max(1, target.config.n_layer // 4)
-    if asked == "shallow" or (asked == "auto" and not has_weights(CLASSIC_DRAFTS.get(target_name, ""))):
-        why = "asked for (--draft shallow)" if asked == "shallow" else (
-            f"no weights for the classic draft {CLASSIC_DRAFTS[target_name]} of {target_name}"
-            if target_name in CLASSIC_DRAFTS else f"{target_name} has no classic draft")
-        return shallow_draft(target, shallow), f"the target's first {shallow} block{'s' * (shallow > 1)} ({why})"
-    name = CLASSIC_DRAFTS[target_name] if asked == "auto" else asked
-    draft = load_model(name, device, dtype)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise SystemExit(f"--draft {name}: its vocabulary has {draft.config.vocab_size} tokens and the target's "
-                         f"{target.config.vocab_size}; a draft must propose the target's tokens: pick a checkpoint "
-                         "of the same tokenizer, or --draft shallow")
-    return draft, f"{name} ({draft.weights_source}{', the classic pair' if asked == 'auto' else ''})"
 
 
 def quoting_prompt(target: GPT2, passage: int, quoted: int, seed: int = 0) -> list[int]:
@@ -222,39 +179,32 @@ def plot(lesson, cost: dict, rows: list[dict], gammas: list[int], verdict) -> No
                 capsize=3, fmt="o-", label="target pass, logits at all k (bars: range)")
     ax.plot(ks, list(mm.values()), "s--", label="its matrix products alone")
     ax.axhline(PREMISE_LINE, color="C3", ls=":", lw=1)
-    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9,
-            label=f"the claim's line: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
+    ax.plot([PREMISE_K], [PREMISE_LINE], "v", color="C3", ms=9, label=f"the claim's line: ≤ {PREMISE_LINE}× at k = {PREMISE_K}")
     ax.set(xlabel="new tokens k in one pass", ylabel="time ÷ a one-token step", title=f"verification cost after "
            f"{cost['context']} cached tokens\n(medians of {len(rounds[ks[0]])} rounds)", ylim=(0, max(PREMISE_LINE, *v.values(), *mm.values()) * 1.4))
-    names = list(dict.fromkeys(r["draft"] for r in rows))
+    names, n = list(dict.fromkeys(r["draft"] for r in rows)), len(rows[0]["speedups"])
+    ranges = lambda mine: [[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]]  # noqa
+    series = (("speedup", "measured"), ("predicted", "S (measured α, c)"), ("modelled", "its counts and costs"))
     if len(gammas) > 1:  # a sweep: measured, and the two predictions beside it (offset so no marker hides another)
         for name, color in zip(names, ("C0", "C1")):
             mine = [r for r in rows if r["draft"] == name]
             gs = [r["gamma"] for r in mine]
-            bx.errorbar(gs, [r["speedup"] for r in mine], capsize=3, fmt="o-", color=color,
-                        label=f"{name}, α = {statistics.median(r['alpha'] for r in mine):.2f}: measured (bars: range)",
-                        yerr=[[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]])
-            bx.plot([g * 1.06 for g in gs], [r["predicted"] for r in mine], "x--", color=color, ms=9,
-                    label=f"{name}: S (measured α, c)")
-            bx.plot([g / 1.06 for g in gs], [r["modelled"] for r in mine], "s:", color=color, mfc="none",
-                    label=f"{name}: its counts and costs")
+            bx.errorbar(gs, [r["speedup"] for r in mine], yerr=ranges(mine), capsize=3, fmt="o-", color=color,
+                        label=f"{name}, α = {statistics.median(r['alpha'] for r in mine):.2f}: measured (bars: range)")
+            for (key, label), x, fmt in zip(series[1:], (1.06, 1 / 1.06), ("x--", "s:")):
+                bx.plot([g * x for g in gs], [r[key] for r in mine], fmt, color=color, label=f"{name}: {label}",
+                        **({"ms": 9} if key == "predicted" else {"mfc": "none"}))
         bx.set_xscale("log", base=2)
         ticks_at(bx, gammas)
-        bx.set(xlabel="γ, guesses per round", title=f"speedup vs γ: measured (medians of {len(rows[0]['speedups'])} "
-               "rounds) and predicted")
+        bx.set(xlabel="γ, guesses per round", title=f"speedup vs γ: measured (medians of {n} rounds) and predicted")
     else:  # one γ: bars, not a one-point sweep
-        width = 0.27
-        for j, (key, label) in enumerate((("speedup", "measured (median; bars: range)"),
-                                          ("predicted", "S (measured α, c)"), ("modelled", "its counts and costs"))):
-            mine = [next(r for r in rows if r["draft"] == n) for n in names]
-            err = ([[r["speedup"] - r["low"] for r in mine], [r["high"] - r["speedup"] for r in mine]]
-                   if key == "speedup" else None)
-            bx.bar([i + (j - 1) * width for i in range(len(names))], [r[key] for r in mine], width, yerr=err,
-                   capsize=3, label=label, color=f"C{j}")
-        bx.set_xticks(range(len(names)), [f"{n}\nα = {next(r for r in rows if r['draft'] == n)['alpha']:.2f}"
-                                          for n in names])
-        bx.set(title=f"speedup at γ = {gammas[0]}: measured (medians of {len(rows[0]['speedups'])} rounds) "
-                     "and predicted")
+        mine = [next(r for r in rows if r["draft"] == name) for name in names]
+        for j, (key, label) in enumerate(series):
+            bx.bar([i + (j - 1) * 0.27 for i in range(len(names))], [r[key] for r in mine], 0.27, capsize=3,
+                   yerr=ranges(mine) if j == 0 else None, label=label + (" (median; bars: range)" if j == 0 else ""),
+                   color=f"C{j}")
+        bx.set_xticks(range(len(names)), [f"{r['draft']}\nα = {r['alpha']:.2f}" for r in mine])
+        bx.set(title=f"speedup at γ = {gammas[0]}: measured (medians of {n} rounds) and predicted")
     bx.axhline(1, color="black", lw=0.6)
     bx.axhline(LOOKUP_LINE, color="C3", ls=":", lw=1, label=f"the claim's line for prompt lookup: ≥ {LOOKUP_LINE}×")
     bx.set(ylabel="speedup over the target alone (decode phase)",
@@ -265,70 +215,77 @@ def plot(lesson, cost: dict, rows: list[dict], gammas: list[int], verdict) -> No
     save_plot(lesson, fig, verdict)
 
 
-def main(argv=None) -> dict:
-    parser = make_parser(__doc__)
-    parser.add_argument("--draft", default="auto",
-                        help="the draft: auto (the classic pair when its weights are present: distilgpt2 for gpt2, "
-                             "gpt2 for the larger; else shallow), shallow (the target's first blocks), or any "
-                             "checkpoint with the target's vocabulary")
-    args = parser.parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)
-    target, cfg, s = lesson.model, lesson.config, SIZES["quick" if args.quick else "full"]
-    draft, draft_why = choose_draft(target, args.model, args.draft, lesson.device, lesson.dtype)
-    print(f"draft: {draft_why}")
-    prompt = quoting_prompt(target, s["passage"], s["quoted"])
-    sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)
-    alpha_sampled = timed(target, draft, prompt, sampled, LOOKUP_GAMMA)().stats.alpha   # the exercise's rule, first
+def predict_costs(lesson, s: dict) -> tuple[list[int], int]:
+    """The pass lengths k to time and the cached context; prints what the cost model expects of them."""
     ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
-    context = min(CONTEXT, cfg.n_ctx - max(ks))
+    context, cfg = min(CONTEXT, lesson.config.n_ctx - max(ks)), lesson.config
     one, five = (step_cost(cfg, [k], [context], lesson.dtype, lm_head_rows=k) for k in (1, PREMISE_K))
     predict(lesson, f"a pass over {PREMISE_K} new tokens after {context} cached reads the same "
             f"{si(one.weight_bytes, 'B')} of weights as a one-token step and does {five.flops / one.flops:.1f}× its "
             f"FLOPs, at {five.intensity:.1f} FLOP/B: below the device's ridge (lesson 01) it should cost about one "
             f"step (the line: {PREMISE_LINE}×), and speculation then pays about its tokens per pass, "
             f"(1 − α^(γ+1)) / (1 − α), less the draft's cost")
-    premise = lambda r: Check("premise", summarise_costs(r, ks)["rounds"][PREMISE_K], PREMISE_LINE,  # noqa: E731
-                              "<=").outcome() != INCONCLUSIVE
-    costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
-                       desc="verification cost, in turns", until=premise)
-    cost = {**summarise_costs(costs, ks), "context": context}
-    v, c = cost["ratio"], cost["c"]
+    return ks, context
 
+
+def measure_speculation(lesson, draft: GPT2, prompt: list[int], cost: dict, s: dict):
+    """The target alone against each draft at each γ, greedy, in turns: (one row per draft and γ, rounds)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"], ignore_eos=True)
-    drafts = {"model draft": draft, "prompt lookup": NgramProposer()}
+    drafts, target = {"model draft": draft, "prompt lookup": NgramProposer()}, lesson.model
     fns = {"target alone": timed(target, None, prompt, greedy),
            **{f"{n} γ={g}": timed(target, d, prompt, greedy, g) for n, d in drafts.items() for g in s["gammas"]}}
-    def rows_of(r) -> list[dict]:
-        return [sweep_row(n, g, r.results("target alone"), r.results(f"{n} γ={g}"), c[n], v)
-                for n in drafts for g in s["gammas"]]
-
-    rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device,   # the runs above warmed the model up
+    rows_of = lambda r: [sweep_row(n, g, r.results("target alone"), r.results(f"{n} γ={g}"),  # noqa: E731
+                                   cost["c"][n], cost["ratio"]) for n in drafts for g in s["gammas"]]
+    rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device,   # the runs before warmed the model up
                         desc="speculation sweep, in turns", until=settled(lambda r: make_checks(cost, rows_of(r))))
-    base = rounds.results("target alone")
-    per_token = ms(statistics.median(b.decode_s / b.decode_tokens for b in base))
     rows = rows_of(rounds)
+    per_token = ms(statistics.median(b.decode_s / b.decode_tokens for b in rounds.results("target alone")))
     print_table(["draft", "γ", "α", "tokens/pass", "formula", "guesses/pass", "speedup", "range", "S", "counts, costs"],
                 [[r["draft"], r["gamma"], f"{r['alpha']:.2f}", f"{r['tokens_per_pass']:.2f}",
                   f"{r['formula_tokens_per_pass']:.2f}", f"{r['guesses_per_pass']:.2f}", f"{r['speedup']:.2f}×",
                   f"{r['low']:.2f}–{r['high']:.2f}", f"{r['predicted']:.2f}×", f"{r['modelled']:.2f}×"] for r in rows],
                 f"greedy, a {len(prompt)}-token prompt that repeats itself, {s['max_tokens']} new tokens, "
                 f"{rounds.count} rounds; the target alone: {per_token} per token")
+    return rows, rounds
 
-    load = lesson.load()
-    checks = make_checks(cost, rows)
-    notes = explain(cost, rows)
-    lookup_note = next(n for n in notes if n.startswith("prompt lookup:"))
-    for check, why in zip(checks, [notes[0], notes[1], notes[1], lookup_note]):
+
+def judge_claim(lesson, cost: dict, rows: list[dict], rounds: list, alpha_sampled: float, draft: GPT2):
+    """The checks, each explained by the run's own numbers, and the notes the run's numbers say."""
+    checks, notes = make_checks(cost, rows), explain(cost, rows)
+    for check, why in zip(checks, [notes[0], notes[1], notes[1], next(n for n in notes if n.startswith("prompt l"))]):
         check.why = why
     verdict = judge(f"verifying γ + 1 tokens costs about one decode step ({PREMISE_K} tokens ≤ {PREMISE_LINE}×), "
                     f"so the speedup follows Leviathan's formula within {FIT:.0%}, and prompt lookup on a prompt that "
-                    f"repeats itself gives ≥ {LOOKUP_LINE}×", checks, load, [costs, rounds])
+                    f"repeats itself gives ≥ {LOOKUP_LINE}×", checks, lesson.load(), rounds)
     told = {c.why for c in checks if c.outcome() == "NOT SUPPORTED"}  # printed as the why of their check
     verdict.notes += [n for n in notes if n not in told] + [
-        f"α was measured on {target.weights_source} weights (draft: {draft.weights_source}) and says nothing about a "
-        f"real checkpoint's α; the cost curve holds for any weights. Sampled (temperature 1, Leviathan's rule, "
-        f"γ = {LOOKUP_GAMMA}), the model draft's α is {alpha_sampled:.2f}"]
+        f"α was measured on {lesson.model.weights_source} weights (draft: {draft.weights_source}) and says nothing "
+        f"about a real checkpoint's α; the cost curve holds for any weights. Sampled (temperature 1, Leviathan's "
+        f"rule, γ = {LOOKUP_GAMMA}), the model draft's α is {alpha_sampled:.2f}"]
     print_verdict(verdict)
+    return verdict
+
+
+def main(argv=None) -> dict:
+    parser = make_parser(__doc__)
+    parser.add_argument("--draft", default="auto", help="the draft: auto (the classic pair when its weights are "
+                        "present: distilgpt2 for gpt2, gpt2 for the larger; else shallow), shallow (the target's "
+                        "first blocks), or any checkpoint with the target's vocabulary")
+    args = parser.parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    s = SIZES["quick" if args.quick else "full"]
+    draft, draft_why = choose_draft(lesson.model, args.model, args.draft, lesson.device, lesson.dtype)
+    print(f"draft: {draft_why}")
+    prompt = quoting_prompt(lesson.model, s["passage"], s["quoted"])
+    sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)
+    alpha_sampled = timed(lesson.model, draft, prompt, sampled, LOOKUP_GAMMA)().stats.alpha  # the exercise's rule
+    ks, context = predict_costs(lesson, s)
+    premise = lambda r: [Check("premise", summarise_costs(r, ks)["rounds"][PREMISE_K], PREMISE_LINE, "<=")]  # noqa
+    costs = interleave(cost_fns(lesson.model, draft, ks, context), s["cost_repeats"], device=lesson.device,
+                       desc="verification cost, in turns", until=settled(premise))
+    cost = {**summarise_costs(costs, ks), "context": context}
+    rows, rounds = measure_speculation(lesson, draft, prompt, cost, s)
+    verdict = judge_claim(lesson, cost, rows, [costs, rounds], alpha_sampled, draft)
     plot(lesson, cost, rows, s["gammas"], verdict)
     figures = {"verification": cost, "draft": draft.weights_source, "draft_choice": draft_why, "prompt_len": len(prompt),
                "max_tokens": s["max_tokens"], "sweep": rows, "alpha_sampled": alpha_sampled, "fit_tolerance": FIT}

@@ -60,23 +60,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import REPO_ROOT, make_parser, ms, plt, print_table, run, save_plot, start, write_results
+from common import make_parser, ms, plt, print_table, run, save_plot, start, write_results
+from servers import read_records, servers
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
 
 import numpy as np
 
 from minillm.bench.serve import benchmark, summarize
-from minillm.bench.workloads import BenchRequest, arrivals, workload
+from minillm.bench.workloads import Request, Workload
 from minillm.device import resolve_device
 
 NAME = "12_goodput"
@@ -88,6 +83,7 @@ RATE_GAIN_LINE = 1.3         # chunked's highest sustained rate ÷ unchunked's m
 THROUGHPUT_LINE = 0.90       # chunked output throughput ÷ unchunked's at the top rate
 UNCHUNKED_BUDGET = 2048      # vLLM without chunking: max(max_model_len, 2048)
 QUICK_CPU_MODEL = "mini"     # --quick on a CPU serves this shape, whatever --model says
+MODES = ("chunked", "unchunked")
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
@@ -98,12 +94,7 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "shares": [0.15, 0.22, 0.33, 0.5, 0.75], "sweeps": 3}
 
 
-def read_records(log: Path) -> dict:
-    """The engine's record of each finished request, by id, as the server logged it (--request-log)."""
-    return {r["id"]: r for r in map(json.loads, log.read_text().splitlines())} if log.exists() else {}
-
-
-def step_costs(url: str, log: Path, pairs: list, s: dict) -> dict:
+def step_costs(url: str, log: Path, work: Workload, s: dict) -> dict:
     """What the served engine's own records show, through the unchunked server: a decode step of STREAMS
     sequences (the median gap between their tokens), the long prompt's prefill served alone, each the least of
     3 rounds (a cost: load only ever adds to it), and the capacity: requests per second when the whole trace
@@ -115,55 +106,13 @@ def step_costs(url: str, log: Path, pairs: list, s: dict) -> dict:
 
     decode, prefill = [], []
     for i in range(3):
-        streams, _ = served([BenchRequest([1 + i + j] * s["short"], 32) for j in range(STREAMS)])
+        streams, _ = served([Request([1 + i + j] * s["short"], 32) for j in range(STREAMS)])
         decode.append(statistics.median(b - a for rec in streams
                                         for a, b in zip(rec["token_times"][1:], rec["token_times"][2:])))
-        (rec,), _ = served([BenchRequest([2 + i] * s["long"], 1)])
+        (rec,), _ = served([Request([2 + i] * s["long"], 1)])
         prefill.append(rec["token_times"][0] - rec["arrival"])
-    burst, duration = served([BenchRequest(p, o) for p, o in pairs])
+    burst, duration = served(work.requests(float("inf")))
     return {"decode": min(decode), "prefill_long": min(prefill), "capacity": len(burst) / duration}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(args, chunked: bool, budget: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m minillm serve` in a process of its own; returns it and its URL once /health answers."""
-    import httpx
-    port = free_port()
-    cmd = [sys.executable, "-m", "minillm", "serve", "--model", args.model, "--device", args.device, "--dtype",
-           args.dtype, "--port", str(port), "--max-num-seqs", "32", "--max-num-batched-tokens", str(budget),
-           "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill", "--num-gpu-blocks-override",
-           "1024", "--max-queue", "4096", "--request-log", str(log)]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    if resolve_device(args.device).type == "cpu":  # the servers and the client share the cores
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the server did not answer /health within 180 s")
-        time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def http_cost(results, records: dict) -> dict:
@@ -210,102 +159,97 @@ def highest_sustained(points: list[dict], rates: list[float]) -> float:
     return max(good) if good else rates[0] / 2
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    if args.quick and resolve_device(args.device).type == "cpu":
-        args.model = QUICK_CPU_MODEL  # a sweep of gpt2 on a CPU takes minutes; the scheduling claim is the same
-    lesson = start(NAME, args, ceilings=False)
-    cfg = lesson.config
-    s = sizes(cfg.n_ctx, args.quick)
-    pairs = workload("stutter", s["requests"], cfg.vocab_size, cfg.n_ctx, input_len=s["short"],
-                     output_len=s["output"], long_prompt_len=s["long"], long_fraction=LONG_SHARE)
-    budget = max(16, 1 << (s["long"] // 4).bit_length() - 1)  # the power of two ≤ a quarter of the long prompt
-    modes = {"chunked": (True, budget), "unchunked": (False, max(UNCHUNKED_BUDGET, s["long"] + s["output"]))}
-    logs = Path(tempfile.mkdtemp(prefix="lesson12-"))
-    servers = {}
-    try:
-        for mode, (chunked, b) in modes.items():
-            servers[mode] = launch(args, chunked, b, logs / f"{mode}.jsonl")
-        warm = [BenchRequest(p, o) for p, o in pairs[:4]]
-        for _, url in servers.values():  # untimed: the first requests pay one-off costs
-            asyncio.run(benchmark(url, warm, show_progress=False))
-        cost = step_costs(servers["unchunked"][1], logs / "unchunked.jsonl", pairs, s)
-        targets = {"ttft": M_TTFT * cost["prefill_long"], "itl": K_ITL * cost["decode"]}
-        capacity = cost["capacity"]
-        rates = [round(share * capacity, 2) for share in s["shares"]]
-        print(f"as the served engine records them: a decode step of {STREAMS} sequences {ms(cost['decode'])}, the "
-              f"prefill of {s['long']} tokens {ms(cost['prefill_long'])}; the whole trace at once: "
-              f"{capacity:.1f} requests/s")
-        print(f"targets: ITL ≤ k · decode = {K_ITL:g} · {ms(cost['decode'])} = {ms(targets['itl'])} (every gap); "
-              f"TTFT ≤ m · long prefill = {M_TTFT:g} · {ms(cost['prefill_long'])} = {ms(targets['ttft'])}")
-        print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s (shares {s['shares']} of that "
-              f"capacity); chunked budget {budget} tokens; {s['requests']} requests per point, "
-              f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\n")
-        kept = {}  # the client's results at the middle rate, last sweep: ITL CDF and HTTP cost
-        sweep_number = itertools.count()
+def plan(urls: dict, logs: Path, work: Workload, s: dict) -> dict:
+    """Warm both servers; the step costs the unchunked one's engine records, and from them the targets and the rates
+    to sweep, printed before anything is swept."""
+    for url in urls.values():  # untimed: the first requests pay one-off costs
+        asyncio.run(benchmark(url, work.requests(float("inf"))[:4], show_progress=False))
+    cost, budget = step_costs(urls["unchunked"], logs / "unchunked.jsonl", work, s), chunked_budget(s)
+    targets = {"ttft": M_TTFT * cost["prefill_long"], "itl": K_ITL * cost["decode"]}
+    rates = [round(share * cost["capacity"], 2) for share in s["shares"]]
+    print(f"as the served engine records them: a decode step of {STREAMS} sequences {ms(cost['decode'])}, the "
+          f"prefill of {s['long']} tokens {ms(cost['prefill_long'])}; the whole trace at once: "
+          f"{cost['capacity']:.1f} requests/s")
+    print(f"targets: ITL ≤ k · decode = {K_ITL:g} · {ms(cost['decode'])} = {ms(targets['itl'])} (every gap); "
+          f"TTFT ≤ m · long prefill = {M_TTFT:g} · {ms(cost['prefill_long'])} = {ms(targets['ttft'])}")
+    print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s (shares {s['shares']} of that "
+          f"capacity); chunked budget {budget} tokens; {s['requests']} requests per point, "
+          f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\n")
+    # Why chunking may not lift the sustained rate here: the stall it removes is one step that carries a whole
+    # long prefill beside the decodes; when that step is not far over the ITL target, there is little to remove.
+    return {"s": s, "budget": budget, "cost": cost, "targets": targets, "rates": rates,
+            "stall": cost["prefill_long"] + cost["decode"]}
 
-        def sweep() -> dict:
-            """Both servers at every rate, in turns (the order reversed at every other point): {mode: summaries}."""
-            w, swept = next(sweep_number), {m: [] for m in modes}
-            for i, rate in enumerate(rates):
-                trace = [BenchRequest(p, o, t) for (p, o), t in zip(pairs, arrivals(len(pairs), rate))]
-                for mode in (modes if (w + i) % 2 == 0 else list(modes)[::-1]):
-                    results, duration = asyncio.run(benchmark(servers[mode][1], trace, show_progress=False))
-                    swept[mode].append(summarize(results, duration, targets))
-                    if i == len(rates) // 2:
-                        kept[mode] = results
-                print(f"  sweep {w + 1}, {rate:g}/s: goodput " + ", ".join(
-                    f"{m} {swept[m][i]['goodput_share']:.0%}" for m in modes), flush=True)
-            return swept
 
-        # Why chunking may not lift the sustained rate here: the stall it removes is one step that carries a whole
-        # long prefill beside the decodes; when that step is not far over the ITL target, there is little to remove.
-        stall = cost["prefill_long"] + cost["decode"]
+def chunked_budget(s: dict) -> int:
+    """The power of two ≤ a quarter of the long prompt."""
+    return max(16, 1 << (s["long"] // 4).bit_length() - 1)
 
-        def make_checks(rounds) -> list[Check]:
-            sweeps, undecided = rounds.results("sweep"), starved(lesson.load(), targets["itl"])
-            best = {m: [highest_sustained(w[m], rates) for w in sweeps] for m in modes}
-            same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
-            why = (f"an unchunked step carrying one {s['long']}-token prefill costs about {ms(stall)} (prefill "
-                   f"{ms(cost['prefill_long'])} + a decode step {ms(cost['decode'])}), {stall / targets['itl']:.2f}× "
-                   f"the ITL target {ms(targets['itl'])}, so the stall chunking removes is small; both modes "
-                   f"sustained the same rate of the {len(rates)}-rate grid in {same} of {len(sweeps)} sweeps")
-            return [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked",
-                          [c / u for c, u in zip(best["chunked"], best["unchunked"])], RATE_GAIN_LINE, ">=",
-                          fmt="{:.2f}", why=why, undecided=undecided),
-                    Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked",
-                          [w["chunked"][-1]["output_throughput"] / w["unchunked"][-1]["output_throughput"]
-                           for w in sweeps], THROUGHPUT_LINE, ">=", fmt="{:.2f}",
-                          why=f"chunks of {budget} tokens split each {s['long']}-token prefill into "
-                              f"{-(-s['long'] // budget)} steps, and each step reads every weight once more",
-                          undecided=undecided)]
 
-        # Sweeps are rounds: while a check straddles its line, more sweeps run, up to a cap the verdict prints.
-        rounds = interleave({"sweep": sweep}, s["sweeps"], warmup=0, until=settled(make_checks))
-    finally:
-        for proc, _ in servers.values():
-            stop(proc)
-    cost_http = {m: http_cost(kept[m], read_records(logs / f"{m}.jsonl")) for m in modes}
+def make_checks(rounds, lesson, p: dict) -> list[Check]:
+    """Per sweep: chunked's highest sustained rate ÷ unchunked's, and their output throughput at the top rate."""
+    sweeps, undecided = rounds.results("sweep"), starved(lesson.load(), p["targets"]["itl"])
+    s, rates, cost, itl = p["s"], p["rates"], p["cost"], p["targets"]["itl"]
+    best = {m: [highest_sustained(w[m], rates) for w in sweeps] for m in MODES}
+    same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
+    why = (f"an unchunked step carrying one {s['long']}-token prefill costs about {ms(p['stall'])} (prefill "
+           f"{ms(cost['prefill_long'])} + a decode step {ms(cost['decode'])}), {p['stall'] / itl:.2f}× the ITL "
+           f"target {ms(itl)}, so the stall chunking removes is small; both modes sustained the same rate of the "
+           f"{len(rates)}-rate grid in {same} of {len(sweeps)} sweeps")
+    return [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked",
+                  [c / u for c, u in zip(best["chunked"], best["unchunked"])], RATE_GAIN_LINE, ">=",
+                  fmt="{:.2f}", why=why, undecided=undecided),
+            Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked",
+                  [w["chunked"][-1]["output_throughput"] / w["unchunked"][-1]["output_throughput"] for w in sweeps],
+                  THROUGHPUT_LINE, ">=", fmt="{:.2f}", undecided=undecided,
+                  why=f"chunks of {p['budget']} tokens split each {s['long']}-token prefill into "
+                      f"{-(-s['long'] // p['budget'])} steps, and each step reads every weight once more")]
 
-    sweeps = rounds.results("sweep")
-    points = {m: [w[m] for w in sweeps] for m in modes}
-    med = lambda m, i, key: statistics.median(p[i][key] for p in points[m])  # noqa: E731
+
+def measure(lesson, urls: dict, work: Workload, p: dict):
+    """Sweeps of both servers at every rate, in turns; while a check straddles its line, more sweeps run, up to a
+    cap the verdict prints. Returns the rounds and the client's results at the middle rate, last sweep."""
+    kept, sweep_number = {}, itertools.count()
+
+    def sweep() -> dict:
+        """Both servers at every rate, in turns (the order reversed at every other point): {mode: summaries}."""
+        w, swept = next(sweep_number), {m: [] for m in MODES}
+        for i, rate in enumerate(p["rates"]):
+            trace = work.requests(rate)
+            for mode in (MODES if (w + i) % 2 == 0 else MODES[::-1]):
+                results, duration = asyncio.run(benchmark(urls[mode], trace, show_progress=False))
+                swept[mode].append(summarize(results, duration, p["targets"]))
+                if i == len(p["rates"]) // 2:
+                    kept[mode] = results
+            print(f"  sweep {w + 1}, {rate:g}/s: goodput " + ", ".join(
+                f"{m} {swept[m][i]['goodput_share']:.0%}" for m in MODES), flush=True)
+        return swept
+
+    rounds = interleave({"sweep": sweep}, p["s"]["sweeps"], warmup=0,
+                        until=settled(lambda r: make_checks(r, lesson, p)))
+    return rounds, kept
+
+
+def judge_claim(lesson, rounds, kept: dict, p: dict, logs: Path):
+    """The sweeps' medians, the checks, and the notes (each sweep's sustained rate, what HTTP adds): the verdict
+    and the figures."""
+    rates, points = p["rates"], {m: [w[m] for w in rounds.results("sweep")] for m in MODES}
+    med = lambda m, i, key: statistics.median(q[i][key] for q in points[m])  # noqa: E731
     print()
-    print_table(["rate/s", *[f"{m} {c}" for m in modes for c in ("goodput", "tok/s", "ITL p99", "TTFT p99")]],
-                [[f"{r:g}", *[x for m in modes for x in (f"{med(m, i, 'goodput_share'):.0%}",
+    print_table(["rate/s", *[f"{m} {c}" for m in MODES for c in ("goodput", "tok/s", "ITL p99", "TTFT p99")]],
+                [[f"{r:g}", *[x for m in MODES for x in (f"{med(m, i, 'goodput_share'):.0%}",
                                                           f"{med(m, i, 'output_throughput'):.0f}",
                                                           ms(med(m, i, 'p99_itl_ms') / 1e3),
                                                           ms(med(m, i, 'p99_ttft_ms') / 1e3))]]
                  for i, r in enumerate(rates)],
                 f"medians over {rounds.describe()}, a round being one sweep; goodput = share of requests meeting "
                 f"both targets:")
-    best = {m: [highest_sustained(p, rates) for p in points[m]] for m in modes}
-    same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
-    checks = make_checks(rounds)
+    best = {m: [highest_sustained(q, rates) for q in points[m]] for m in MODES}
+    cost_http = {m: http_cost(kept[m], read_records(logs / f"{m}.jsonl")) for m in MODES}
     verdict = judge("chunked prefill raises the request rate that meets both the TTFT and the ITL target, "
-                    "while throughput barely moves", checks, lesson.load(), [rounds])
+                    "while throughput barely moves", make_checks(rounds, lesson, p), lesson.load(), [rounds])
     verdict.notes.append("highest sustained rate per sweep: " + "; ".join(
-        f"{m} {', '.join(f'{b:g}' for b in best[m])}/s" for m in modes) + " (half the lowest rate: none was)")
+        f"{m} {', '.join(f'{b:g}' for b in best[m])}/s" for m in MODES) + " (half the lowest rate: none was)")
     for m, h in cost_http.items():
         verdict.notes.append(
             f"what HTTP adds ({m}, {rates[len(rates) // 2]:g}/s, {h['requests']} requests): TTFT +{ms(h['ttft_added_p50_s'])} "
@@ -313,10 +257,21 @@ def main(argv=None) -> dict:
             f"p99 {ms(h['delivery_p99_s'])}); ITL p50 {ms(h['client_itl_p50_s'])} client vs "
             f"{ms(h['engine_itl_p50_s'])} engine, p99 {ms(h['client_itl_p99_s'])} vs {ms(h['engine_itl_p99_s'])}")
     print_verdict(verdict)
+    return verdict, {"step_costs_s": p["cost"], "k_itl": K_ITL, "m_ttft": M_TTFT, "targets_s": p["targets"],
+                     "rates": rates, "capacity_estimate": p["cost"]["capacity"], "chunked_budget": p["budget"],
+                     "sizes": p["s"], "unchunked_stall_s": p["stall"],
+                     "stall_over_itl_target": p["stall"] / p["targets"]["itl"],
+                     "sweeps_same_sustained_rate": sum(c == u for c, u in zip(best["chunked"], best["unchunked"])),
+                     "points": points, "highest_sustained": best, "http_cost": cost_http,
+                     "free_cores_while_measuring": free_cores(verdict.load), "cores_needed": NEEDED_CORES}
 
+
+def plot(lesson, p: dict, points: dict, kept: dict, verdict) -> None:
+    rates, targets = p["rates"], p["targets"]
+    med = lambda m, i, key: statistics.median(q[i][key] for q in points[m])  # noqa: E731
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     twin = ax1.twinx()
-    for m, color in zip(modes, ("C0", "C1")):
+    for m, color in zip(MODES, ("C0", "C1")):
         ax1.plot(rates, [100 * med(m, i, "goodput_share") for i in range(len(rates))], "o-", color=color,
                  label=f"{m}: goodput share")
         twin.plot(rates, [med(m, i, "output_throughput") for i in range(len(rates))], "s--", color=color,
@@ -325,7 +280,7 @@ def main(argv=None) -> dict:
         ax2.plot(itls, np.arange(1, len(itls) + 1) / len(itls), color=color, label=m)
     ax1.axhline(100 * GOOD_SHARE, color="grey", ls=":", label=f"{GOOD_SHARE:.0%} target line")
     ax1.set(xlabel="request rate (requests/s)", ylabel="requests meeting both targets (%, median of sweeps)",
-            ylim=(0, 105))
+            ylim=(0, 105), title=f"goodput under TTFT ≤ {ms(targets['ttft'])} and ITL ≤ {ms(targets['itl'])}")
     twin.set_ylabel("output tokens/s (median of sweeps)")
     ax1.legend(handles=ax1.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=7,
                loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)  # below the axes, off the data
@@ -333,13 +288,24 @@ def main(argv=None) -> dict:
     ax2.set(xscale="log", xlabel="inter-token gap seen by the client (ms)", ylabel="share of gaps ≤ x",
             title=f"ITL CDF at {rates[len(rates) // 2]:g} requests/s (last sweep)")
     ax2.legend(fontsize=8)
-    ax1.set_title(f"goodput under TTFT ≤ {ms(targets['ttft'])} and ITL ≤ {ms(targets['itl'])}")
     save_plot(lesson, fig, verdict)
-    figures = {"step_costs_s": cost, "k_itl": K_ITL, "m_ttft": M_TTFT, "targets_s": targets, "rates": rates,
-               "capacity_estimate": capacity, "chunked_budget": budget, "sizes": s, "unchunked_stall_s": stall,
-               "stall_over_itl_target": stall / targets["itl"], "sweeps_same_sustained_rate": same,
-               "points": points, "highest_sustained": best, "http_cost": cost_http,
-               "free_cores_while_measuring": free_cores(verdict.load), "cores_needed": NEEDED_CORES}
+
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    if args.quick and resolve_device(args.device).type == "cpu":
+        args.model = QUICK_CPU_MODEL  # a sweep of gpt2 on a CPU takes minutes; the scheduling claim is the same
+    lesson = start(NAME, args, ceilings=False)
+    cfg, s, logs = lesson.config, sizes(lesson.config.n_ctx, args.quick), Path(tempfile.mkdtemp(prefix="lesson12-"))
+    work = Workload("stutter", s["requests"], cfg.vocab_size, cfg.n_ctx, input_len=s["short"],
+                    output_len=s["output"], long_prompt_len=s["long"], long_fraction=LONG_SHARE)
+    budgets = {"chunked": (True, chunked_budget(s)),  # mode: (chunked prefill, max_num_batched_tokens)
+               "unchunked": (False, max(UNCHUNKED_BUDGET, s["long"] + s["output"]))}
+    with servers(args, budgets, logs) as urls:
+        p = plan(urls, logs, work, s)           # step costs → the targets and the rates, printed first
+        rounds, kept = measure(lesson, urls, work, p)
+    verdict, figures = judge_claim(lesson, rounds, kept, p, logs)
+    plot(lesson, p, figures["points"], kept, verdict)
     write_results(lesson, figures, verdict)
     return {"verdict": verdict.as_dict(), "figures": figures}
 

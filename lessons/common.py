@@ -8,12 +8,12 @@ Every lesson runs the same way:
 and leaves two files in `--out`: `NN_name.json` (the environment, the machine's
 load, the thread count and why, every figure the lesson printed and its
 verdict) and `NN_name.png` (its plot, the verdict in its title). Torch gets
-one thread per core that is free when the lesson starts (`minillm/threads.py`):
+one thread per core that is free when the lesson starts (`minillm/bench/threads.py`):
 two threads that share one free core wait for each other at every barrier.
 `--quick` picks sizes that finish in seconds on a CPU and still judge
-the claim. The sibling modules hold the rest of the shared code: `measure.py`
-(timing in turns, the machine's load, checks and the verdict) and
-`workloads.py` (request traces and replaying them through the engine).
+the claim. The measuring wing holds the rest: `minillm/bench/verdict.py`
+(timing in turns, the machine's load, checks and the verdict), `workloads.py`
+(the traces) and `replay.py` (serving a trace through the engine).
 
 A lesson that reaches an exercise still to be written (in a student copy)
 stops with one line that names it, says where it is and how to check it.
@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
-from minillm.bench.verdict import LABELS, MachineLoad, Verdict, read_load  # noqa: E402
+from minillm.bench.verdict import LABELS, LoadReading, MachineLoad, Verdict, read_load  # noqa: E402
 from minillm.classroom.regions import stub_of  # noqa: E402  (the one stub detector)
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
 from minillm.bench.roofline import Ceilings, measure_ceilings  # noqa: E402
@@ -61,7 +61,7 @@ def make_parser(doc: str) -> argparse.ArgumentParser:
     add_model_arguments(parser, weights_dir=False)
     parser.add_argument("--quick", action="store_true", help="small sizes that finish in seconds on a CPU")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: the cores free when the lesson starts; see minillm/threads.py)")
+                        help="torch threads (default: the cores free when the lesson starts; see minillm/bench/threads.py)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
     return parser
 
@@ -76,7 +76,7 @@ class Lesson:
     dtype: torch.dtype
     ceilings: Ceilings | None
     out: Path
-    started: object  # measure.LoadReading at the start
+    started: LoadReading  # the machine's load at the start
     threads: ThreadChoice | None = None
     predictions: list[str] = field(default_factory=list)  # what the lesson predicted before it measured
     plot_titles: list[str] = field(default_factory=list)  # the saved plot's titles, as drawn

@@ -1,4 +1,4 @@
-"""What every lesson's results must show, checked on each lesson's quick run (issue 19 §3–4):
+"""What every lesson's results must show, checked on each lesson's quick run:
 
 - one number per quantity: every number printed in a check's verdict line, and in the plot's titles, is a value
   of the results file, at the precision it was printed with (a percentage, milliseconds or an SI prefix count

@@ -25,7 +25,7 @@ from minillm.bench.timing import Stopwatch, time_fn
 from minillm.config import PRESETS
 from minillm.engine import LLMEngine
 from minillm.kv_cache import KVCache
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 from minillm.scheduler import SchedulerConfig
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,8 +15,8 @@ from lesson_checks import assert_lesson_results
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
-from minillm.bench.replay import (multi_turn_workload, no_sharing_workload, serve,  # noqa: E402
-                       shared_prefix_workload)
+from minillm.bench.replay import serve  # noqa: E402
+from minillm.bench.workloads import multi_turn_workload, no_sharing_workload, shared_prefix_workload  # noqa: E402
 
 lesson = load_lesson("10_prompt_caching")
 

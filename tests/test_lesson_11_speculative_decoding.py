@@ -21,6 +21,7 @@ from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave
 
 
 lesson = load_lesson("11_speculative_decoding")
+import drafts  # noqa: E402  (lessons/drafts.py)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -46,9 +47,9 @@ def test_quick_run_on_tiny_writes_one_verdict(tmp_path, one_thread):
 
 def test_the_shallow_draft_shares_the_targets_weights_and_runs_its_first_blocks(target, one_thread):
     ids = torch.tensor([random_prompts(1, [20], seed=3)[0]])
-    whole = lesson.shallow_draft(target, target.config.n_layer)
+    whole = drafts.shallow_draft(target, target.config.n_layer)
     torch.testing.assert_close(whole(ids), target(ids), rtol=0, atol=0)
-    one = lesson.shallow_draft(target, 1)
+    one = drafts.shallow_draft(target, 1)
     assert one.h[0] is target.h[0] and one.wte.weight.data_ptr() == target.wte.weight.data_ptr()
     assert one.config.n_layer == 1 and len(one.h) == 1 and one.device == target.device
     with torch.inference_mode():   # the first block, then the target's own ln_f and head
@@ -153,7 +154,7 @@ def test_explain_reads_the_cause_from_the_numbers():
 def test_the_cost_rounds_add_up(target, one_thread):
     """Tiny shapes, two rounds: the figures are not the point, their bookkeeping is."""
     ks = [1, 3]
-    costs = interleave(lesson.cost_fns(target, lesson.shallow_draft(target, 1), ks, context=20), 2, warmup=0)
+    costs = interleave(lesson.cost_fns(target, drafts.shallow_draft(target, 1), ks, context=20), 2, warmup=0)
     summary = lesson.summarise_costs(costs, ks)
     assert summary["ratio"][1] == summary["matmul_ratio"][1] == 1.0
     assert summary["rounds"][3] == costs.ratio("pass 3", "pass 1") and summary["seconds"]["pass"][3] > 0
@@ -182,25 +183,25 @@ def test_the_draft_is_the_classic_pair_when_its_weights_are_present_else_the_sha
         m = context_model()
         m.weights_source = f"weights/{name}"
         return m
-    monkeypatch.setattr(lesson, "load_model", fake_load)
-    monkeypatch.setattr(lesson, "has_weights", lambda name: False)
-    draft, why = lesson.choose_draft(target, "gpt2", "auto", "cpu", torch.float32)
+    monkeypatch.setattr(drafts, "load_model", fake_load)
+    monkeypatch.setattr(drafts, "has_weights", lambda name: False)
+    draft, why = drafts.choose_draft(target, "gpt2", "auto", "cpu", torch.float32)
     assert not loaded and "first 1 block" in why and "no weights for the classic draft distilgpt2 of gpt2" in why
-    assert lesson.choose_draft(target, "tiny", "auto", "cpu", torch.float32)[1].endswith("(tiny has no classic draft)")
-    monkeypatch.setattr(lesson, "has_weights", lambda name: name == "distilgpt2")
-    draft, why = lesson.choose_draft(target, "gpt2", "auto", "cpu", torch.float32)
+    assert drafts.choose_draft(target, "tiny", "auto", "cpu", torch.float32)[1].endswith("(tiny has no classic draft)")
+    monkeypatch.setattr(drafts, "has_weights", lambda name: name == "distilgpt2")
+    draft, why = drafts.choose_draft(target, "gpt2", "auto", "cpu", torch.float32)
     assert loaded == ["distilgpt2"] and why == "distilgpt2 (weights/distilgpt2, the classic pair)"
-    draft, why = lesson.choose_draft(target, "gpt2-xl", "shallow", "cpu", torch.float32)
+    draft, why = drafts.choose_draft(target, "gpt2-xl", "shallow", "cpu", torch.float32)
     assert "asked for (--draft shallow)" in why and loaded == ["distilgpt2"]
-    draft, why = lesson.choose_draft(target, "gpt2-xl", "some/checkpoint", "cpu", torch.float32)
+    draft, why = drafts.choose_draft(target, "gpt2-xl", "some/checkpoint", "cpu", torch.float32)
     assert loaded[-1] == "some/checkpoint" and why == "some/checkpoint (weights/some/checkpoint)"
 
 
 def test_a_draft_of_another_vocabulary_is_refused_with_the_fix(target, monkeypatch):
-    small = lesson.shallow_draft(target, 1)
+    small = drafts.shallow_draft(target, 1)
     small.config = target.config.with_(vocab_size=target.config.vocab_size + 7)
     small.weights_source = "weights/other"
-    monkeypatch.setattr(lesson, "load_model", lambda name, device, dtype: small)
+    monkeypatch.setattr(drafts, "load_model", lambda name, device, dtype: small)
     with pytest.raises(SystemExit, match=r"--draft other: its vocabulary has \d+ tokens and the target's \d+.*"
                                          r"--draft shallow"):
-        lesson.choose_draft(target, "gpt2", "other", "cpu", torch.float32)
+        drafts.choose_draft(target, "gpt2", "other", "cpu", torch.float32)

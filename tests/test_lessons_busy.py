@@ -1,4 +1,4 @@
-"""The course on a busy machine (issue 19, "What must hold"): one core kept busy by a Python loop that this test
+"""The course on a busy machine: one core kept busy by a Python loop that this test
 starts and stops may make `run_all.py --quick` slower, or a lesson INCONCLUSIVE, but never flip a verdict.
 
     python -m pytest -m slow tests/test_lessons_busy.py -q -s      # on a quiet 2-core machine: about 5 minutes

@@ -1,4 +1,4 @@
-"""Threads that fit the machine (minillm/threads.py): the free cores, `--threads`, and the choice saved by lessons."""
+"""Threads that fit the machine (minillm/bench/threads.py): the free cores, `--threads`, and the choice saved by lessons."""
 import json
 import subprocess
 import sys

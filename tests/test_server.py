@@ -25,7 +25,7 @@ from serving_support import NAME, free_port, model, on_engine, start, tokenizer,
 from minillm.bench.serve import RequestResult, benchmark, meets, parse_goodput, summarize  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling_params import SamplingParams  # noqa: E402
-from minillm.bench.workloads import BenchRequest, arrivals, workload  # noqa: E402
+from minillm.bench.workloads import Request as BenchRequest, Workload as workload, arrivals  # noqa: E402
 from minillm.serving.text_stream import TextStream  # noqa: E402
 
 def greedy_text(model, tokenizer, prompt, max_tokens):

@@ -1,4 +1,4 @@
-"""The serving lessons' workloads: seeded request traces, and replaying one through an `LLMEngine`.
+"""Replaying a trace through an `LLMEngine`, in real time, and what the lessons read from the run.
 
     trace = lognormal_trace(20, max_len=1024, vocab_size=50257, prompt_median=160, output_median=64)
     engine = LLMEngine(model, SchedulerConfig(2048, 256, enable_chunked_prefill=True),
@@ -6,15 +6,10 @@
     run = replay(engine, trace, desc="paged")
     run.throughput, run.percentile("ttft", 99), run.outputs["3"].metrics.token_times
 
-A trace's lengths are log-normal, the shape of real chat traffic (ShareGPT,
-which vLLM's paper replays), and seeded, so every run of a lesson serves the
-same requests. `rate=None` queues every request at t = 0 (an offline batch: the
-queue never empties, so memory and compute, not arrivals, set the pace); a rate
-draws Poisson arrivals, and `replay` admits each request at the first step
-boundary after its arrival time, sleeping while the engine is idle.
-
-Prompt caching (lesson 10) needs traffic that repeats itself: `Conversation`s,
-whose turns resend the whole history, served by closed-loop clients (`serve`).
+The traces come from `workloads.py`. `replay` admits each request at the first
+step boundary after its arrival time, sleeping while the engine is idle; a
+trace all at t = 0 is an offline batch. `serve` plays `Conversation`s from
+closed-loop clients, each sending its next turn when the last answer is done.
 
 `replay` keeps what it needs from the outputs `step()` returns: each finished
 request's `RequestOutput` carries its own token times. The engine forgets a
@@ -22,8 +17,6 @@ request once it has reported it finished, so nothing here reads it back.
 """
 from __future__ import annotations
 
-import math
-import random
 import statistics
 import time
 from collections import deque
@@ -33,52 +26,14 @@ from typing import Callable
 import numpy as np
 
 from minillm.bench.verdict import progress
+from minillm.bench.workloads import Conversation, Request
 from minillm.engine import LLMEngine, RequestOutput
 from minillm.sampling_params import SamplingParams
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    arrival_s: float = 0.0  # seconds after the replay starts
 
 
 def greedy(max_tokens: int) -> SamplingParams:
     """Greedy, and past the end-of-text token: every request runs to exactly its drawn length."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def lognormal_trace(n: int, max_len: int, vocab_size: int, prompt_median: float, output_median: float,
-                    sigma: float = 0.7, seed: int = 0, rate: float | None = None) -> list[Request]:
-    """n requests: prompt ~ LogNormal(ln prompt_median, σ) in [1, max_len/2], output ~ LogNormal(ln
-    output_median, σ) in [1, max_len − prompt]; all at t = 0, or Poisson arrivals at `rate` per second."""
-    rng = np.random.default_rng(seed)
-    t, trace = 0.0, []
-    for i in range(n):
-        if rate is not None and i:
-            t += rng.exponential(1 / rate)
-        p = int(np.clip(round(rng.lognormal(math.log(prompt_median), sigma)), 1, max_len // 2))
-        o = int(np.clip(round(rng.lognormal(math.log(output_median), sigma)), 1, max_len - p))
-        trace.append(Request(rng.integers(0, vocab_size, p).tolist(), o, t))
-    return trace
-
-
-def describe_trace(trace: list[Request]) -> dict:
-    prompts, outputs = [len(r.prompt) for r in trace], [r.max_tokens for r in trace]
-    return {"requests": len(trace), "prompt_mean": statistics.mean(prompts), "prompt_max": max(prompts),
-            "output_mean": statistics.mean(outputs), "output_max": max(outputs), "longest": longest(trace),
-            "last_arrival_s": trace[-1].arrival_s}
-
-
-def longest(trace: list[Request]) -> int:
-    """The most tokens of KV one request can hold: without chunking, its whole (re)compute is one step."""
-    return max(len(r.prompt) + r.max_tokens - 1 for r in trace)
-
-
-def pool_blocks(trace: list[Request], block_size: int = 16) -> int:
-    """Blocks for every request at its longest at once: a pool that never preempts."""
-    return sum(-(-(len(r.prompt) + r.max_tokens) // block_size) for r in trace)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -154,43 +109,6 @@ def replay(engine: LLMEngine, trace: list[Request], on_step: Callable[[LLMEngine
     bar.close()
     end = max(o.metrics.finished_time for o in finished.values())
     return Replay(finished, start, end - start, len(step_tokens), step_tokens)
-
-
-# ---- traffic that repeats itself: a shared system prompt, conversations, and the control ----
-
-
-@dataclass
-class Conversation:
-    turns: list[list[int]]  # the user's message each turn; a turn's prompt is the history so far, then this
-    max_tokens: int         # the length of every answer (greedy, no early stop)
-
-
-def shared_prefix_workload(n: int, prefix_len: int, suffix_len: int, max_tokens: int, vocab_size: int,
-                           seed: int = 0) -> list[Conversation]:
-    """n one-turn requests: the same system prompt of `prefix_len` tokens, then `suffix_len` tokens of their own."""
-    rng = random.Random(seed)
-    system = [rng.randrange(vocab_size) for _ in range(prefix_len)]
-    return [Conversation([system + [rng.randrange(vocab_size) for _ in range(suffix_len)]], max_tokens)
-            for _ in range(n)]
-
-
-def multi_turn_workload(n: int, turns: int, first_len: int, user_len: int, max_tokens: int, vocab_size: int,
-                        seed: int = 0) -> list[Conversation]:
-    """n conversations: a first message of `first_len` tokens, then `turns` − 1 messages of `user_len`."""
-    rng = random.Random(seed)
-    return [Conversation([[rng.randrange(vocab_size) for _ in range(first_len if t == 0 else user_len)]
-                          for t in range(turns)], max_tokens) for _ in range(n)]
-
-
-def no_sharing_workload(n: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> list[Conversation]:
-    """The control: n one-turn requests of `prompt_len` tokens, nothing in common."""
-    rng = random.Random(seed)
-    return [Conversation([[rng.randrange(vocab_size) for _ in range(prompt_len)]], max_tokens) for _ in range(n)]
-
-
-def conversation_blocks(conversations: list[Conversation], block_size: int = 16) -> int:
-    """Blocks for every conversation at its longest (its last turn's prompt and answer) at once: never preempts."""
-    return sum(-(-(sum(len(t) for t in c.turns) + len(c.turns) * c.max_tokens) // block_size) for c in conversations)
 
 
 def serve(engine: LLMEngine, conversations: list[Conversation], concurrency: int | None = None) -> dict:

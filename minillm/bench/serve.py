@@ -6,7 +6,7 @@
 
 Modelled on vLLM's `vllm bench serve`, with its flag and metric names; it only
 speaks the OpenAI API, so it measures a vLLM server too. It draws a seeded
-workload (`serve_workloads.py`), sends each request at its arrival time, streams
+workload (`workloads.py`), sends each request at its arrival time, streams
 every completion, and times it on the client with `time.perf_counter`:
 
     TTFT   send → the first token's event
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .workloads import BenchRequest, arrivals, workload
+from .workloads import SHAPES, Request, Workload
 
 GOODPUT_KEYS = ("ttft", "tpot", "itl", "e2el")
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -88,7 +88,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 # ---- the client --------------------------------------------------------------------------------
 
 
-async def send(client, url: str, model: str, req: BenchRequest, extra: dict | None = None) -> RequestResult:
+async def send(client, url: str, model: str, req: Request, extra: dict | None = None) -> RequestResult:
     """Stream one completion and time each token's event as it arrives."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
@@ -124,7 +124,7 @@ async def send(client, url: str, model: str, req: BenchRequest, extra: dict | No
     return result
 
 
-async def benchmark(base_url: str, requests: list[BenchRequest], model: str | None = None,
+async def benchmark(base_url: str, requests: list[Request], model: str | None = None,
                     endpoint: str = "/v1/completions", max_concurrency: int | None = None,
                     show_progress: bool = True, extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time; returns the results (in request order) and the run's seconds."""
@@ -139,7 +139,7 @@ async def benchmark(base_url: str, requests: list[BenchRequest], model: str | No
         bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not show_progress, leave=False)
         start = time.perf_counter()
 
-        async def one(req: BenchRequest) -> RequestResult:
+        async def one(req: Request) -> RequestResult:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
             if gate is None:
                 result = await send(client, base_url + endpoint, model, req, extra_body)
@@ -241,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
-    p.add_argument("--workload", default="lognormal", choices=["random", "lognormal", "stutter", "shared-prefix"])
+    p.add_argument("--workload", default="lognormal", choices=SHAPES)
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf (the default) sends every request at once")
@@ -282,13 +282,11 @@ def run(args: argparse.Namespace) -> int:
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach the server at --base-url {args.base_url} ({type(e).__name__}: {e}); "
                          "start one (python -m minillm serve) or point --base-url at it") from None
-    pairs = workload(args.workload, args.num_prompts, args.vocab_size, max_len, seed=args.seed,
-                     input_len=args.random_input_len, output_len=args.random_output_len,
-                     prompt_median=args.prompt_median, output_median=args.output_median,
-                     long_prompt_len=args.long_prompt_len, long_fraction=args.long_fraction,
-                     prefix_len=args.prefix_len)
-    times = arrivals(len(pairs), args.request_rate, args.seed)
-    requests = [BenchRequest(p, o, t) for (p, o), t in zip(pairs, times)]
+    requests = Workload(args.workload, args.num_prompts, args.vocab_size, max_len, seed=args.seed,
+                        input_len=args.random_input_len, output_len=args.random_output_len,
+                        prompt_median=args.prompt_median, output_median=args.output_median,
+                        long_prompt_len=args.long_prompt_len, long_fraction=args.long_fraction,
+                        prefix_len=args.prefix_len).requests(args.request_rate)
     results, duration = asyncio.run(benchmark(args.base_url, requests, args.model, args.endpoint,
                                               args.max_concurrency, not args.disable_tqdm))
     summary = summarize(results, duration, targets)

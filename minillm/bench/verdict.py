@@ -1,61 +1,36 @@
-"""Measuring on a shared machine, and a verdict from the uncertainty the run itself measured.
+"""A verdict from the uncertainty the run itself measured, on a machine others share.
 
-A lesson compares configurations (naive against cached, paged against
-contiguous, chunked against not) by timing them. On a machine that other
-processes share, one timing means little: a burst of load slows whichever
-configuration it lands on. So every lesson measures and judges the same way:
+A lesson compares configurations (naive against cached, chunked against not) by
+timing them, and on a shared machine a burst of load slows whichever one it
+lands on. So every lesson measures and judges the same way:
 
     before = read_load()
-    checks = lambda r: [Check("naive time / cached time", r.ratio("naive", "cached"), line=1.0, holds_if=">=",
-                              why=...)]                                 # one value per round
+    checks = lambda r: [Check("naive time / cached time", r.ratio("naive", "cached"), line=1.0, holds_if=">=", why=...)]
     rounds = interleave({"naive": f, "cached": g}, repeats=3, until=settled(checks))   # f g | g f | f g ...
-    verdict = judge("the KV cache makes decoding faster", checks(rounds), MachineLoad.between(before, read_load()))
-    print_verdict(verdict)
+    print_verdict(judge("the KV cache makes decoding faster", checks(rounds), MachineLoad.between(before, read_load())))
 
-The API
--------
-    read_load() -> LoadReading                a snapshot: load average, CPU time of the machine and of this process
-    MachineLoad.between(before, after)        the load over a window, and `share`: the fraction of the
-                                              machine's CPU time other processes took in it (/proc/stat
-                                              on Linux; elsewhere estimated from the load average)
-    interleave(fns, repeats, until=...)       call every function once per round, in turns, order reversed
-                                              every other round; while `until(rounds)` is false, add rounds,
-                                              up to a cap that is printed; times (and return values) per round
-    Rounds.times / median / ratio / results   what each round measured
-    Check(name, values, line, holds_if, why)  one measured quantity (a value per round) against the claim's line;
-                                              `why` explains, from the run's numbers, a value on the wrong side
-    median_interval(values)                   the order-statistic interval of the median, and its coverage
-    settled(make_checks)                      the `until` that stops adding rounds once every check is decided
-    judge(claim, checks, load) -> Verdict     exactly one verdict per lesson: HOLDS, NOT SUPPORTED or INCONCLUSIVE
-    print_verdict(verdict)                    the verdict, every check with its interval, and the machine's load
-
-How a check is judged
----------------------
-A timed check is one value per round, each taken inside its round: a ratio of
-two configurations timed in turns (the load of that moment hits both sides),
-or a rate divided by a ceiling kernel timed in the same round. Its interval is
-the order-statistic interval of the median: sorted values x(1) ≤ … ≤ x(n), the
-interval x(k) .. x(n+1−k) holds the median with probability
-1 − 2·P(Binomial(n, ½) < k), whatever the distribution. k is the largest that
-keeps that at 90% or more (for n ≤ 4 no k does, and the interval is the whole
-range: 50%, 75%, 88% for 2, 3, 4 rounds; the coverage is printed). Nothing else
-widens it: the load is read and printed, and it decides nothing but how long
-the rounds take. When the interval straddles the line, `interleave` adds rounds
-(a busy machine scatters the rounds, so it needs more of them) until the
-interval clears the line or the cap is reached: the cap is printed.
-
-    HOLDS           the whole interval lies on the claim's side of the line
-    NOT SUPPORTED   the whole interval lies on the other side: the data contradicts the claim,
-                    and the check's `why` says what the run's numbers show about the cause
-    INCONCLUSIVE    the line falls inside the interval, even after the added rounds; the message
-                    names the check, its interval and the line
-
-A counted check (tokens, bytes: nothing timed) has no spread and is never
-inconclusive. The lesson's verdict is NOT SUPPORTED if any check is, else
-INCONCLUSIVE if any check is, else HOLDS.
+1. Measure in turns (`interleave`): each configuration once per round, the order
+   reversed every other round, and judge one value per round: a ratio of two of them,
+   or a rate ÷ a ceiling kernel timed in that round, so a moment's load hits both sides.
+2. The interval is the run's own: sorted, x(k) .. x(n+1−k) holds the median with probability
+   1 − 2·P(Binomial(n, ½) < k) whatever the distribution; k is the largest that keeps 90%
+   (`median_interval`; for n ≤ 4 none does, and it is the whole range: 50%, 75%, 88%).
+   The load (`read_load`, `MachineLoad`) is printed and widens nothing.
+3. A check HOLDS if its whole interval lies on the claim's side of the line, is
+   NOT SUPPORTED if on the other (its `why` says what the run's numbers show of
+   the cause), INCONCLUSIVE if the line falls inside it (the message names the
+   interval, the line, the rounds and the cap). A count (tokens, bytes) has no
+   spread and is never inconclusive; one the lesson cannot decide (`undecided`,
+   with its reason) always is.
+4. While a check straddles its line (a busy machine scatters the rounds),
+   `until=settled(checks)` adds rounds up to a printed cap: 2 × the rounds asked
+   for + 1, or as long again as they took.
+5. One verdict (`judge`): NOT SUPPORTED if any check is, else INCONCLUSIVE if any is, else
+   HOLDS. A busy machine can make a lesson slower or INCONCLUSIVE; it cannot flip its verdict.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -71,35 +46,24 @@ from ..device import synchronize
 HOLDS, NOT_SUPPORTED, INCONCLUSIVE = "HOLDS", "NOT SUPPORTED", "INCONCLUSIVE"
 
 
-# ---- the machine's load -----------------------------------------------------------------
-
-
 @dataclass
-class LoadReading:
+class LoadReading:  # a snapshot; two of them make a `MachineLoad`
     wall: float                   # time.perf_counter()
     own_cpu_s: float              # CPU seconds this process (and its finished children) used so far
     machine_busy_s: float | None  # CPU seconds all cores spent busy since boot (/proc/stat), None off Linux
     loadavg: float | None         # 1-minute load average
 
 
-def _machine_busy_s() -> float | None:
-    try:
+def read_load() -> LoadReading:
+    t, busy, loadavg = os.times(), None, None
+    with contextlib.suppress(OSError, ValueError):
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy: not ours
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def read_load() -> LoadReading:
-    t = os.times()
-    try:
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy: not ours
+        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError):
         loadavg = os.getloadavg()[0]
-    except OSError:
-        loadavg = None
-    return LoadReading(time.perf_counter(), t.user + t.system + t.children_user + t.children_system,
-                       _machine_busy_s(), loadavg)
+    return LoadReading(time.perf_counter(), t.user + t.system + t.children_user + t.children_system, busy, loadavg)
 
 
 @dataclass
@@ -132,9 +96,6 @@ class MachineLoad:
         return f"{avg}; other processes took {self.share:.0%} of the CPU{how} while this lesson measured"
 
 
-# ---- timing in turns --------------------------------------------------------------------
-
-
 def progress(total: int, desc: str | None, unit: str) -> tqdm:
     """A progress bar on the terminal (none when desc is None, or when stderr is not a terminal)."""
     return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=True if desc is None else None)
@@ -142,17 +103,14 @@ def progress(total: int, desc: str | None, unit: str) -> tqdm:
 
 @dataclass
 class Rounds:
-    """What `interleave` measured: for each name, one time (and one return value) per round.
-
-    `base` rounds were asked for; `added` more were run because the checks were not yet decided, under a cap
-    of `cap_rounds` rounds in all or `cap_s` seconds of added rounds, whichever came first."""
+    """What `interleave` measured: for each name, one time (and one return value) per round."""
     names: list[str]
     seconds: dict[str, list[float]]
     returned: dict[str, list]
-    base: int = 0
-    added: int = 0
-    cap_rounds: int = 0
-    cap_s: float = 0.0
+    base: int = 0          # rounds asked for
+    added: int = 0         # rounds added while a check was undecided, under a cap of
+    cap_rounds: int = 0    # this many rounds in all
+    cap_s: float = 0.0     # or this many seconds of added rounds, whichever came first
 
     def times(self, name: str) -> list[float]:
         return self.seconds[name]
@@ -184,24 +142,20 @@ ADDED_TIME = 1.0  # added rounds may take at most this many times what the asked
 ADDED_ROUNDS = 2  # and bring the rounds to at most this many times those asked for (+1, so 2 → 5)
 
 
-def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-               device: torch.device | str = "cpu", desc: str | None = None,
-               until: Callable[[Rounds], bool] | None = None, max_repeats: int | None = None,
+def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, device: torch.device | str = "cpu",
+               desc: str | None = None, until: Callable[[Rounds], bool] | None = None, max_repeats: int | None = None,
                cap_s: float | None = None) -> Rounds:
     """Call every function `warmup` times untimed, then once per round for `repeats` rounds, in turns:
-    a b c | c b a | a b c ..., so slow drift in the machine's load hits every configuration alike.
-
-    With `until`, keep adding rounds while `until(rounds)` is false, up to `max_repeats` rounds in all (default
-    ADDED_ROUNDS·repeats + 1) or `cap_s` seconds of added rounds (default ADDED_TIME × the asked-for rounds' time):
-    a busy machine scatters the rounds, and more of them narrow the interval of their median again."""
+    a b c | c b a | a b c ..., so slow drift in the machine's load hits every configuration alike. With `until`,
+    add rounds while `until(rounds)` is false, up to `max_repeats` rounds in all (default ADDED_ROUNDS·repeats + 1)
+    or `cap_s` seconds of added rounds (default ADDED_TIME × the asked-for rounds' time)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     names = list(fns)
     bar = progress((warmup + repeats) * len(names), desc, "run")
-    for name in names:
-        for _ in range(warmup):
-            fns[name]()
-            bar.update()
+    for name in [n for n in names for _ in range(warmup)]:
+        fns[name]()
+        bar.update()
     rounds = Rounds(names, {n: [] for n in names}, {n: [] for n in names}, base=repeats)
 
     def one_round(r: int) -> None:
@@ -218,10 +172,9 @@ def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int =
     for r in range(repeats):
         one_round(r)
     if until is not None:
-        base_s = time.perf_counter() - t0
-        rounds.cap_rounds = max_repeats if max_repeats is not None else ADDED_ROUNDS * repeats + 1
-        rounds.cap_s = cap_s if cap_s is not None else ADDED_TIME * base_s
         t1 = time.perf_counter()
+        rounds.cap_rounds = max_repeats if max_repeats is not None else ADDED_ROUNDS * repeats + 1
+        rounds.cap_s = cap_s if cap_s is not None else ADDED_TIME * (t1 - t0)
         while (rounds.count < rounds.cap_rounds and time.perf_counter() - t1 < rounds.cap_s
                and not until(rounds)):
             bar.total += len(names)
@@ -230,8 +183,6 @@ def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int =
     bar.close()
     return rounds
 
-
-# ---- checks and the verdict ---------------------------------------------------------------
 
 CONFIDENCE = 0.9  # the interval of a timed check holds the median of its rounds at least this often (n ≥ 5)
 
@@ -242,10 +193,7 @@ def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tupl
     xs, n = sorted(values), len(values)
     if n == 0:
         raise ValueError("an interval needs at least one value")
-
-    def coverage(k: int) -> float:
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
-
+    coverage = lambda k: 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n  # noqa: E731
     k = 1
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
         k += 1
@@ -254,25 +202,16 @@ def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tupl
 
 @dataclass
 class Check:
-    """One measured quantity against the line a claim draws.
-
-    values: one per round (a counted quantity: one value); holds_if: ">=" or "<=";
-    timed: False for counts (tokens, bytes), which have no spread; fmt formats a value;
-    why: what the run's own numbers say about a value on the wrong side of the line (printed when the
-    check is NOT SUPPORTED; every lesson gives one for every check);
-    of_ceiling: the values are shares of a ceiling, so one above 1 is flagged (*), never shown as a share;
-    undecided: why this run cannot decide the check whatever its interval, computed by the lesson from its own
-    readings (lesson 12: fewer free cores than the processes it times need); the check is then INCONCLUSIVE.
-    """
+    """One measured quantity against the line a claim draws."""
     name: str
-    values: list[float]
+    values: list[float]     # one per round; a counted quantity: one value
     line: float
-    holds_if: str
-    timed: bool = True
+    holds_if: str           # ">=" or "<=": the claim's side of the line
+    timed: bool = True      # False for counts (tokens, bytes), which have no spread
     fmt: str = "{:.3g}"
-    why: str = ""
-    of_ceiling: bool = False
-    undecided: str = ""
+    why: str = ""           # what the run's numbers say of a value on the wrong side; printed when NOT SUPPORTED
+    of_ceiling: bool = False  # shares of a ceiling: one above 1 is flagged (*), never shown as a share
+    undecided: str = ""     # why this run cannot decide it whatever its interval (lesson 12: too few free cores)
 
     def __post_init__(self):
         if self.holds_if not in (">=", "<="):
@@ -290,10 +229,7 @@ class Check:
 
     def interval(self) -> tuple[float, float]:
         """The order-statistic interval of the median (see `median_interval`); a count is its own interval."""
-        if not self.timed:
-            return min(self.values), max(self.values)
-        lo, hi, _ = median_interval(self.values)
-        return lo, hi
+        return median_interval(self.values)[:2] if self.timed else (min(self.values), max(self.values))
 
     @property
     def coverage(self) -> float:
@@ -302,20 +238,10 @@ class Check:
     def _holds(self, x: float) -> bool:
         return x >= self.line if self.holds_if == ">=" else x <= self.line
 
-    def spread(self, share: float | None = None) -> tuple[float, float]:
-        """The former name of `interval`, kept for lessons written against it; the load no longer widens it."""
-        return self.interval()
-
-    def outcome(self, share: float | None = None) -> str:
-        """HOLDS, NOT SUPPORTED or INCONCLUSIVE from the interval (`share`, the load, is accepted and ignored)."""
-        if self.undecided:
-            return INCONCLUSIVE
-        lo, hi = self.interval()
-        if self._holds(lo) and self._holds(hi):
-            return HOLDS
-        if not self._holds(lo) and not self._holds(hi):
-            return NOT_SUPPORTED
-        return INCONCLUSIVE
+    def outcome(self) -> str:
+        """HOLDS, NOT SUPPORTED or INCONCLUSIVE: where the interval lies against the line."""
+        lo, hi = (self._holds(x) for x in self.interval())
+        return INCONCLUSIVE if self.undecided or lo != hi else HOLDS if lo else NOT_SUPPORTED
 
     def _f(self, x: float) -> str:
         return self.fmt.format(x) + ("*" if self.of_ceiling and x > 1 else "")
@@ -323,14 +249,12 @@ class Check:
     def relation(self) -> str:
         return f"{self.holds_if.replace('>=', '≥').replace('<=', '≤')} {self.fmt.format(self.line)}"
 
-    def interval_text(self) -> str:
-        f, (lo, hi), n = self._f, self.interval(), len(self.values)
-        return f"{f(lo)}–{f(hi)}: the {self.coverage:.0%} interval of the median of {n} round{'s' * (n != 1)}"
-
-    def describe(self, share: float | None = None) -> str:
+    def describe(self) -> str:
+        (lo, hi), n = self.interval(), len(self.values)
         text = f"{self.name} {self.relation()}: {self._f(self.median)}"
         if self.timed:
-            text += f" ({self.interval_text()})"
+            text += f" ({self._f(lo)}–{self._f(hi)}: the {self.coverage:.0%} interval of the median of {n} round" \
+                    f"{'s' * (n != 1)})"
         text += f" → {self.outcome()}"
         if self.of_ceiling and max(self.values) > 1:
             text += " (* over 100%: faster than the ceiling kernel of its round, which is then not its limit)"
@@ -338,8 +262,7 @@ class Check:
 
 
 def settled(make_checks: Callable[[Rounds], list[Check]]) -> Callable[[Rounds], bool]:
-    """An `until` for `interleave`: true once every check built from the rounds so far is decided, or cannot be
-    by any number of rounds (`Check.undecided`)."""
+    """An `until` for `interleave`: every check built from the rounds so far is decided, or `undecided`."""
     return lambda rounds: all(c.outcome() != INCONCLUSIVE or c.undecided for c in make_checks(rounds))
 
 
@@ -356,31 +279,25 @@ class Verdict:
     def holds(self) -> bool:
         return self.outcome == HOLDS
 
-    def explanations(self) -> list[str]:
-        """One line per NOT SUPPORTED check: its `why`, computed by the lesson from the run's numbers."""
-        return [f"why ({c.name}): {c.why or 'this lesson gives no explanation for this check'}"
-                for c in self.checks if c.outcome() == NOT_SUPPORTED]
-
     def lines(self) -> list[str]:
-        lines = [c.describe() for c in self.checks] + self.explanations() + self.notes
-        for c in self.checks:
-            if c.outcome() == INCONCLUSIVE and c.undecided:
-                lines.append(f"INCONCLUSIVE on “{c.name}”: {c.undecided}")
-            elif c.outcome() == INCONCLUSIVE:
-                mine = [r for r in self.rounds if r.count == len(c.values)]  # the rounds this check came from
-                ran = mine[0].describe() if mine else f"{len(c.values)} rounds"
-                lo, hi = c.interval()
-                lines.append(f"INCONCLUSIVE on “{c.name}”: its interval {c._f(lo)}–{c._f(hi)} "
-                             f"({c.coverage:.0%} interval of the median) straddles the line {c.relation()} after "
-                             f"{ran}; rerun, ideally on a quieter machine, for a verdict")
+        """Every check, the `why` of each NOT SUPPORTED one, the notes, each INCONCLUSIVE one's reason, the load."""
+        lines = [c.describe() for c in self.checks]
+        lines += [f"why ({c.name}): {c.why or 'this lesson gives no explanation for this check'}"
+                  for c in self.checks if c.outcome() == NOT_SUPPORTED] + self.notes
+        for c in (c for c in self.checks if c.outcome() == INCONCLUSIVE):
+            (lo, hi), n = c.interval(), len(c.values)
+            ran = next((r.describe() for r in self.rounds if r.count == n), f"{n} rounds")  # the check's rounds
+            lines.append(f"INCONCLUSIVE on “{c.name}”: " + (c.undecided or (
+                f"its interval {c._f(lo)}–{c._f(hi)} ({c.coverage:.0%} interval of the median) straddles the line "
+                f"{c.relation()} after {ran}; rerun, ideally on a quieter machine, for a verdict")))
         lines.append(self.load.describe())
         return lines
 
     def as_dict(self) -> dict:
         return {"claim": self.claim, "outcome": self.outcome, "holds": self.holds, "reasons": self.lines(),
-                "load": vars(self.load),
-                "rounds": [{"count": r.count, "base": r.base, "added": r.added, "cap_rounds": r.cap_rounds,
-                            "cap_s": r.cap_s} for r in self.rounds],
+                "load": vars(self.load), "rounds": [{"count": r.count, "base": r.base, "added": r.added,
+                                                     "cap_rounds": r.cap_rounds, "cap_s": r.cap_s}
+                                                    for r in self.rounds],
                 "checks": [{"name": c.name, "values": c.values, "median": c.median, "line": c.line,
                             "holds_if": c.holds_if, "timed": c.timed, "interval": list(c.interval()),
                             "coverage": c.coverage, "outcome": c.outcome(), "why": c.why, "undecided": c.undecided}
@@ -391,8 +308,7 @@ def judge(claim: str, checks: list[Check], load: MachineLoad, rounds: list[Round
     """The lesson's one verdict: NOT SUPPORTED if any check is, else INCONCLUSIVE if any is, else HOLDS."""
     if not checks:
         raise ValueError("a verdict needs at least one check")
-    outcomes = {c.outcome() for c in checks}
-    outcome = NOT_SUPPORTED if NOT_SUPPORTED in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else HOLDS
+    outcome = next((o for o in (NOT_SUPPORTED, INCONCLUSIVE) if o in {c.outcome() for c in checks}), HOLDS)
     return Verdict(claim, outcome, checks, load, rounds=list(rounds or []))
 
 

@@ -51,7 +51,7 @@ def drawn_names(d) -> iter:
 
 def build(case: dict, scheduler_class: str):
     """The scheduler of a case, with its queues and a token-counting block space; and its sequences by name."""
-    from minillm.sampling import SamplingParams
+    from minillm.sampling_params import SamplingParams
     from minillm.scheduler import SchedulerConfig
     from minillm.sequence import RequestMetrics, Sequence, SequenceStatus
     if scheduler_class == "chunked":

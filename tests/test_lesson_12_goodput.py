@@ -48,7 +48,7 @@ def test_the_quick_run_sweeps_both_modes_and_gives_one_verdict(tmp_path):
 
 @pytest.mark.slow
 def test_the_quick_run_explains_itself_and_prints_only_its_own_numbers(tmp_path):
-    """Issue 19's rules on lesson 12 too: every check carries a computed `why`, a NOT SUPPORTED prints it, and
+    """Every lesson's rules on lesson 12 too: every check carries a computed `why`, a NOT SUPPORTED prints it, and
     every number in a verdict line is a value of the results file."""
     from lesson_checks import assert_explained, assert_one_number_per_quantity
     lesson.main(["--quick", "--out", str(tmp_path)])

@@ -1,0 +1,46 @@
+"""Lesson 05 (fragmentation): its quick run judges the full run's trace, and the waste it measures follows
+the formula. Memory is decided by token counts alone, so even a noisy quick run must get it right."""
+import pytest
+import torch
+
+from minillm import PRESETS
+from minillm.bench import workloads
+from minillm.checkpoints.load import random_model
+
+from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
+
+frag = load_lesson("05_fragmentation")
+
+
+def test_05_quick_judges_the_same_trace_as_the_full_run(tmp_path, one_thread, capsys):
+    doc = run_quick(frag, tmp_path, capsys)
+    f, v = doc["figures"], doc["verdict"]
+    cont, paged = f["contiguous"], f["paged"]
+    assert f["trace"]["requests"] == frag.REQUESTS and f["reservation_tokens"] == PRESETS["tiny"].n_ctx
+    # Memory is decided by token counts alone, so even a noisy quick run must show it:
+    assert cont["peak_running"] <= frag.RESERVATIONS < paged["peak_running"]
+    assert cont["waste"] > paged["waste"] and cont["generated_tokens"] == paged["generated_tokens"]
+    by_block = {row["block_size"]: row for row in f["block_sweep"]}
+    assert by_block[1]["waste"] == 0 and by_block[64]["waste"] > by_block[16]["waste"] == paged["waste"]
+    assert [c["timed"] for c in v["checks"]] == [False, False]  # counts: never inconclusive
+    assert v["outcome"] in ("HOLDS", "NOT SUPPORTED")
+
+
+def test_kv_use_counts_only_allocated_memory_and_waiting_steps():
+    snaps = [{"real_tokens": 30, "allocated_tokens": 40, "running": 3, "waiting": 2},
+             {"real_tokens": 10, "allocated_tokens": 10, "running": 1, "waiting": 0},
+             {"real_tokens": 0, "allocated_tokens": 0, "running": 0, "waiting": 0}]  # the pool after the end
+    use = frag.kv_use(snaps, budget_tokens=100)
+    assert use["waste"] == pytest.approx(1 - 40 / 50)
+    assert use["real_share_of_budget"] == pytest.approx(40 / 200)
+    assert use["peak_running"] == 3 and use["sustained_running"] == 3
+
+
+def test_05_waste_of_a_replay_follows_the_formula(one_thread):
+    """Paged waste ≈ running · block/2 ÷ (tokens + running · block/2): larger blocks, more waste; contiguous most."""
+    model = frag.narrow_model(random_model(PRESETS["tiny"], "cpu", torch.float32))
+    trace = workloads.lognormal_trace(12, 128, 512, 20, 8, seed=0)
+    wastes = [frag.serve(model, trace, 4 * 128, bs, contiguous=False)["waste"] for bs in (1, 8, 32)]
+    contiguous = frag.serve(model, trace, 4 * 128, 8, contiguous=True)
+    assert wastes[0] == 0 < wastes[1] < wastes[2] < contiguous["waste"]
+    assert contiguous["peak_running"] == frag.RESERVATIONS
