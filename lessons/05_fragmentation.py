@@ -65,6 +65,7 @@ from minillm.bench.replay import replay
 from minillm.bench.workloads import describe_trace, lognormal_trace
 
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.model import GPT2
 from minillm.scheduler import SchedulerConfig
 
@@ -84,9 +85,12 @@ def narrow_model(model) -> GPT2:
 def serve(model, trace, budget_tokens: int, block_size: int, contiguous: bool, desc: str | None = None) -> dict:
     """Replay the trace under the budget; snapshot real tokens against allocated memory after every step."""
     M = model.config.n_ctx
-    engine = LLMEngine(model, SchedulerConfig(max(2048, M), RESERVATIONS if contiguous else MAX_NUM_SEQS,
-                                              enable_chunked_prefill=False),
-                       block_size=block_size, num_blocks=budget_tokens // block_size)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=max(2048, M),
+                                       max_num_seqs=RESERVATIONS if contiguous else MAX_NUM_SEQS,
+                                       enable_chunked_prefill=False),
+                       cache_config=CacheConfig(block_size=block_size,
+                                                num_gpu_blocks_override=budget_tokens // block_size))
     snapshots = []
 
     def snapshot(engine, outputs):
@@ -204,14 +208,16 @@ def plot(lesson, m: dict, verdict) -> None:
                 title="share of allocated KV memory holding tokens")
     axes[1].axhline(CONCURRENCY_FACTOR * c["sustained_running"], color="k", ls=":",
                     label=f"the claim's line: {CONCURRENCY_FACTOR:g}× contiguous")
-    axes[1].set(xlabel="engine step", ylabel="running sequences", ylim=(0, None), title="concurrency in the same budget")
+    axes[1].set(xlabel="engine step", ylabel="running sequences", ylim=(0, None),
+                title="concurrency in the same budget")
     axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=8, loc="center right")
     axes[1].legend(fontsize=8, loc="upper right")
     labels = [str(r["block_size"]) for r in sweep]
     axes[2].bar(labels, [100 * r["waste"] for r in sweep], color="C0", label="paged, by block size")
     axes[2].axhline(100 * c["waste"], color="C1", ls="--", label=f"contiguous: {c['waste']:.0%}")
-    axes[2].axhline(100 * PAGED_WASTE_LIMIT, color="k", ls=":", label=f"the claim's line: {PAGED_WASTE_LIMIT:.0%} (vLLM)")
+    axes[2].axhline(100 * PAGED_WASTE_LIMIT, color="k", ls=":",
+                    label=f"the claim's line: {PAGED_WASTE_LIMIT:.0%} (vLLM)")
     axes[2].set(xlabel="block size (tokens)", ylabel="waste (% of allocated KV memory)", ylim=(0, 100),
                 title="internal fragmentation by block size")
     axes[2].legend(fontsize=8, loc="upper left")

@@ -53,6 +53,7 @@ from minillm.bench.workloads import Request, pool_blocks
 import numpy as np
 
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 
 NAME = "07_stutter"
@@ -75,7 +76,10 @@ def stutter_run(model, s: dict, chunked: bool, budget: int):
     blocks = pool_blocks(streams + [Request(long_prompt, s["long_tokens"])])
 
     def serve() -> dict:
-        engine = LLMEngine(model, SchedulerConfig(budget, s["streams"] + 1, chunked), num_blocks=blocks)
+        engine = LLMEngine(model,
+                           SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=s["streams"] + 1,
+                                           enable_chunked_prefill=chunked),
+                           cache_config=CacheConfig(num_gpu_blocks_override=blocks))
         emitted = {}
 
         def arrive(engine, outputs):

@@ -48,6 +48,7 @@ from minillm.bench.replay import replay
 from minillm.bench.workloads import describe_trace, lognormal_trace, pool_blocks
 
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 
 NAME = "08_budget_sweep"
@@ -61,8 +62,11 @@ MAX_NUM_SEQS = 256       # vLLM's default cap on running sequences
 def serve(model, trace, budget: int, chunked: bool):
     """A function that replays the trace once with this budget; returns the replay's summary."""
     blocks = pool_blocks(trace)
-    return lambda: replay(LLMEngine(model, SchedulerConfig(budget, min(MAX_NUM_SEQS, budget), chunked),
-                                    num_blocks=blocks), trace).summary()
+    return lambda: replay(LLMEngine(model,
+                                    SchedulerConfig(max_num_batched_tokens=budget,
+                                                    max_num_seqs=min(MAX_NUM_SEQS, budget),
+                                                    enable_chunked_prefill=chunked),
+                                    cache_config=CacheConfig(num_gpu_blocks_override=blocks)), trace).summary()
 
 
 def sizes(n_ctx: int, quick: bool, on_gpu: bool) -> dict:
@@ -170,7 +174,8 @@ def plot(lesson, configs: dict, points: dict, count: int, verdict) -> None:
         ax.set(xlabel="max_num_batched_tokens", ylabel=label)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room above the highest marker
     line = (1 + CLAIM_GAIN - CLAIM_SLACK) * med(OLD_NAME, "throughput")
-    axes[0].axhline(line, color="k", ls=":", label=f"the claim's line: {1 + CLAIM_GAIN - CLAIM_SLACK:g}× budget {OLD_DEFAULT}")
+    axes[0].axhline(line, color="k", ls=":",
+                    label=f"the claim's line: {1 + CLAIM_GAIN - CLAIM_SLACK:g}× budget {OLD_DEFAULT}")
     axes[0].set_ylim(0, max(axes[0].get_ylim()[1], 1.25 * line))
     for ax in axes:  # below the axes: never over the data
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)

@@ -74,6 +74,7 @@ from minillm.bench.workloads import (Conversation, conversation_blocks, multi_tu
 
 from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 
 NAME = "10_prompt_caching"
@@ -104,8 +105,10 @@ def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3)
 
 
 def make_engine(model, conversations: list[Conversation], caching: bool) -> LLMEngine:
-    return LLMEngine(model, SchedulerConfig(max_num_seqs=len(conversations)), block_size=BLOCK_SIZE,
-                     num_blocks=conversation_blocks(conversations, BLOCK_SIZE), enable_prefix_caching=caching)
+    return LLMEngine(model, SchedulerConfig(max_num_seqs=len(conversations)),
+                     cache_config=CacheConfig(block_size=BLOCK_SIZE,
+                                              num_gpu_blocks_override=conversation_blocks(conversations, BLOCK_SIZE),
+                                              enable_prefix_caching=caching))
 
 
 def runner(model, conversations: list[Conversation], caching: bool, concurrency: int | None = None):

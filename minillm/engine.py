@@ -17,7 +17,7 @@ The pieces, one file each: `scheduler.py` or `chunked_prefill.py` (the policy),
 steps, a CUDA graph per bucket unless `enforce_eager=True`), `sampling.py`,
 `prefix_caching.py` (`enable_prefix_caching=True`: full blocks shared by the hash
 of their prefix; `num_cached_tokens` per output, `prefix_cache_hit_rate` overall),
-`kv_pool.py` (the pool's size: `num_blocks`, `kv_cache_memory_bytes`, or a profile
+`kv_pool.py` (the pool's size, in a `CacheConfig`: `num_gpu_blocks_override`, `kv_cache_memory_bytes`, or a profile
 under `gpu_memory_utilization` on CUDA). Names follow vLLM's. `close()` frees the
 pool and the graphs. Cost per step: one forward pass over Σ tokens planned, plus
 bookkeeping linear in the running sequences; KV memory is blocks in use ·
@@ -51,12 +51,12 @@ import time
 
 import torch
 
-from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
+from .block_manager import BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
 from .cuda_graphs import DecodeRunner
 from .request_checks import check_fits, check_request, one_thread
 from .kv_cache import Segment
-from .kv_pool import size_pool
+from .kv_pool import CacheConfig, size_pool
 from .model import GPT2
 from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
@@ -73,23 +73,22 @@ class LLMEngine:
     step it, and hand it requests through a queue.Queue (the pattern is in `engine_rules.py`)."""
 
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, enable_prefix_caching: bool = False,
-                 record_timeline: bool = True):
-        if scheduler_config is not None and not isinstance(scheduler_config, SchedulerConfig):
-            raise ValueError(f"scheduler_config is a {type(scheduler_config).__name__}; pass a SchedulerConfig, "
-                             f"e.g. SchedulerConfig(**{scheduler_config!r}) (or None for the defaults)")
+                 cache_config: CacheConfig | None = None, enforce_eager: bool = False, record_timeline: bool = True):
+        for name, value, kind in (("scheduler_config", scheduler_config, SchedulerConfig),
+                                  ("cache_config", cache_config, CacheConfig)):
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"{name} is a {type(value).__name__}; pass a {kind.__name__}, e.g. "
+                                 f"{kind.__name__}(**{value!r}) (or None for the defaults)")
         self._guard, self._busy = threading.RLock(), None
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
         use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
         # self.memory: how the pool was sized (budget, activation peak, graph bytes)
-        num_blocks, self.memory = size_pool(model, self.scheduler_config, block_size, num_blocks,
-                                            kv_cache_memory_bytes, gpu_memory_utilization, use_graphs)
-        blocks = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
-        self.block_manager = blocks(num_blocks, block_size)
+        self.cache_config = cache_config or CacheConfig()
+        num_blocks, self.memory = size_pool(model, self.scheduler_config, self.cache_config, use_graphs)
+        blocks = PrefixCachingBlockManager if self.cache_config.enable_prefix_caching else BlockManager
+        self.block_manager = blocks(num_blocks, self.cache_config.block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
         self.decoder = DecodeRunner(model, self.cache, self.scheduler_config.max_num_seqs,
                                     "graph" if use_graphs else "eager")

@@ -1,6 +1,6 @@
 """Sizing the engine's KV pool: how many blocks fit, and, on a GPU, a profile run to find out.
 
-Give `num_blocks` directly; or a byte budget `kv_cache_memory_bytes`; or, on
+Give `num_gpu_blocks_override` directly; or a byte budget `kv_cache_memory_bytes`; or, on
 CUDA, `gpu_memory_utilization`, the share of the GPU's memory the engine may
 fill. As vLLM does, the engine then profiles: it runs its largest prefill and
 decode steps on a throwaway pool and reads the allocator's peak, captures its
@@ -14,16 +14,18 @@ Memory the caching allocator keeps after an earlier engine let go of it is not
 subtracted: the new pool reuses it. On the CPU the default budget is 1 GiB, and
 a pool larger than the memory there is is refused before it is allocated.
 
-One call, `size_pool`, answers the engine: the number of blocks, and how it
+The knobs travel together in a `CacheConfig`, as vLLM's do. One call,
+`size_pool`, answers the engine: the number of blocks, and how it
 was reached (block bytes, budget, activation peak, graph bytes).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .block_manager import BlockManager
+from .block_manager import DEFAULT_BLOCK_SIZE, BlockManager
 from .config import check_int, check_real
 from .cuda_graphs import DecodeRunner
 from .kv_cache import Segment
@@ -38,32 +40,50 @@ from .sequence import RequestMetrics, Sequence
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> None:
-    """Each sizing knob's type and range, whatever the device: a knob that does nothing here is still checked."""
-    check_int("block_size", block_size, 1)
-    if num_blocks is not None:
-        check_int("num_blocks", num_blocks, 1, hint=": the pool needs at least one block")
-    if kv_cache_memory_bytes is not None:
-        check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
-    if not 0 < check_real("gpu_memory_utilization", gpu_memory_utilization) <= 1:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]: it is the share of "
-                         "the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The KV pool's knobs, under vLLM's names, each checked when made.
+
+    block_size                tokens per block
+    num_gpu_blocks_override   the pool in blocks, given outright (no sizing)
+    kv_cache_memory_bytes     else a byte budget for the pool
+    gpu_memory_utilization    else, on CUDA, the share of the GPU the engine may fill (a profile run sizes it)
+    enable_prefix_caching     keep full blocks by the hash of their prefix (prefix_caching.py)
+    """
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self):
+        """Each knob's type and range, whatever the device: a knob that does nothing here is still checked."""
+        check_int("block_size", self.block_size, 1)
+        if self.num_gpu_blocks_override is not None:
+            check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1,
+                      hint=": the pool needs at least one block")
+        if self.kv_cache_memory_bytes is not None:
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if not 0 < check_real("gpu_memory_utilization", self.gpu_memory_utilization) <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]: it is the "
+                             "share of the GPU's memory the engine may fill (0.9 leaves a tenth for everything else)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
 
 
-def size_pool(model: GPT2, scheduler_config: SchedulerConfig, block_size: int, num_blocks: int | None,
-              kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
+def size_pool(model: GPT2, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
               use_graphs: bool) -> tuple[int, dict[str, int]]:
-    """The engine's pool in blocks, each knob checked, and how it was sized (empty when `num_blocks` is given)."""
-    check_knobs(block_size, num_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+    """The engine's pool in blocks, and how it was sized (empty when `num_gpu_blocks_override` is given)."""
+    block_size, num_blocks = cache_config.block_size, cache_config.num_gpu_blocks_override
     memory: dict[str, int] = {}
     kv_bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
     if num_blocks is None:
         block_bytes = block_size * kv_bytes_per_token
         memory["block_bytes"] = block_bytes
-        budget = kv_cache_memory_bytes
+        budget = cache_config.kv_cache_memory_bytes
         if budget is None and model.device.type == "cuda":
             activation_peak, graph_bytes = _profile(model, scheduler_config, block_size, use_graphs)
-            budget = gpu_kv_budget(model.device, gpu_memory_utilization, activation_peak, graph_bytes)
+            budget = gpu_kv_budget(model.device, cache_config.gpu_memory_utilization, activation_peak, graph_bytes)
             memory.update(activation_peak=activation_peak, graph_bytes=graph_bytes)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
@@ -79,9 +99,9 @@ def size_pool(model: GPT2, scheduler_config: SchedulerConfig, block_size: int, n
     pool = (num_blocks + 1) * block_size * kv_bytes_per_token  # + the pad block
     have = available_memory(device)
     if pool > have:
-        raise ValueError(f"num_blocks={num_blocks} blocks of {block_size} tokens need {pool / 2**30:,.1f} GiB of "
-                         f"KV cache, but {device} has {have / 2**30:,.1f} GiB available; lower num_blocks, or "
-                         "leave it out and size the pool with kv_cache_memory_bytes")
+        raise ValueError(f"num_gpu_blocks_override={num_blocks} blocks of {block_size} tokens need "
+                         f"{pool / 2**30:,.1f} GiB of KV cache, but {device} has {have / 2**30:,.1f} GiB available; "
+                         "lower num_gpu_blocks_override, or leave it out and size the pool with kv_cache_memory_bytes")
     return num_blocks, memory
 
 

@@ -63,8 +63,9 @@ from typing import Protocol
 from .sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
+    """The step's knobs, under vLLM's names, given by keyword."""
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 256             # the most sequences running at once
     enable_chunked_prefill: bool = True  # decode-first chunks (chunked_prefill.py); False: prefill-first (here)

@@ -15,6 +15,7 @@ import pytest
 
 from minillm.checkpoints.tokenizer import load_tokenizer
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.api_server import make_serving
 from minillm.serving.launch import BackgroundServer
@@ -52,8 +53,9 @@ def start(model, tokenizer, max_queue=64, num_blocks=128, step_delay=0.0, on_fin
     """A BackgroundServer (not yet entered) around a fresh engine; `server` holds ServerConfig fields."""
     sched = {k: engine_kwargs.pop(k) for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
              if k in engine_kwargs}
+    cache = {k: engine_kwargs.pop(k) for k in ("block_size", "enable_prefix_caching") if k in engine_kwargs}
     engine = LLMEngine(model, SchedulerConfig(**{"max_num_batched_tokens": 256, "max_num_seqs": 8, **sched}),
-                       num_blocks=num_blocks, **engine_kwargs)
+                       CacheConfig(num_gpu_blocks_override=num_blocks, **cache), **engine_kwargs)
     if step_delay:
         slowed(engine, step_delay)
     serving = make_serving(engine, tokenizer, NAME, max_queue, on_finished, chat_template=chat_template)

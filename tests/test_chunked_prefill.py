@@ -8,6 +8,7 @@ from minillm import PRESETS, SamplingParams
 from minillm import kv_cache
 from minillm.chunked_prefill import ChunkedPrefillScheduler
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.scheduler import Scheduler, SchedulerConfig
 from models import context_model
 
@@ -45,7 +46,8 @@ def drain(engine) -> dict:
 
 def test_a_seven_token_prompt_with_budget_three_runs_as_chunks_of_3_3_1():
     fake = RecordingModel()
-    engine = LLMEngine(fake, SchedulerConfig(max_num_batched_tokens=3, max_num_seqs=1), block_size=4, num_blocks=8)
+    engine = LLMEngine(fake, SchedulerConfig(max_num_batched_tokens=3, max_num_seqs=1),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=8))
     engine.add_request(list(range(7)), params(2))
     drain(engine)
     assert fake.calls == [[0, 1, 2], [3, 4, 5], [6], [7]], "3 + 3 + 1 prompt tokens, then one decode"
@@ -54,7 +56,7 @@ def test_a_seven_token_prompt_with_budget_three_runs_as_chunks_of_3_3_1():
 def test_budget_and_max_num_seqs_are_never_exceeded():
     fake = RecordingModel()
     config = SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=3)
-    engine = LLMEngine(fake, config, block_size=4, num_blocks=64)
+    engine = LLMEngine(fake, config, cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=64))
     rng = random.Random(0)
     for step in range(60):
         if step % 3 == 0:
@@ -67,7 +69,9 @@ def test_budget_and_max_num_seqs_are_never_exceeded():
 
 def long_prompt_arrives(chunked: bool, budget=8):
     """Three streams decoding; then a 60-token prompt arrives."""
-    engine = LLMEngine(RecordingModel(), SchedulerConfig(budget, 4, chunked), block_size=4, num_blocks=64)
+    engine = LLMEngine(RecordingModel(),
+                       SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=64))
     for _ in range(3):
         engine.add_request([5, 6], params(30))
     for _ in range(3):
@@ -95,7 +99,8 @@ def test_without_chunking_the_long_prompt_stalls_every_stream():
 def test_every_prefill_keeps_making_progress():
     """Streams keep arriving, yet the oldest pending prompt advances every step until it is done."""
     fake = RecordingModel()
-    engine = LLMEngine(fake, SchedulerConfig(6, 5), block_size=4, num_blocks=128)
+    engine = LLMEngine(fake, SchedulerConfig(max_num_batched_tokens=6, max_num_seqs=5),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=128))
     long = engine.requests[engine.add_request([1] * 40, params(1))]  # our own handle: the engine forgets it
     for i in range(30):
         engine.add_request([2] * 3, params(20))
@@ -116,7 +121,7 @@ def test_scheduler_needs_no_model():
         def append_slots(self, seq, n): pass
         def free(self, seq): pass
     from minillm.sequence import RequestMetrics, Sequence
-    sched = ChunkedPrefillScheduler(SchedulerConfig(4, 2), Unlimited())
+    sched = ChunkedPrefillScheduler(SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=2), Unlimited())
     seq = Sequence("a", [1] * 10, params(1), RequestMetrics(0.0))
     sched.add(seq)
     plan = sched.schedule()
@@ -126,7 +131,7 @@ def test_scheduler_needs_no_model():
 @pytest.mark.parametrize("cls, chunked", [(Scheduler, True), (ChunkedPrefillScheduler, False)])
 def test_a_policy_refuses_a_config_that_asks_for_the_other(cls, chunked):
     with pytest.raises(ValueError, match="implements enable_chunked_prefill"):
-        cls(SchedulerConfig(8, 2, enable_chunked_prefill=chunked), blocks=None)
+        cls(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, enable_chunked_prefill=chunked), blocks=None)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -140,7 +145,9 @@ def test_bad_configurations(kwargs, match):
 
 
 def test_a_prompt_over_the_budget_without_chunking_is_rejected():
-    engine = LLMEngine(RecordingModel(), SchedulerConfig(16, 4, enable_chunked_prefill=False), num_blocks=8)
+    engine = LLMEngine(RecordingModel(),
+                       SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=False),
+                       cache_config=CacheConfig(num_gpu_blocks_override=8))
     with pytest.raises(ValueError, match="max_num_batched_tokens=16; raise the budget"):
         engine.add_request([1] * 17, params(1))
 
@@ -158,7 +165,8 @@ def test_chunk_boundaries_at_every_position(model):
     stream, prompt = [rng.randrange(500) for _ in range(5)], [rng.randrange(500) for _ in range(21)]
     want = [kv_cache.generate(model, [p], params(6))[0] for p in (stream, prompt)]
     for budget in range(2, 23):
-        engine = LLMEngine(model, SchedulerConfig(budget, 2), block_size=4, num_blocks=32)
+        engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=2),
+                           cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
         a = engine.add_request(stream, params(6))
         engine.step()
         b = engine.add_request(prompt, params(6))
@@ -169,7 +177,8 @@ def test_chunk_boundaries_at_every_position(model):
 
 def test_budget_of_one_token(model):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    engine = LLMEngine(model, SchedulerConfig(1, 1), block_size=2, num_blocks=32)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=1, max_num_seqs=1),
+                       cache_config=CacheConfig(block_size=2, num_gpu_blocks_override=32))
     outs = engine.generate(prompts, params(4))
     assert [o.output_token_ids for o in outs] == [kv_cache.generate(model, [p], params(4))[0] for p in prompts]
 
@@ -184,7 +193,8 @@ def test_preemption_while_a_request_is_partly_prefilled(model, monkeypatch):
     monkeypatch.setattr(Scheduler, "_preempt", spy)
     rng = random.Random(6)
     prompts = [[rng.randrange(500) for _ in range(n)] for n in (30, 30, 40)]
-    engine = LLMEngine(model, SchedulerConfig(8, 4), block_size=4, num_blocks=20)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=20))
     outs = engine.generate(prompts, params(30))
     engine.check_invariants()
     assert any(0 < done < n for done, n in victims), f"no partly prefilled victim among {victims}"

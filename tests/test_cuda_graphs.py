@@ -12,6 +12,7 @@ import torch
 from minillm import PRESETS, SamplingParams, cuda_graphs, kv_cache
 from minillm.cuda_graphs import DecodeRunner, batch_buckets, bucket, width_buckets
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.kv_cache import KVCache, Segment
 from minillm.scheduler import SchedulerConfig
 from models import context_model, random_prompts
@@ -27,8 +28,8 @@ def model():
     return context_model()
 
 
-def static_engine(model, *args, mode="static", **kwargs):
-    engine = LLMEngine(model, *args, **kwargs)
+def static_engine(model, config=None, mode="static", **cache):
+    engine = LLMEngine(model, config, CacheConfig(**cache))
     engine.decoder = DecodeRunner(model, engine.cache, engine.scheduler_config.max_num_seqs, mode)
     return engine
 
@@ -60,7 +61,8 @@ def test_static_decode_logits_equal_eager_while_the_batch_changes(model):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 16, 9, 12, 5, 18, 7)]
     got = {}
     for mode in ("eager", "static"):
-        engine = static_engine(model, SchedulerConfig(256, 8), block_size=4, num_blocks=200, mode=mode)
+        engine = static_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), block_size=4,
+                               num_gpu_blocks_override=200, mode=mode)
         seen, run = [], engine.decoder.run
 
         def recording(segments, tokens, run=run, seen=seen):
@@ -70,7 +72,8 @@ def test_static_decode_logits_equal_eager_while_the_batch_changes(model):
         engine.decoder.run = recording
         outs = engine.generate(prompts, params)
         got[mode] = ([o.output_token_ids for o in outs], seen)
-    assert got["eager"][0] == got["static"][0] == [kv_cache.generate(model, [p], sp)[0] for p, sp in zip(prompts, params)]
+    assert got["eager"][0] == got["static"][0] == [kv_cache.generate(model, [p], sp)[0] for p, sp in zip(prompts,
+                                                                                                         params)]
     sizes = {len(keys) for keys, _ in got["static"][1]}
     assert sizes - set(batch_buckets(8)), f"the batch was meant to pass through padded sizes, got {sizes}"
     for (_, eager), (_, static) in zip(got["eager"][1], got["static"][1]):
@@ -87,7 +90,8 @@ def test_static_engine_fuzz(model, seed):
 def test_padding_rows_write_only_the_pad_block(model):
     """Three decoding requests run as 4 rows: the padding row writes the pad block, and no other block that
     a request does not hold is touched."""
-    engine = static_engine(model, SchedulerConfig(256, 8), block_size=4, num_blocks=40)
+    engine = static_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), block_size=4,
+                           num_gpu_blocks_override=40)
     engine.cache.pool.fill_(0)
     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]],
                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -135,7 +139,8 @@ def compiled_decode_steps(model, mode, steps, batch_range, prompt_range, max_tok
     def backend(graph_module, example_inputs):
         compiles.append(len(graph_module.graph.nodes))
         return graph_module.forward
-    engine = static_engine(model, SchedulerConfig(256, 8), block_size=16, num_blocks=200, mode=mode)
+    engine = static_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), block_size=16,
+                           num_gpu_blocks_override=200, mode=mode)
     compiled = torch.compile(engine.decoder.forward, backend=backend, dynamic=False)
     run = engine.decoder.run
 
@@ -249,7 +254,7 @@ def test_a_second_engine_gets_the_memory_the_first_one_freed(monkeypatch):
 
 
 def test_close_frees_the_pool_and_the_engine_says_so(model):
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     pool = engine.cache.pool
     import weakref
     alive = weakref.ref(pool)
@@ -286,7 +291,8 @@ def test_an_engine_captures_no_graph_until_a_bucket_is_first_used(model, monkeyp
         return graph
     monkeypatch.setattr(DecodeRunner, "_record", record)
     monkeypatch.setattr(cuda_graphs, "can_capture", lambda device: True)  # graph mode's bookkeeping, on the CPU
-    engine = static_engine(model, SchedulerConfig(256, 8), block_size=4, num_blocks=200, mode="graph")
+    engine = static_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), block_size=4,
+                           num_gpu_blocks_override=200, mode="graph")
     assert engine.decoder.mode == "graph" and engine.decoder.graphs == {} and recorded == [] and engine.decoder.logits is None
     prompts = random_prompts(3, [3, 9], seed=4)
     got = [o.output_token_ids for o in engine.generate(prompts, GREEDY)]
@@ -309,8 +315,8 @@ class Replays(dict):
         return super().__getitem__(key)
 
 
-def graph_engine(model, config, **kwargs):
-    engine = LLMEngine(model, config, **kwargs)
+def graph_engine(model, config, enforce_eager=False, **cache):
+    engine = LLMEngine(model, config, CacheConfig(**cache), enforce_eager=enforce_eager)
     engine.decoder.graphs = Replays(engine.decoder.graphs)
     engine.decoder.graphs.seen = set()
     return engine
@@ -338,7 +344,8 @@ def test_graph_replay_gives_the_eager_tokens_and_logits():
     want = [kv_cache.generate(model, [p], sp)[0] for p, sp in zip(prompts, params)]
     results = {}
     for eager in (False, True):
-        engine = graph_engine(model, SchedulerConfig(256, 8), block_size=4, num_blocks=200, enforce_eager=eager)
+        engine = graph_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), block_size=4,
+                              num_gpu_blocks_override=200, enforce_eager=eager)
         logits = recorded_decode_logits(engine)
         results[eager] = ([o.output_token_ids for o in engine.generate(prompts, params)], logits, engine)
     assert results[False][2].decoder.mode == "graph" and results[True][2].decoder.mode == "eager"
@@ -356,7 +363,8 @@ def test_a_batch_crossing_bucket_boundaries_under_graphs():
     model = context_model().cuda()
     prompts = random_prompts(12, [1, 3, 9, 20], seed=12)
     params = [SamplingParams(temperature=0.0, max_tokens=2 + 4 * i, ignore_eos=True) for i in range(12)]
-    engine = graph_engine(model, SchedulerConfig(256, 16), block_size=4, num_blocks=300)
+    engine = graph_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16), block_size=4,
+                          num_gpu_blocks_override=300)
     got = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert got == [kv_cache.generate(model, [p], sp)[0] for p, sp in zip(prompts, params)]
     batches = {b for b, _ in engine.decoder.graphs.seen}
@@ -371,10 +379,10 @@ def test_graph_memory_is_accounted_when_the_pool_is_sized():
     graphs captured, stays within its share of the GPU."""
     model = context_model(PRESETS["gpt2"]).cuda()
     torch.cuda.empty_cache()
-    config = SchedulerConfig(1024, 32)
-    with LLMEngine(model, config, gpu_memory_utilization=0.3, enforce_eager=True) as eager:
+    config = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=32)
+    with LLMEngine(model, config, cache_config=CacheConfig(gpu_memory_utilization=0.3), enforce_eager=True) as eager:
         eager_blocks = eager.block_manager.num_blocks
-    with LLMEngine(model, config, gpu_memory_utilization=0.3) as graphs:
+    with LLMEngine(model, config, cache_config=CacheConfig(gpu_memory_utilization=0.3)) as graphs:
         free, total = torch.cuda.mem_get_info()
         memory = graphs.memory
         assert memory["graph_bytes"] > 0 and memory["activation_peak"] > 0
@@ -394,13 +402,15 @@ def test_memory_cached_by_the_allocator_is_no_obstacle_and_close_gives_memory_ba
     tensors are gone (an earlier engine's pool) counted as used. Now an engine gets the same pool with or without
     such a cache, and close() hands its own memory back to the driver."""
     model = context_model(PRESETS["gpt2"]).cuda()
-    with LLMEngine(model, SchedulerConfig(512, 8), gpu_memory_utilization=0.3) as engine:
+    with LLMEngine(model, SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8),
+                   cache_config=CacheConfig(gpu_memory_utilization=0.3)) as engine:
         blocks = engine.block_manager.num_blocks
     free, total = torch.cuda.mem_get_info()
     cached = torch.empty(int(0.2 * total), dtype=torch.uint8, device="cuda")
     del cached  # freed, but the caching allocator keeps it reserved
     assert torch.cuda.memory_reserved() >= 0.2 * total
-    engine = LLMEngine(model, SchedulerConfig(512, 8), gpu_memory_utilization=0.3)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8),
+                       cache_config=CacheConfig(gpu_memory_utilization=0.3))
     assert abs(engine.block_manager.num_blocks - blocks) <= 0.05 * blocks
     reserved = torch.cuda.memory_reserved()
     engine.close()
@@ -413,7 +423,8 @@ def test_a_decode_step_syncs_once():
     """The token ids come to the host once per step; metadata goes up from pinned memory without a sync."""
     import warnings
     model = context_model().cuda()
-    engine = LLMEngine(model, SchedulerConfig(64, 8), block_size=4, num_blocks=200)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=200))
     for p in random_prompts(5, [3, 40], seed=2):
         engine.add_request(p, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=10, ignore_eos=True, seed=1))
     counts = []

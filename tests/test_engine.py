@@ -17,6 +17,7 @@ from minillm import engine as engine_module
 from minillm import kv_cache, naive_decode
 from minillm.cuda_graphs import DecodeRunner
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.sampling import NonFiniteLogitsError
 from minillm.scheduler import SchedulerConfig
 from minillm.sequence import Sequence
@@ -56,7 +57,9 @@ def run_checked(engine, arrivals, params=GREEDY):
 def test_mixed_batch_matches_per_request_generation(model, block_size, chunked):
     bs = block_size
     prompts = random_prompts(6, [1, 2, 9, 23]) + [[3] * (bs - 1 or 1), [4] * bs, [5] * (bs + 1)]
-    engine = LLMEngine(model, SchedulerConfig(256, 8, chunked), block_size=bs, num_blocks=400)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=bs, num_gpu_blocks_override=400))
     outs = run_checked(engine, {0: list(enumerate(prompts))})
     assert [outs[i].output_token_ids for i in range(len(prompts))] == reference(model, prompts)
 
@@ -65,7 +68,8 @@ def test_requests_arriving_at_different_steps(model):
     prompts = random_prompts(8, [3, 11, 30], seed=1)
     arrivals = {0: [(0, prompts[0]), (1, prompts[1])], 2: [(2, prompts[2])], 3: [(3, prompts[3]), (4, prompts[4])],
                 9: [(5, prompts[5])], 10: [(6, prompts[6]), (7, prompts[7])]}
-    engine = LLMEngine(model, SchedulerConfig(64, 4), block_size=4, num_blocks=64)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=64))
     outs = run_checked(engine, arrivals)
     assert [outs[i].output_token_ids for i in range(8)] == reference(model, prompts)
 
@@ -74,7 +78,9 @@ def test_requests_arriving_at_different_steps(model):
 def test_a_pool_small_enough_to_force_preemption(model, chunked):
     prompts = random_prompts(8, [10, 20, 30], seed=2)
     # Room for about two requests at a time: the rest must be preempted and recomputed.
-    engine = LLMEngine(model, SchedulerConfig(64, 8, chunked), block_size=4, num_blocks=12)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=12))
     outs = run_checked(engine, {0: list(enumerate(prompts))})
     assert sum(o.num_preemptions for o in outs.values()) > 0, "the pool was meant to force a preemption"
     assert [outs[i].output_token_ids for i in range(8)] == reference(model, prompts)
@@ -93,7 +99,9 @@ def test_engine_logits_equal_the_contiguous_cache(model, chunked, monkeypatch):
     monkeypatch.setattr(engine_module, "sample", recording_sample)
     prompts = random_prompts(6, [5, 17, 26], seed=8)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, seed=i) for i in range(6)]  # one each
-    engine = LLMEngine(model, SchedulerConfig(40, 6, chunked), block_size=4, num_blocks=20)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=6, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=20))
     outs = engine.generate(prompts, params)
     assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force a preemption"
     by_request = {id(p): (prompt, out.output_token_ids) for p, prompt, out in zip(params, prompts, outs)}
@@ -150,8 +158,10 @@ def drive(engine: LLMEngine, t: dict, label: str) -> tuple[dict, dict]:
 
 def run_fuzz(model, seed, decode_mode="eager"):
     t = fuzz_trace(seed)
-    engine = LLMEngine(model, SchedulerConfig(t["budget"], t["max_seqs"], t["chunked"]), block_size=t["bs"],
-                       num_blocks=t["num_blocks"])
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=t["budget"], max_num_seqs=t["max_seqs"],
+                                       enable_chunked_prefill=t["chunked"]),
+                       cache_config=CacheConfig(block_size=t["bs"], num_gpu_blocks_override=t["num_blocks"]))
     if decode_mode != "eager":  # tests/test_cuda_graphs.py: the same traces with padded decode steps
         engine.decoder = DecodeRunner(model, engine.cache, t["max_seqs"], decode_mode)
     ids, finals = drive(engine, t, f"trace {seed}")
@@ -181,7 +191,8 @@ def test_a_step_that_preempts_admits_no_one(model):
     """vLLM's rule: memory is short in a step that preempted, so no waiting request joins in it; a victim
     waits at least one step before it is recomputed."""
     prompts = random_prompts(3, [30, 40], seed=6)
-    engine = LLMEngine(model, SchedulerConfig(8, 4), block_size=4, num_blocks=20)  # small chunks could fit
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=20))  # small chunks could fit
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     preempting_steps = 0
@@ -214,7 +225,9 @@ def test_a_prompt_of_exactly_n_ctx_tokens_generates_one_token(model, chunked):
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     want = naive_decode.generate(model, prompt, one)
     assert kv_cache.generate(model, [prompt], one) == [want] and len(want) == 1
-    engine = LLMEngine(model, SchedulerConfig(256, 4, chunked), block_size=16, num_blocks=16)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=16))
     assert engine.generate([prompt], one)[0].output_token_ids == want
     five = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)  # 124 + 5 − 1 = 128 tokens of KV
     short = prompt[:CFG.n_ctx - 4]
@@ -228,14 +241,15 @@ def test_a_prompt_of_exactly_n_ctx_tokens_generates_one_token(model, chunked):
 def test_numpy_and_torch_integer_ids_are_token_ids(model):
     prompt = [3, 14, 15, 92]
     want = reference(model, [prompt])[0]
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     got = engine.generate([list(np.array(prompt, dtype=np.int64)), list(torch.tensor(prompt))], GREEDY)
     assert [o.output_token_ids for o in got] == [want, want]
     assert all(type(t) is int for o in got for t in o.prompt_token_ids)
 
 
 def test_metrics_and_timeline(model):
-    engine = LLMEngine(model, SchedulerConfig(32, 4), block_size=4, num_blocks=64)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=64))
     prompt = random_prompts(1, [40], seed=3)[0]
     (out,) = engine.generate([prompt], GREEDY)
     m = out.metrics
@@ -253,14 +267,15 @@ def test_a_stop_token_ends_a_request(model):
     prompt = [7, 8, 9]
     free_running = reference(model, [prompt])[0]
     stop = free_running[-1]
-    engine = LLMEngine(model, num_blocks=32)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=32))
     (stopped,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
     assert stopped.output_token_ids == free_running[:free_running.index(stop) + 1]
     assert stopped.finish_reason == "stop"
 
 
 def test_abort_frees_blocks_and_reports_the_request(model):
-    engine = LLMEngine(model, SchedulerConfig(8, 2), block_size=4, num_blocks=32)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
     running = engine.add_request([1, 2, 3], GREEDY)
     waiting = engine.add_request([4] * 30, GREEDY)
     engine.step()
@@ -276,7 +291,7 @@ def test_abort_frees_blocks_and_reports_the_request(model):
 
 def test_aborting_the_last_request_is_still_reported(model):
     """A `while has_unfinished_requests(): step()` loop must see the abort, even of the only request."""
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     rid = engine.add_request([1, 2, 3], GREEDY)
     engine.abort_request(rid)
     reported = []
@@ -288,18 +303,19 @@ def test_aborting_the_last_request_is_still_reported(model):
 def test_seeded_sampling_is_reproducible(model):
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=123, ignore_eos=True)
     prompts = random_prompts(3, [5, 9], seed=4)
-    a = [o.output_token_ids for o in LLMEngine(model, num_blocks=64).generate(prompts, params)]
-    b = [o.output_token_ids for o in LLMEngine(model, num_blocks=64).generate(prompts[::-1], params)][::-1]
+    pool = CacheConfig(num_gpu_blocks_override=64)
+    a = [o.output_token_ids for o in LLMEngine(model, cache_config=pool).generate(prompts, params)]
+    b = [o.output_token_ids for o in LLMEngine(model, cache_config=pool).generate(prompts[::-1], params)][::-1]
     assert a == b, "a seeded request must not depend on what else shares its batch"
 
 
 def test_pool_size_from_a_byte_budget(model):
     """The budget holds the blocks and the pad block (paged_attention.py), and the pool is no larger."""
     block_bytes = 16 * CFG.kv_bytes_per_token(torch.float32)
-    engine = LLMEngine(model, kv_cache_memory_bytes=11 * block_bytes + 1)
+    engine = LLMEngine(model, cache_config=CacheConfig(kv_cache_memory_bytes=11 * block_bytes + 1))
     assert engine.block_manager.num_blocks == 10 and engine.cache.nbytes == 11 * block_bytes
     with pytest.raises(ValueError, match="holds no block"):
-        LLMEngine(model, kv_cache_memory_bytes=2 * block_bytes - 1)
+        LLMEngine(model, cache_config=CacheConfig(kv_cache_memory_bytes=2 * block_bytes - 1))
 
 
 @pytest.mark.parametrize("prompt, params, match", [
@@ -311,7 +327,7 @@ def test_pool_size_from_a_byte_budget(model):
     ([1] * 60, SamplingParams(max_tokens=20), "whole pool has 4 blocks"),
 ])
 def test_bad_requests_are_rejected_at_add_request(model, prompt, params, match):
-    engine = LLMEngine(model, block_size=16, num_blocks=4)
+    engine = LLMEngine(model, cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=4))
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, params)
     assert not engine.has_unfinished_requests(), "a rejected request must leave no trace"
@@ -323,33 +339,33 @@ def test_max_tokens_below_one_is_an_error():
 
 
 def test_duplicate_request_id(model):
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     engine.add_request([1], GREEDY, request_id="a")
     with pytest.raises(ValueError, match="'a' is already in use"):
         engine.add_request([2], GREEDY, request_id="a")
 
 
 def test_automatic_ids_skip_ids_a_caller_chose(model):
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     engine.add_request([1], GREEDY, request_id="0")
     assert engine.add_request([2], GREEDY) == "1"
 
 
 def test_an_explicit_pool_of_zero_blocks_is_an_error(model):
-    with pytest.raises(ValueError, match="num_blocks=0"):
-        LLMEngine(model, num_blocks=0)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=0"):
+        LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=0))
 
 
 def test_generate_needs_one_params_per_prompt(model):
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
-        LLMEngine(model, num_blocks=8).generate([[1], [2]], [GREEDY])
+        LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8)).generate([[1], [2]], [GREEDY])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_on_cuda_sizes_its_pool_from_gpu_memory_utilization():
     model = context_model().cuda()
-    engine = LLMEngine(model, gpu_memory_utilization=0.3)
+    engine = LLMEngine(model, cache_config=CacheConfig(gpu_memory_utilization=0.3))
     free, total = torch.cuda.mem_get_info()
     assert 0 < engine.cache.nbytes <= 0.3 * total
     prompts = random_prompts(4, [3, 17, 40], seed=7)
@@ -364,7 +380,7 @@ def test_what_a_caller_does_to_an_output_never_reaches_the_engine(model):
     """Every output is the caller's copy: growing its token lists or rewriting its metrics changes
     nothing the engine generates or reports next."""
     prompt = random_prompts(1, [6], seed=12)[0]
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     engine.add_request(prompt, GREEDY, arrival_time=1.0)
     seen = []  # (prompt, tokens, arrival, number of token times) as each output arrived
     while engine.has_unfinished_requests():
@@ -381,7 +397,7 @@ def test_what_a_caller_does_to_an_output_never_reaches_the_engine(model):
 
 def test_sampling_params_cannot_change_under_a_running_request(model):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[7])
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     engine.add_request([3, 1, 4], params)
     engine.step()
     with pytest.raises(AttributeError):
@@ -395,7 +411,8 @@ def test_sampling_params_cannot_change_under_a_running_request(model):
 
 
 def test_a_finished_request_is_reported_once_then_forgotten(model):
-    engine = LLMEngine(model, SchedulerConfig(64, 4), block_size=4, num_blocks=32)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
     ids = [engine.add_request(p, GREEDY) for p in random_prompts(3, [4, 9], seed=2)]
     finished = []
     while engine.has_unfinished_requests():
@@ -429,7 +446,8 @@ def test_a_soak_of_2000_requests_leaves_the_python_heap_flat(model):
     prompts = random_prompts(2000, [4], seed=9)
     tracemalloc.start()
     try:
-        engine = LLMEngine(model, SchedulerConfig(64, 16), block_size=4, num_blocks=64, record_timeline=False)
+        engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16),
+                           cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=64), record_timeline=False)
         serve_in_waves(engine, prompts[:200], params)
         gc.collect()
         blocks_200, traced_200 = sys.getallocatedblocks(), tracemalloc.get_traced_memory()[0]
@@ -458,7 +476,7 @@ def test_a_soak_of_2000_requests_leaves_the_python_heap_flat(model):
     ([1, np.float32(2)], "is a float32"),
 ])
 def test_a_prompt_must_be_a_sequence_of_integers(model, prompt, match):
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, GREEDY)
     with pytest.raises(ValueError, match=match):
@@ -469,32 +487,34 @@ def test_a_prompt_must_be_a_sequence_of_integers(model, prompt, match):
 def test_integer_arrays_and_tensors_are_prompts(model):
     prompt = [3, 14, 15, 92]
     want = reference(model, [prompt])[0]
-    got = LLMEngine(model, num_blocks=16).generate([np.array(prompt), torch.tensor(prompt), tuple(prompt)], GREEDY)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
+    got = engine.generate([np.array(prompt), torch.tensor(prompt), tuple(prompt)], GREEDY)
     assert [o.output_token_ids for o in got] == [want] * 3
 
 
 def test_no_prompts_is_no_outputs_and_a_bare_prompt_is_explained(model):
-    assert kv_cache.generate(model, []) == [] and LLMEngine(model, num_blocks=8).generate([]) == []
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
+    assert kv_cache.generate(model, []) == [] and engine.generate([]) == []
     with pytest.raises(ValueError, match="the prompt has type int.*list of such lists"):
         kv_cache.generate(model, [1, 2, 3])  # one prompt, not wrapped in a list of prompts
 
 
 @pytest.mark.parametrize("knobs, match", [
-    (dict(num_blocks=10**12), "GiB of KV cache, but cpu has"),
+    (dict(num_gpu_blocks_override=10**12), "GiB of KV cache, but cpu has"),
     (dict(gpu_memory_utilization=5), r"gpu_memory_utilization=5 must be in \(0, 1\]"),
     (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization=nan must be a finite number"),
-    (dict(num_blocks=2.5), "num_blocks=2.5 is a float"),
+    (dict(num_gpu_blocks_override=2.5), "num_gpu_blocks_override=2.5 is a float"),
     (dict(block_size=0), "block_size=0 must be ≥ 1"),
     (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes=-1 must be ≥ 1"),
 ])
 def test_pool_knobs_are_checked_on_every_device(model, knobs, match):
     with pytest.raises(ValueError, match=match):
-        LLMEngine(model, **knobs)
+        LLMEngine(model, cache_config=CacheConfig(**knobs))
 
 
 def test_add_request_wants_sampling_params(model):
     with pytest.raises(ValueError, match="params is a dict; pass a SamplingParams"):
-        LLMEngine(model, num_blocks=8).add_request([1], {"max_tokens": 3})
+        LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8)).add_request([1], {"max_tokens": 3})
 
 
 def poison_rows(model, monkeypatch, rows: set[int], on_call: int):
@@ -515,7 +535,8 @@ def poison_rows(model, monkeypatch, rows: set[int], on_call: int):
 
 def test_non_finite_logits_fail_their_request_and_spare_the_rest(model, monkeypatch):
     prompts = random_prompts(2, [5], seed=21)
-    engine = LLMEngine(model, SchedulerConfig(64, 4), block_size=4, num_blocks=32)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
     bad, good = (engine.add_request(p, GREEDY) for p in prompts)
     engine.step()  # both prefilled, one token each
     poison_rows(model, monkeypatch, rows={0}, on_call=1)  # the next step: row 0 is `bad`'s decode
@@ -538,7 +559,7 @@ def test_nan_weights_are_an_error_not_a_token(model):
         kv_cache.generate(broken, [[1, 2, 3]], GREEDY)
     with pytest.raises(NonFiniteLogitsError):
         naive_decode.generate(broken, [1, 2, 3], GREEDY)
-    engine = LLMEngine(broken, num_blocks=8)
+    engine = LLMEngine(broken, cache_config=CacheConfig(num_gpu_blocks_override=8))
     engine.add_request([1, 2, 3], GREEDY)
     with pytest.raises(NonFiniteLogitsError):
         engine.step()

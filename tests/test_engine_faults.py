@@ -22,6 +22,7 @@ from minillm import PRESETS, SamplingParams
 from minillm import engine as engine_module
 from minillm import kv_cache
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.sampling import NonFiniteLogitsError
 from minillm.scheduler import SchedulerConfig
 from models import context_model, random_prompts
@@ -82,8 +83,9 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(model
     """The issue's reproduction: a 64-token prompt, raise in the first `cache.attend` of its step, abort (or
     carry on), then the same prompt plus three tokens: the logits it samples from are a full recompute's."""
     prompt = random_prompts(1, [64], seed=31)[0]
-    engine = LLMEngine(model, SchedulerConfig(256, 4, chunked), block_size=16, num_blocks=32,
-                       enable_prefix_caching=True)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=32, enable_prefix_caching=True))
     rid = engine.add_request(prompt, greedy(4))
     fail_on_call(engine.cache, "attend")
     with pytest.raises(Fault):
@@ -119,7 +121,8 @@ def test_a_request_that_shared_a_block_of_the_failed_step_is_recomputed(model):
     must not keep a block that holds nothing: it goes back to the queue, and both finish with their own tokens."""
     system = random_prompts(1, [40], seed=5)[0]
     prompts = [system + tail for tail in random_prompts(2, [5], seed=6)]
-    engine = LLMEngine(model, SchedulerConfig(256, 4), block_size=8, num_blocks=32, enable_prefix_caching=True)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=8, num_gpu_blocks_override=32, enable_prefix_caching=True))
     ids = [engine.add_request(p, greedy()) for p in prompts]
     fail_on_call(engine.cache, "attend", on_call=2)  # layer 0 wrote the step's keys, then layer 1 fails
     with pytest.raises(Fault):
@@ -140,12 +143,14 @@ SIGINT_CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     from minillm import SamplingParams, kv_cache
     from minillm.engine import LLMEngine
+    from minillm.kv_pool import CacheConfig
     from models import context_model, random_prompts
 
     model = context_model()
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = random_prompts(1, [64], seed=31)[0]
-    engine = LLMEngine(model, block_size=16, num_blocks=32, enable_prefix_caching=True)
+    engine = LLMEngine(model, cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=32,
+                                                       enable_prefix_caching=True))
     rid = engine.add_request(prompt, greedy)
     attend = engine.cache.attend
     def slow_attend(*args):  # the first layer of the step: say so, and wait for Ctrl-C
@@ -212,7 +217,8 @@ def fault_trace(seed: int) -> dict:
     arrivals = sorted(rng.randint(0, 8) for _ in prompts)
     faults = {step: (rng.choice(FAULT_POINTS), rng.randint(1, 3), rng.random() < 0.5, rng.random())
               for step in rng.sample(range(25), rng.randint(1, 6))}
-    return dict(config=SchedulerConfig(budget, max_seqs, chunked), bs=bs, prompts=prompts, params=params,
+    return dict(config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                       enable_chunked_prefill=chunked), bs=bs, prompts=prompts, params=params,
                 num_blocks=num_blocks, arrivals=arrivals, faults=faults)
 
 
@@ -248,8 +254,9 @@ def run_fault_trace(model, seed: int) -> int:
     them; the blocks are checked after every step, failed ones included, and none leaks."""
     t = fault_trace(seed)
     rng = random.Random(seed)
-    engine = LLMEngine(model, t["config"], block_size=t["bs"], num_blocks=t["num_blocks"],
-                       enable_prefix_caching=True)
+    engine = LLMEngine(model, t["config"],
+                       cache_config=CacheConfig(block_size=t["bs"], num_gpu_blocks_override=t["num_blocks"],
+                                                enable_prefix_caching=True))
     ids, finals, step, faults = {}, {}, 0, 0
     while len(ids) < len(t["prompts"]) or engine.has_unfinished_requests():
         for i, at in enumerate(t["arrivals"]):
@@ -302,7 +309,8 @@ def test_fuzz_faults_many_traces(model, one_thread):
 @pytest.mark.parametrize("failure", ["non-finite logits", "Ctrl-C"])
 def test_an_abort_is_reported_even_when_the_next_step_raises(model, monkeypatch, failure):
     prompts = random_prompts(2, [5], seed=21)
-    engine = LLMEngine(model, SchedulerConfig(64, 4), block_size=4, num_blocks=32)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
     aborted, other = (engine.add_request(p, greedy()) for p in prompts)
     engine.step()
     assert engine.abort_request(aborted)
@@ -330,7 +338,7 @@ def test_an_abort_is_reported_even_when_the_next_step_raises(model, monkeypatch,
 
 @pytest.mark.parametrize("call", ["step", "add_request", "abort_request", "generate"])
 def test_a_second_thread_is_refused_while_a_call_runs(model, call):
-    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    engine = LLMEngine(model, cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
     rid = engine.add_request([1, 2, 3], greedy(3))
     inside, release = threading.Event(), threading.Event()
     attend = engine.cache.attend
@@ -359,7 +367,8 @@ def test_a_second_thread_is_refused_while_a_call_runs(model, call):
 def test_the_queue_pattern_of_the_docstring_serves_other_threads(model):
     """One thread owns the engine; two others hand it requests through a queue and get their outputs back."""
     import queue
-    engine, inbox, outbox = LLMEngine(model, block_size=4, num_blocks=64), queue.Queue(), queue.Queue()
+    engine = LLMEngine(model, cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=64))
+    inbox, outbox = queue.Queue(), queue.Queue()
     prompts = random_prompts(6, [3, 7], seed=41)
 
     def owner():
@@ -401,14 +410,14 @@ def test_the_queue_pattern_of_the_docstring_serves_other_threads(model):
      rf"stop token id {CFG.vocab_size} is outside the vocabulary of {CFG.vocab_size} tokens"),
 ])
 def test_add_request_checks_every_argument(model, kwargs, match):
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     with pytest.raises(ValueError, match=match):
         engine.add_request([1, 2], **kwargs)
     assert engine.requests == {} and not engine.has_unfinished_requests()
 
 
 def test_an_arrival_time_in_the_past_is_kept(model):
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     arrived = time.perf_counter() - 5.0
     engine.add_request([1, 2], greedy(1), arrival_time=arrived)
     (out,) = engine.step()
@@ -416,7 +425,7 @@ def test_an_arrival_time_in_the_past_is_kept(model):
 
 
 def test_a_closed_engine_takes_no_request(model):
-    engine = LLMEngine(model, num_blocks=8)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=8))
     engine.close()
     with pytest.raises(RuntimeError, match="this engine was closed"):
         engine.add_request([1, 2])
@@ -427,7 +436,7 @@ def test_a_closed_engine_takes_no_request(model):
 def test_scheduler_config_must_be_a_scheduler_config(model):
     with pytest.raises(ValueError, match=r"scheduler_config is a dict; pass a SchedulerConfig, e\.g\. "
                                          r"SchedulerConfig\(\*\*\{'max_num_seqs': 4\}\)"):
-        LLMEngine(model, {"max_num_seqs": 4}, num_blocks=8)
+        LLMEngine(model, {"max_num_seqs": 4}, cache_config=CacheConfig(num_gpu_blocks_override=8))
 
 
 @pytest.mark.parametrize("value", ["no", 0, 1, None])
@@ -440,7 +449,7 @@ def test_enable_chunked_prefill_must_be_a_bool(value):
 
 
 def test_generate_refuses_while_requests_added_earlier_are_pending(model):
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     earlier = engine.add_request([1, 2, 3], greedy(3))
     with pytest.raises(RuntimeError, match=r"but 1 earlier request\(s\) still wait or run"):
         engine.generate([[4, 5]], greedy(3))
@@ -459,7 +468,7 @@ def test_generate_refuses_while_requests_added_earlier_are_pending(model):
 
 
 def test_generate_checks_every_prompt_before_queueing_any(model):
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     with pytest.raises(ValueError, match=r"prompt 2: .*no prompt was queued"):
         engine.generate([[1, 2], [3], "text"], greedy(3))
     assert engine.requests == {} and not engine.has_unfinished_requests()

@@ -100,14 +100,15 @@ def test_the_runner_keeps_to_its_budget_and_saves_before_and_after_every_stage(t
         return seen[-1].get("running")
     stages = [gpu_check.Stage("passes", 0.5, lambda: {"ok": True, "saw": running()}),
               gpu_check.Stage("fails", 0.5, lambda: 1 / 0),
-              gpu_check.Stage("overruns", 0.1, lambda: time.sleep(5) or {"ok": True}),
+              gpu_check.Stage("overruns", 0.1, lambda: time.sleep(60) or {"ok": True}),
               gpu_check.Stage("needs cuda", 0.1, lambda: {"ok": True}, cuda_only=True),
               gpu_check.Stage("too long", 100, lambda: {"ok": True}, required=False),
               gpu_check.Stage("needs a package", 0.1, lambda: {"ok": True}, missing=("fastapi",)),
               gpu_check.Stage("after", 0.1, lambda: {"ok": False})]
     t0 = time.perf_counter()
     gpu_check.run_stages(stages, 5, on_cuda=False, report=report, save=save)
-    assert time.perf_counter() - t0 < 3  # the overrun stopped at twice its estimate
+    assert time.perf_counter() - t0 < 20  # the overrun was stopped (at twice its estimate), not slept out: a busy
+    # machine may stretch the stages around it, never by the 60 s it asked for
     got = {name: s["status"] for name, s in report["stages"].items()}
     assert got == {"passes": "ok", "fails": "failed", "overruns": "stopped", "needs cuda": "skipped",
                    "too long": "skipped", "needs a package": "skipped", "after": "failed"}

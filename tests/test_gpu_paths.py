@@ -24,6 +24,7 @@ from minillm.bench.roofline import measure_ceilings
 from minillm.bench.timing import Stopwatch, time_fn
 from minillm.config import PRESETS
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.kv_cache import KVCache
 from minillm.sampling_params import SamplingParams
 from minillm.scheduler import SchedulerConfig
@@ -131,11 +132,11 @@ def test_the_engine_on_cuda_gives_the_greedy_tokens_of_generation_alone(gpt2_fp3
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     want = [kv_cache.generate(gpt2_fp32, [p], sp)[0] for p, sp in zip(prompts, params)]
     references = [greedy_with_margins(gpt2_fp32, p, sp.max_tokens) for p, sp in zip(prompts, params)]
-    config = (SchedulerConfig(2048, 8, enable_chunked_prefill=False) if scheduling == "prefill-first"
-              else SchedulerConfig(64, 8))
+    config = (SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8, enable_chunked_prefill=False)
+              if scheduling == "prefill-first" else SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
     blocks = []
     for _ in range(2):
-        with LLMEngine(gpt2_fp32, config, gpu_memory_utilization=0.4, enforce_eager=eager) as engine:
+        with LLMEngine(gpt2_fp32, config, CacheConfig(gpu_memory_utilization=0.4), enforce_eager=eager) as engine:
             assert engine.decoder.mode == ("eager" if eager else "graph")
             got = [o.output_token_ids for o in engine.generate(prompts, params)]
             engine.check_invariants()

@@ -8,6 +8,7 @@ from minillm.bench import workloads
 from minillm.bench.replay import replay
 from minillm.checkpoints.load import random_model
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 
 
@@ -26,7 +27,8 @@ def test_trace_is_seeded_and_within_the_context():
 def test_replay_keeps_what_it_needs_from_the_outputs_step_returns(one_thread):
     model = random_model(PRESETS["tiny"], "cpu", torch.float32)
     trace = workloads.lognormal_trace(6, 128, 512, 12, 5, seed=0, rate=200.0)
-    engine = LLMEngine(model, SchedulerConfig(64, 4, True), num_blocks=workloads.pool_blocks(trace))
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True),
+                       cache_config=CacheConfig(num_gpu_blocks_override=workloads.pool_blocks(trace)))
     seen = []
     run = replay(engine, trace, on_step=lambda e, outs: seen.append(len(outs)))
     assert not engine.requests  # the engine forgets finished requests: the replay kept what it needs

@@ -15,6 +15,7 @@ from minillm import engine as engine_module
 from minillm import kv_cache
 from minillm.block_manager import BlockManager
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.prefix_caching import ROOT, PrefixCachingBlockManager, hash_block
 from minillm.scheduler import SchedulerConfig
 from models import context_model, random_prompts
@@ -212,7 +213,7 @@ def drain(engine: LLMEngine) -> dict:
 
 
 def test_prefix_caching_is_off_unless_asked_for(model):
-    engine = LLMEngine(model, num_blocks=16)
+    engine = LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=16))
     prompt = random_prompts(1, [20])[0]
     outs = [engine.generate([prompt], greedy(2))[0] for _ in range(2)]
     assert type(engine.block_manager) is BlockManager and [o.num_cached_tokens for o in outs] == [0, 0]
@@ -226,8 +227,9 @@ def test_prefixes_around_a_block_boundary_and_a_full_prompt_hit(model, block_siz
     whole prompt again, each find exactly the whole blocks of the shared part short of their last token."""
     bs = block_size
     first = random_prompts(1, [2 * bs + 6], seed=1)[0]
-    engine = LLMEngine(model, SchedulerConfig(256, 4, chunked), block_size=bs, num_blocks=64,
-                       enable_prefix_caching=True)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=bs, num_gpu_blocks_override=64, enable_prefix_caching=True))
     assert engine.generate([first], greedy())[0].num_cached_tokens == 0
     tails = random_prompts(5, [3], seed=2)
     prompts = [first[:n] + tail for n, tail in zip([bs - 1, bs, bs + 1, 2 * bs + 1], tails)] + [list(first)]
@@ -242,7 +244,8 @@ def test_prefixes_around_a_block_boundary_and_a_full_prompt_hit(model, block_siz
 def test_hit_rate_counts_every_admitted_prompt_token(model):
     system = random_prompts(1, [32], seed=3)[0]
     prompts = [system + tail for tail in random_prompts(3, [8], seed=4)]
-    engine = LLMEngine(model, SchedulerConfig(256, 4), block_size=16, num_blocks=32, enable_prefix_caching=True)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=32, enable_prefix_caching=True))
     outs = [engine.generate([p], greedy(4))[0] for p in prompts]
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
     assert engine.prefix_cache_hit_rate == pytest.approx(64 / 120)
@@ -255,8 +258,9 @@ def test_requests_admitted_in_the_same_step_share_at_once(model, chunked):
     shares it, and reads keys that the same forward pass writes."""
     system = random_prompts(1, [40], seed=5)[0]
     prompts = [system + tail for tail in random_prompts(3, [5], seed=6)]
-    engine = LLMEngine(model, SchedulerConfig(256, 4, chunked), block_size=8, num_blocks=32,
-                       enable_prefix_caching=True)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=8, num_gpu_blocks_override=32, enable_prefix_caching=True))
     outs = engine.generate(prompts, greedy())
     assert engine.timeline[0].num_prefill_tokens == 45 + 5 + 5, "the three prompts were meant to share one step"
     assert [o.num_cached_tokens for o in outs] == [0, 40, 40]
@@ -264,7 +268,8 @@ def test_requests_admitted_in_the_same_step_share_at_once(model, chunked):
 
 
 def test_the_next_turn_of_a_conversation_reuses_the_blocks_its_answer_filled(model):
-    engine = LLMEngine(model, SchedulerConfig(256, 4), block_size=4, num_blocks=32, enable_prefix_caching=True)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32, enable_prefix_caching=True))
     turn, cached = random_prompts(1, [13], seed=7)[0], 0
     for user in random_prompts(3, [6], seed=8):
         (out,) = engine.generate([turn], greedy())
@@ -288,7 +293,9 @@ def test_logits_with_caching_equal_a_full_recompute_under_eviction_and_preemptio
     system = random_prompts(1, [21], seed=9)[0]
     prompts = [system[:n] + tail for n, tail in zip([21, 12, 21, 4, 21, 20], random_prompts(6, [3, 9], seed=10))]
     params = [greedy(10, seed=i) for i in range(len(prompts))]
-    engine = LLMEngine(model, SchedulerConfig(40, 6, chunked), block_size=4, num_blocks=16, enable_prefix_caching=True)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=6, enable_chunked_prefill=chunked),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=16, enable_prefix_caching=True))
     evictions = count_evictions(engine)
     outs = engine.generate(prompts, params)
     assert sum(o.num_preemptions for o in outs) > 0 and evictions[0] > 0 and engine.prefix_cache_hit_rate > 0, \
@@ -350,7 +357,8 @@ def shared_prefix_trace(model, seed: int) -> dict:
     num_blocks = -(-longest // bs) + rng.randint(0, 120 // bs)
     arrivals = sorted(rng.randint(0, 12) for _ in prompts)
     aborts = {rng.randrange(len(prompts)): rng.randint(0, 15) for _ in range(rng.randint(0, 1))}
-    return dict(bs=bs, chunked=chunked, config=SchedulerConfig(budget, max_seqs, chunked), prompts=prompts,
+    return dict(bs=bs, chunked=chunked, config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                                               enable_chunked_prefill=chunked), prompts=prompts,
                 params=params, num_blocks=num_blocks, arrivals=arrivals, aborts=aborts)
 
 
@@ -364,8 +372,9 @@ def run_trace(model, t: dict, caching: bool, monkeypatch) -> tuple[dict, dict, L
             seen[p.seed].append(row.clone())
         return real_sample(logits, params, generators)
     monkeypatch.setattr(engine_module, "sample", recording_sample)
-    engine = LLMEngine(model, t["config"], block_size=t["bs"], num_blocks=t["num_blocks"],
-                       enable_prefix_caching=caching)
+    engine = LLMEngine(model, t["config"],
+                       cache_config=CacheConfig(block_size=t["bs"], num_gpu_blocks_override=t["num_blocks"],
+                                                enable_prefix_caching=caching))
     evictions = count_evictions(engine) if caching else [0]
     ids, finals = drive(engine, t, "the trace")
     monkeypatch.setattr(engine_module, "sample", real_sample)

@@ -19,6 +19,7 @@ import pytest
 
 from models import random_prompts
 from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
 from minillm.sampling_params import SamplingParams
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.chat_template import ChatTemplate
@@ -120,7 +121,8 @@ def test_admission_counts_free_slots_then_max_queue_waiting(model, max_num_seqs,
     """With the engine thread held between steps, a burst arrives at once: every request a free batch slot will
     take is admitted, then exactly `max_queue` more, and the rest get 429 (an off-by-one shows here, not in a
     race over HTTP)."""
-    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs), num_blocks=64)
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs),
+                       cache_config=CacheConfig(num_gpu_blocks_override=64))
     loop = EngineLoop(engine, max_queue=max_queue)
     try:
         release, held = threading.Event(), threading.Event()

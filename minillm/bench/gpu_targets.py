@@ -35,6 +35,7 @@ from ..checkpoints.load import load_model
 from ..cuda_graphs import DecodeRunner
 from ..device import synchronize
 from ..engine import LLMEngine
+from ..kv_pool import CacheConfig
 from ..kv_cache import KVCache, Segment
 from ..sampling_params import SamplingParams
 from ..scheduler import SchedulerConfig
@@ -92,7 +93,8 @@ def check_targets(name: str, device: str = "cuda", dtype=None, short: int = SHOR
               "bandwidth": bandwidth, "weight_read_floor_s": floor}
     tokens = {}
     for label, eager in (("graph", False), ("eager", True)):
-        with LLMEngine(model, SchedulerConfig(2048, 8), kv_cache_memory_bytes=1 << 30, enforce_eager=eager) as engine:
+        with LLMEngine(model, SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8),
+                       cache_config=CacheConfig(kv_cache_memory_bytes=1 << 30), enforce_eager=eager) as engine:
             def generate(n, label=label, engine=engine):
                 out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
                 tokens[label] = out.output_token_ids

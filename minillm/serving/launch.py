@@ -29,6 +29,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..engine import LLMEngine, RequestOutput
+from ..kv_pool import CacheConfig
 from .api_server import ServerConfig, build_app, make_serving
 from .chat_template import ChatTemplate
 from .serving import OpenAIServing
@@ -167,12 +168,15 @@ def run(args) -> int:
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
-    engine = LLMEngine(model, SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
-                                              args.enable_chunked_prefill),
-                       block_size=args.block_size, num_blocks=args.num_gpu_blocks_override,
-                       gpu_memory_utilization=args.gpu_memory_utilization,
-                       enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                       record_timeline=False)
+    engine = LLMEngine(model,
+                       SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                       max_num_seqs=args.max_num_seqs,
+                                       enable_chunked_prefill=args.enable_chunked_prefill),
+                       cache_config=CacheConfig(block_size=args.block_size,
+                                                num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                                enable_prefix_caching=args.enable_prefix_caching),
+                       enforce_eager=args.enforce_eager, record_timeline=False)
     log_file = open(args.request_log, "a") if args.request_log else None
 
     def write_record(out: RequestOutput) -> None:
