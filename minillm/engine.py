@@ -10,7 +10,8 @@ of the whole batch waiting for its longest member. One step, data flowing one wa
                                 tables, built once (decodes only: in buffers allocated once)
     model(ids, positions)     → one forward pass over the flattened ragged batch, logits
                                 only at the rows that will sample
-    sample, update, record    → new tokens, finished requests free their blocks, times
+    sample, update, record    → new tokens, finished requests free their blocks, times, and
+                                `last_step`: the step's rows (prefill chunk or decode, tokens)
 
 The pieces, one file each: `scheduler.py` or `chunked_prefill.py` (the policy),
 `block_manager.py`, `paged_attention.py` (the pool), `cuda_graphs.py` (decode-only
@@ -65,12 +66,16 @@ from .device import to_device
 from .sampling import NonFiniteLogitsError, make_generator, sample
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
+from .sequence import RequestMetrics, RequestOutput, Sequence, StepRow, StepStats
 
 
 class LLMEngine:
     """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
     step it, and hand it requests through a queue.Queue (the pattern is in `engine_rules.py`)."""
+
+    # What the latest step did (its rows, preemptions, free blocks, duration), kept whatever `record_timeline`
+    # says: one small record per step, replaced by the next, so a watcher (the server's live page) can read it.
+    last_step: StepStats | None = None
 
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
@@ -214,6 +219,8 @@ class LLMEngine:
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
             return []
         sampled = self._execute(plan)
+        rows = tuple(StepRow(c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens,
+                             c.seq.num_computed_tokens == c.seq.num_tokens) for c in plan.chunks)
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
         for seq, token in sampled:
@@ -223,9 +230,11 @@ class LLMEngine:
             if reason:
                 self.scheduler.remove(seq)
                 seq.finish(reason, now)
+        self.last_step = StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
+                                   len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks,
+                                   rows, tuple(seq.request_id for seq in plan.preempted))
         if self.record_timeline:
-            self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
-                                           len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
+            self.timeline.append(self.last_step)
         return [seq for seq, _ in sampled]
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:

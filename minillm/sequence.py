@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .sampling_params import SamplingParams, finish_reason
 
@@ -141,9 +141,20 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
 
 
+class StepRow(NamedTuple):
+    """One row of a step's batch: a sequence and the tokens it fed. A decode feeds 1 token after `start`; a
+    prefill chunk feeds `num_tokens` of its prompt (or, after a preemption, of prompt + output) after `start`.
+    A chunk that ends its prompt `samples`: the step yields that request's next token."""
+    request_id: str
+    is_decode: bool
+    num_tokens: int
+    start: int       # its tokens already in the KV cache before this row: the context the row attends to
+    samples: bool
+
+
 @dataclass
 class StepStats:
-    """One row of the engine's timeline."""
+    """One row of the engine's timeline: what a step did, and what it cost."""
     start: float
     duration: float          # schedule + forward + sample, synchronised
     num_prefill_tokens: int
@@ -151,3 +162,5 @@ class StepStats:
     num_seqs: int
     num_preempted: int
     num_free_blocks: int     # after the step
+    rows: tuple[StepRow, ...] = ()    # the batch, decodes first, in the order the forward pass took them
+    preempted: tuple[str, ...] = ()   # request ids preempted to make room for this step

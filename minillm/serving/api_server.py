@@ -12,6 +12,8 @@ Endpoints, as vLLM's `vllm serve` offers them:
     GET  /health           200 while the engine thread is alive
     GET  /metrics          Prometheus text: running/waiting requests, KV use, token
                            counters, TTFT/ITL/end-to-end histograms
+    GET  /v1/engine/events every engine step as a server-sent event; GET /live draws
+                           them (batch rows, budget, KV block map, queues, roofline): `live.py`
 
 GPT-2 has no chat template, so there is no /v1/chat/completions (it answers 404).
 The request body and its checks are `protocol.py`'s; the one thread that calls
@@ -45,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
+from .live import feed_router, make_live, page_router
 from .protocol import BadRequest, CompletionRequest, error_response, unsupported
 from ..sampling_params import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .text_stream import TextStream
@@ -243,6 +246,8 @@ def build_app(frontend: Frontend) -> FastAPI:
             fe.loop.abort(request_id)
         return {**chunk("".join(parts), _reason(out, text)), "usage": usage(len(out.output_token_ids))}
 
+    app.include_router(feed_router(fe.live))  # GET /v1/engine/events
+    app.include_router(page_router())         # GET /live
     return app
 
 
@@ -266,6 +271,7 @@ def make_frontend(engine: LLMEngine, tokenizer, model_name: str, max_queue: int 
             on_finished(out)
 
     loop.on_finished = finished  # before any request: none can arrive until the frontend is returned
+    fe.live = make_live(engine, loop, model_name)  # the step recorder behind /live
     return fe
 
 
