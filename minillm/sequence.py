@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams, finish_reason
 
@@ -141,17 +141,6 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
 
 
-class StepRow(NamedTuple):
-    """One row of a step's batch: a sequence and the tokens it fed. A decode feeds 1 token after `start`; a
-    prefill chunk feeds `num_tokens` of its prompt (or, after a preemption, of prompt + output) after `start`.
-    A chunk that ends its prompt `samples`: the step yields that request's next token."""
-    request_id: str
-    is_decode: bool
-    num_tokens: int
-    start: int       # its tokens already in the KV cache before this row: the context the row attends to
-    samples: bool
-
-
 @dataclass
 class StepStats:
     """One row of the engine's timeline: what a step did, and what it cost."""
@@ -162,5 +151,10 @@ class StepStats:
     num_seqs: int
     num_preempted: int
     num_free_blocks: int     # after the step
-    rows: tuple[StepRow, ...] = ()    # the batch, decodes first, in the order the forward pass took them
+    # The batch, decodes first, in the order the forward pass took them: one (request_id, is_decode, num_tokens,
+    # start) per row, `start` its tokens already in the KV cache before the row (the context it attends to).
+    # A decode feeds 1 token; a prefill chunk feeds num_tokens of its prompt (after a preemption, prompt +
+    # output). Plain tuples: the cheapest to build, and the garbage collector stops tracking them.
+    rows: tuple[tuple[str, bool, int, int], ...] = ()
     preempted: tuple[str, ...] = ()   # request ids preempted to make room for this step
+    num_sampled: int = 0              # rows that sampled a token: decodes, and chunks that ended a prompt

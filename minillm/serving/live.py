@@ -27,18 +27,22 @@ decision as it is made, from the real engine, not a simulator:
 
 How it is recorded, and why it costs the engine nothing it would notice
 -------------------------------------------------------------------------
-The engine itself keeps `last_step`, a `StepStats` with the step's rows. After
-each step the engine thread (`engine_loop.py`, the only one that may read the
-engine) hands the engine to `StepRecorder.record`, which copies what the page
-needs (the rows, the queues, each running request's block table) into one slot
-of a fixed ring of `capacity` slots and bumps a counter. No lock: one writer,
-and a reader checks that the slot it read still holds the step it wanted (a
-reader a whole ring behind loses those steps, never gets a wrong one). Turning
-the record into JSON and predicting its roofline time happen on the HTTP side,
-only for someone watching. `python -m minillm.bench.recording` measures the
-cost: step time with the recorder and without, in interleaved rounds.
+With `record_steps` on, the engine keeps `last_step`, a `StepStats` with the
+step's rows. After each step the engine thread (`engine_loop.py`, the only one
+that may read the engine) hands the engine to `StepRecorder.record`, which
+copies the rows, the queues and the prefix-cache hits into one slot of a fixed
+ring of `capacity` slots and bumps a counter; while a page watches, also each
+running request's block table and the cached blocks (the block map is the pool
+as it is now, and a large pool is too much to copy every step for nobody). No
+lock: one writer, and a reader checks that the slot it read still holds the
+step it wanted (a reader a whole ring behind loses those steps, never gets a
+wrong one). Turning a record into JSON and predicting its roofline time happen
+on the HTTP side, only for someone watching.
 
-    cost per step ≈ a tuple per running request (its block table) + one per row + the queue ids
+    cost per step, nobody watching ≈ one tuple per row (in the engine) + the running and waiting ids
+
+`python -m minillm.bench.recording` measures it: the engine's time with
+recording and without, in interleaved rounds; the claim is at most 1%.
 
 The feed, `GET /v1/engine/events`, is server-sent events: first an `engine`
 event (the pool, the budget, the model), then a `ceilings` event once the
@@ -69,12 +73,13 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from ..bench.cost import step_cost
 from ..bench.roofline import Ceilings, measure_ceilings
 from ..engine import LLMEngine
-from ..sequence import StepRow, StepStats
+from ..sequence import StepStats
 from .engine_loop import EngineLoop
 
 CAPACITY = 4096       # steps the ring keeps: a minute or more of a busy server at 50+ steps/s
 HISTORY = 600         # steps a new watcher gets first
 MAX_WAITING_IDS = 64  # waiting requests named per step (the count is always exact)
+MAX_CACHED_IDS = 4096  # evictable blocks named per step, while someone watches
 POLL_S = 0.05         # how often the feed looks for new steps: 20 updates a second is smooth for an eye
 
 
@@ -100,7 +105,8 @@ class StepRecorder:
         self._slots: list[StepRecord | None] = [None] * capacity
         self.count = 0                  # steps recorded so far; the next step's number
         self._seen: StepStats | None = None
-        self._tables: dict[str, tuple[int, ...]] = {}  # the previous step's: who was running before it
+        self._running: tuple[str, ...] = ()  # the previous step's running requests
+        self.watchers = 0               # feeds open now (changed on the HTTP side, read here)
 
     def record(self, engine: LLMEngine) -> None:
         """Copy the engine's latest step into the ring (engine thread only; cheap, never blocks)."""
@@ -109,18 +115,24 @@ class StepRecorder:
             return
         self._seen = stats
         scheduler, blocks = engine.scheduler, engine.block_manager
-        held = blocks.block_tables
-        tables = {seq.request_id: tuple(held.get(seq.seq_id, ())) for seq in scheduler.running}
+        running = tuple(seq.request_id for seq in scheduler.running)
         # A prefill row of a request that was not running before this step was admitted by it; where it starts
         # past 0, the prefix cache held its first `start` tokens.
-        hits = tuple((row.request_id, row.start) for row in stats.rows
-                     if not row.is_decode and row.start and row.request_id not in self._tables)
-        self._tables = tables
-        evictable = getattr(blocks.allocator, "evictable", None)  # prefix caching: cached blocks nobody holds
+        hits = tuple((request_id, start) for request_id, is_decode, _, start in stats.rows
+                     if start and not is_decode and request_id not in self._running)
+        self._running = running
+        # The block map is the pool as it is now: copied only while a page watches. Prefix caching's evictable
+        # blocks (no holder, still findable by their hash) may be the whole pool: the oldest MAX_CACHED_IDS.
+        tables, cached = None, ()
+        if self.watchers:
+            held = blocks.block_tables
+            tables = {seq.request_id: tuple(held.get(seq.seq_id, ())) for seq in scheduler.running}
+            evictable = getattr(blocks.allocator, "evictable", None)
+            cached = tuple(islice(evictable, MAX_CACHED_IDS)) if evictable else ()
         n = self.count
         self._slots[n % self.capacity] = StepRecord(
-            n, stats, tuple(tables), tuple(seq.request_id for seq in islice(scheduler.waiting, MAX_WAITING_IDS)),
-            len(scheduler.waiting), tables, tuple(evictable) if evictable else (), hits)
+            n, stats, running, tuple(seq.request_id for seq in islice(scheduler.waiting, MAX_WAITING_IDS)),
+            len(scheduler.waiting), tables, cached, hits)
         self.count = n + 1  # published last: a reader never sees a number whose slot is not written
 
     def since(self, step: int) -> tuple[list[StepRecord], int]:
@@ -166,26 +178,27 @@ class LiveFeed:
             self._ceilings = await asyncio.shield(self._measuring)
         return self._ceilings
 
-    def predicted_s(self, rows: tuple[StepRow, ...], ceilings: Ceilings) -> float:
+    def predicted_s(self, stats: StepStats, ceilings: Ceilings) -> float:
         """The least time this step's shape allows: its FLOPs at the matmul ceiling or its bytes at the copy
         bandwidth, whichever takes longer (the roofline, read as time)."""
-        cost = step_cost(self.config, [r.num_tokens for r in rows], [r.start for r in rows], self.dtype,
-                         lm_head_rows=sum(r.samples for r in rows))
+        cost = step_cost(self.config, [n for _, _, n, _ in stats.rows], [start for *_, start in stats.rows],
+                         self.dtype, lm_head_rows=stats.num_sampled)
         return max(cost.flops / ceilings.matmul_flops, cost.bytes / ceilings.bandwidth)
 
     def step_json(self, record: StepRecord, ceilings: Ceilings) -> dict:
         """One step as the page reads it."""
         s = record.stats
         return {"step": record.step, "t": round(s.start - self.t0, 6), "duration_s": s.duration,
-                "predicted_s": self.predicted_s(s.rows, ceilings),
+                "predicted_s": self.predicted_s(s, ceilings),
                 "prefill_tokens": s.num_prefill_tokens, "decode_tokens": s.num_decode_tokens,
                 "blocks_free": s.num_free_blocks, "blocks_used": self.engine_info["num_blocks"] - s.num_free_blocks,
-                "rows": [{"id": r.request_id, "kind": "decode" if r.is_decode else "prefill", "tokens": r.num_tokens,
-                          "start": r.start, "samples": r.samples} for r in s.rows],
+                "rows": [{"id": request_id, "kind": "decode" if is_decode else "prefill", "tokens": n, "start": start}
+                         for request_id, is_decode, n, start in s.rows], "sampled": s.num_sampled,
                 "running": list(record.running), "waiting": list(record.waiting), "num_waiting": record.num_waiting,
                 "preempted": list(s.preempted),
                 "prefix_hits": [{"id": rid, "tokens": n} for rid, n in record.prefix_hits],
-                "tables": {rid: list(t) for rid, t in record.tables.items()}, "cached": list(record.cached)}
+                "tables": None if record.tables is None else {rid: list(t) for rid, t in record.tables.items()},
+                "cached": list(record.cached)}
 
     async def events(self, first: int | None, request: Request):
         """The feed: `engine`, `ceilings`, then `step` events from step `first` (default: the last HISTORY),
@@ -196,6 +209,14 @@ class LiveFeed:
         yield format_sse_event(event="ceilings", data_str=json.dumps(
             {**ceilings.as_dict(), "predicted_by": "max(FLOPs / matmul FLOP/s, bytes / copy bandwidth)"}))
         n = max(0, self.recorder.count - HISTORY) if first is None else first
+        self.recorder.watchers += 1
+        try:
+            async for event in self._steps(n, request, ceilings):
+                yield event
+        finally:
+            self.recorder.watchers -= 1
+
+    async def _steps(self, n: int, request: Request, ceilings: Ceilings):
         while self.loop.alive:
             records, n = self.recorder.since(n)
             for record in records:
@@ -211,6 +232,7 @@ class LiveFeed:
 def make_live(engine: LLMEngine, loop: EngineLoop, model_name: str, **kwargs) -> LiveFeed:
     """A feed for this engine, its recorder hooked to the engine thread (call before the first request)."""
     feed = LiveFeed(engine, loop, model_name, **kwargs)
+    engine.record_steps = True  # the engine keeps each step's rows in `last_step`
     loop.on_step = feed.recorder.record
     return feed
 
