@@ -22,7 +22,7 @@ from minillm.bench.cost import step_cost
 from minillm.bench.roofline import Ceilings
 from minillm.checkpoints.tokenizer import load_tokenizer
 from minillm.engine import LLMEngine
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 from minillm.scheduler import SchedulerConfig
 from minillm.sequence import StepStats
 from minillm.serving.api_server import BackgroundServer, make_frontend

@@ -45,7 +45,7 @@ import torch
 from ..checkpoints.load import load_model, resolve_device, resolve_dtype
 from ..cli import add_model_arguments
 from ..engine import LLMEngine
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..scheduler import SchedulerConfig
 from ..serving.live import StepRecorder
 from .threads import apply_threads, choose_threads
