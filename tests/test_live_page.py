@@ -22,6 +22,8 @@ import threading
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Request
 
 from models import context_model
 
@@ -29,6 +31,7 @@ from minillm.checkpoints.tokenizer import load_tokenizer
 from minillm.engine import LLMEngine
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.api_server import BackgroundServer, make_frontend
+from minillm.serving.live import feed_router, page_router
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -130,3 +133,44 @@ def test_the_page_shows_chunked_prefill_beside_decodes_and_the_blocks_two_reques
         browser.close()
         for d in decoders + [first, second]:
             assert d.done.wait(30) and d.error is None
+
+
+def test_behind_an_api_key_the_page_reads_the_feed_with_the_key_from_its_address():
+    """The feed is guarded like the other /v1 routes (here by a dependency, as the server's --api-key does); the
+    page is static and open, and reads the feed with the key given after `#key=` (an EventSource cannot send a
+    header, so the page then reads the stream with fetch)."""
+    def api_key(request: Request) -> None:
+        if request.headers.get("authorization") != "Bearer sk-live":
+            raise HTTPException(401, "a valid API key is required")
+
+    engine = LLMEngine(context_model(), SchedulerConfig(64, 4, True), num_blocks=32)
+    fe = make_frontend(engine, load_tokenizer("tiny"), "tiny")
+    app = FastAPI()
+    app.include_router(feed_router(fe.live), dependencies=[Depends(api_key)])
+    app.include_router(page_router())
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the HTTP server did not start"
+            threading.Event().wait(0.01)
+        url = "http://127.0.0.1:%d" % server.servers[0].sockets[0].getsockname()[1]
+        assert httpx.get(url + "/v1/engine/events", timeout=10).status_code == 401
+        with sync_playwright() as playwright:
+            browser = open_browser(playwright)
+            page = browser.new_page()
+            page.goto(url + "/live")
+            page.wait_for_function("document.getElementById('status').textContent.startsWith('reconnecting')",
+                                   timeout=TIMEOUT_MS)  # no key: the feed refuses the page
+            page.goto(url + "/live#key=sk-live")
+            page.reload()  # a new fragment alone does not reload the page
+            page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=TIMEOUT_MS)
+            fe.loop.call(lambda e: e.add_request(list(range(1, 20)), None)).result(timeout=30)
+            wait_for_step(page, "prefill 19")
+            browser.close()
+    finally:
+        server.should_exit = True
+        thread.join()
+        fe.loop.stop()
