@@ -204,3 +204,24 @@ def test_the_page_is_served_from_the_package_and_reads_the_feed():
     assert 'new EventSource("/v1/engine/events")' in page.text
     assert '"minillm.serving" = ["live.html"]' in (ROOT / "pyproject.toml").read_text(), \
         "an installed package must carry the page: pyproject's package-data"
+
+
+def test_a_watcher_who_leaves_mid_history_is_sent_nothing_more(model, caplog):
+    """A new watcher is sent the last steps at once; one who leaves in the middle of them must not be written to
+    again (uvicorn drops what is sent to a closed connection silently, and asyncio then logs each write)."""
+    engine = LLMEngine(model, SchedulerConfig(256, 8, True), num_blocks=64)
+    with BackgroundServer(make_frontend(engine, load_tokenizer("tiny"), "tiny")) as server:
+        body = {"prompt": [1, 2, 3], "max_tokens": 120, "ignore_eos": True}
+        for _ in range(3):
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        recorder = server.frontend.live.recorder
+        assert recorder.count >= 300
+        with caplog.at_level("WARNING", logger="asyncio"):
+            with httpx.stream("GET", server.url + "/v1/engine/events", timeout=60) as r:
+                events(r, 3)
+            deadline = time.monotonic() + 10
+            while recorder.watchers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)
+        assert recorder.watchers == 0
+        assert not [r for r in caplog.records if "socket.send" in r.getMessage()], "the feed wrote to a closed socket"
