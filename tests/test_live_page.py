@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import threading
+import time
 
 import httpx
 import pytest
@@ -62,8 +63,37 @@ def wait_for_step(page, text: str):
     try:
         return page.wait_for_selector(f"li.step:has-text('{text}')", timeout=TIMEOUT_MS)
     except PlaywrightTimeout:
-        shown = page.eval_on_selector_all("li.step", "ls => ls.slice(0, 40).map(l => l.textContent)")
-        pytest.fail(f"the page shows no step with {text!r}; its newest steps:\n" + "\n".join(shown))
+        shown = page.eval_on_selector_all("li.step", "ls => ls.map(l => l.textContent)")
+        prefills = [line for line in shown if "prefill" in line]
+        pytest.fail(f"the page shows no step with {text!r}; its newest steps:\n" + "\n".join(shown[:10]) +
+                    "\nand those with a prefill:\n" + "\n".join(prefills))
+
+
+class EngineHeld:
+    """The engine thread held between two steps while requests are sent, so that they reach it together however
+    slowly a busy machine delivers them (the engine takes every queued command before its next step)."""
+
+    def __init__(self, server):
+        self.loop, self.holding, self.gate = server.frontend.loop, threading.Event(), threading.Event()
+
+    def __enter__(self) -> "EngineHeld":
+        def hold(engine) -> None:
+            self.holding.set()
+            self.gate.wait(60)
+        self.held = self.loop.call(hold)
+        assert self.holding.wait(30), "the engine thread did not take the hold"  # the inbox is empty from now
+        return self
+
+    def queued(self, n: int) -> None:
+        """Wait until n requests wait in the engine thread's inbox: the order they were sent in is theirs."""
+        deadline = time.monotonic() + 30
+        while self.loop._inbox.qsize() < n:
+            assert time.monotonic() < deadline, f"{n} requests were sent but {self.loop._inbox.qsize()} arrived"
+            time.sleep(0.01)
+
+    def __exit__(self, *exc) -> None:
+        self.gate.set()
+        self.held.result(timeout=60)
 
 
 class Stream:
@@ -107,14 +137,20 @@ def test_the_page_shows_chunked_prefill_beside_decodes_and_the_blocks_two_reques
         decoders = [Stream(server.url, [rng.randrange(256) for _ in range(8)], 119) for _ in range(3)]
         for d in decoders:
             d.started()
-        long = Stream(server.url, [rng.randrange(256) for _ in range(100)], 4)
+        with EngineHeld(server) as held:  # the decoders wait, still decoding, until the long prompt is queued
+            long = Stream(server.url, [rng.randrange(256) for _ in range(100)], 4)
+            held.queued(1)
         wait_for_step(page, "prefill 64 + decode 3 = 67/67")
         wait_for_step(page, "prefill 36 + decode 3")
         assert long.done.wait(30) and long.error is None
 
         shared = [rng.randrange(256) for _ in range(48)]
-        first = Stream(server.url, shared + [rng.randrange(256) for _ in range(8)], 60).started()
-        second = Stream(server.url, shared + [rng.randrange(256) for _ in range(8)], 4).started()
+        with EngineHeld(server) as held:  # admitted in one step: the second shares the blocks the first fills
+            first = Stream(server.url, shared + [rng.randrange(256) for _ in range(8)], 60)
+            held.queued(1)
+            second = Stream(server.url, shared + [rng.randrange(256) for _ in range(8)], 4)
+            held.queued(2)
+        first.started(), second.started()
         hit = wait_for_step(page, f"prefix hit {second.id[5:9]} 48 tok")
         # Hold that step: the block map shows it, whatever runs after. (A click on the element itself: new steps
         # keep pushing the log's lines down, and a click at the line's place a moment ago may hit its neighbour.)
@@ -122,7 +158,10 @@ def test_the_page_shows_chunked_prefill_beside_decodes_and_the_blocks_two_reques
         page.wait_for_selector(f"#now:has-text('step {hit.get_attribute('data-step')}:')", timeout=TIMEOUT_MS)
         assert "held" in page.text_content("#now")
         cells = page.eval_on_selector_all("#blocks .cell.shared", "cs => cs.map(c => c.dataset.owners)")
-        assert len(cells) == 3, f"the 48 shared prompt tokens fill 3 blocks of 16; the page marks {cells}"
+        held = page.evaluate("JSON.stringify({status: document.getElementById('status').textContent, "
+                             "info: document.getElementById('blockinfo').textContent, "
+                             "step: steps.find((s) => s.step === pinned)})")
+        assert len(cells) == 3, f"the 48 shared prompt tokens fill 3 blocks of 16; the page marks {cells}: {held}"
         assert all(set(owners.split()) == {first.id, second.id} for owners in cells), cells
         running = page.eval_on_selector_all("#running .chip", "cs => cs.map(c => c.dataset.id)")
         assert {first.id, second.id} <= set(running), running
