@@ -8,7 +8,8 @@ must show what the engine did.
                       "prefix hit … 48 tok", and held on that step the block map marks exactly those 3
                       blocks as shared by the two requests
 
-Driven by Python's playwright and the distribution's `chromium` (apt-get install chromium): nothing is
+The engine thread is held while a request is sent (`EngineHeld`), so the steps are these on a machine however
+busy. Driven by Python's playwright and the distribution's `chromium` (apt-get install chromium): nothing is
 downloaded. Without either the test fails and says what to install; it never skips. It saves a screenshot
 (in the test's tmp dir, and a copy at /tmp/live.png).
 """

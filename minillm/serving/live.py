@@ -16,14 +16,16 @@ decision as it is made, from the real engine, not a simulator:
     the KV block map     one cell per block of the pool, coloured by the request whose table holds
                          it; a block two tables hold (prefix caching shared it) is marked, and one
                          no table holds but whose hash is kept (evictable, still a cache hit) is grey
+                         (a pool of more than 2,048 blocks: only the blocks held or cached)
     the queues           running and waiting requests; a request preempted for room goes back to
                          the front of the waiting queue, loses its blocks, and is recomputed: it
                          reappears as a prefill of prompt + output
     time vs roofline     the step's measured time beside the least time its shape allows: its
                          analytic FLOPs and bytes (`bench/cost.py`) against the device's measured
                          matmul FLOP/s and copy bandwidth (`bench/roofline.py`), whichever is slower.
-                         Decode sits near the memory roof, prefill near the compute roof; a small
-                         model on a fast device sits far above both (Python and kernel launches)
+                         It is a floor: a step close to it is held back by the hardware, one far
+                         above it by something else (Python, kernel launches, a small model's many
+                         small operations; lesson 09)
 
 How it is recorded, and why it costs the engine nothing it would notice
 -------------------------------------------------------------------------
@@ -47,13 +49,14 @@ recording and without, in interleaved rounds; the claim is at most 1%.
 The feed, `GET /v1/engine/events`, is server-sent events: first an `engine`
 event (the pool, the budget, the model), then a `ceilings` event once the
 device's ceilings are measured (the first watcher triggers it, quick mode on a
-CPU, once per process; nobody watching, nobody pays), then one `step` event per
+CPU, once per process: nobody watching, nobody pays; measured beside a running
+engine they read low, and the predictions high), then one `step` event per
 step with its number as the event id, so a browser that reconnects resumes
 where it left off (`Last-Event-ID`). A new watcher first gets the last
 `HISTORY` steps, so the page opens on a timeline, not a blank.
 
-The feed is a /v1 route like the completions: a server started with an API key
-guards it the same way (`feed_router`). The page (`page_router`) is one static
+The feed is a /v1 route like the completions: `feed_router` is included with
+the dependencies that guard the other /v1 routes (an API key). The page (`page_router`) is one static
 file, `live.html`, plain JavaScript and `EventSource`, no build step; it holds
 no data, so it is served to anyone, and it reads a key from its own address
 (`/live#key=...`, a fragment never sent to the server) to open the feed.
