@@ -10,7 +10,8 @@ of the whole batch waiting for its longest member. One step, data flowing one wa
                                 tables, built once (decodes only: in buffers allocated once)
     model(ids, positions)     → one forward pass over the flattened ragged batch, logits
                                 only at the rows that will sample
-    sample, update, record    → new tokens, finished requests free their blocks, times
+    sample, update, record    → new tokens, finished requests free their blocks, times, and
+                                (`record_steps`) `last_step`: its rows, prefill chunk or decode
 
 The pieces, one file each: `scheduler.py` or `chunked_prefill.py` (the policy),
 `block_manager.py`, `paged_attention.py` (the pool), `cuda_graphs.py` (decode-only
@@ -71,6 +72,12 @@ from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
 class LLMEngine:
     """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
     step it, and hand it requests through a queue.Queue (the pattern is in `engine_rules.py`)."""
+
+    # What the latest step did (its rows, preemptions, free blocks, duration), while `record_timeline` or
+    # `record_steps` is on: one small record per step, replaced by the next. The server's live page sets
+    # record_steps and reads it after each step; without either, a step builds no record at all.
+    last_step: StepStats | None = None
+    record_steps: bool = False
 
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None, enforce_eager: bool = False, record_timeline: bool = True):
@@ -213,6 +220,9 @@ class LLMEngine:
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
             return []
         sampled = self._execute(plan)
+        record = self.record_timeline or self.record_steps
+        rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
+                     for c in plan.chunks) if record else ()
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
         for seq, token in sampled:
@@ -222,9 +232,12 @@ class LLMEngine:
             if reason:
                 self.scheduler.remove(seq)
                 seq.finish(reason, now)
-        if self.record_timeline:
-            self.timeline.append(StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
-                                           len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks))
+        if record:
+            self.last_step = StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
+                                       len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks,
+                                       rows, tuple(seq.request_id for seq in plan.preempted), len(sampled))
+            if self.record_timeline:
+                self.timeline.append(self.last_step)
         return [seq for seq, _ in sampled]
 
     def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:

@@ -143,7 +143,7 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """One row of the engine's timeline."""
+    """One row of the engine's timeline: what a step did, and what it cost."""
     start: float
     duration: float          # schedule + forward + sample, synchronised
     num_prefill_tokens: int
@@ -151,3 +151,10 @@ class StepStats:
     num_seqs: int
     num_preempted: int
     num_free_blocks: int     # after the step
+    # The batch, decodes first, in the order the forward pass took them: one (request_id, is_decode, num_tokens,
+    # start) per row, `start` its tokens already in the KV cache before the row (the context it attends to).
+    # A decode feeds 1 token; a prefill chunk feeds num_tokens of its prompt (after a preemption, prompt +
+    # output). Plain tuples: the cheapest to build, and the garbage collector stops tracking them.
+    rows: tuple[tuple[str, bool, int, int], ...] = ()
+    preempted: tuple[str, ...] = ()   # request ids preempted to make room for this step
+    num_sampled: int = 0              # rows that sampled a token: decodes, and chunks that ended a prompt

@@ -15,6 +15,8 @@ Routes, as vLLM's `vllm serve` offers them:
     GET  /health               200 while the engine thread is alive (503 while draining)
     GET  /metrics              Prometheus text: running/waiting requests, KV use, token
                                counters, TTFT/ITL/end-to-end histograms
+    GET  /v1/engine/events     every engine step as a server-sent event; GET /live draws them
+                               (batch rows, budget, KV block map, queues, roofline): `live.py`
 
 This file only routes, as vLLM's `api_server` does: the request and response
 types are `protocol.py`'s, the work behind each route is `serving.py`'s, the
@@ -51,6 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop
 from .errors import APIError, error_response, read_body
+from .live import feed_router, make_live, page_router
 from .chat_template import ChatTemplate
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import OpenAIServing, cancelled_when_client_leaves
@@ -177,6 +180,8 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
     async def detokenize(request: Request):
         return serving.detokenize(await read_body(request, DetokenizeRequest))
 
+    app.include_router(feed_router(serving.live))  # GET /v1/engine/events
+    app.include_router(page_router())              # GET /live
     return app
 
 
@@ -197,4 +202,5 @@ def make_serving(engine: LLMEngine, tokenizer, model_name: str, max_queue: int =
             on_finished(out)
 
     loop.on_finished = finished  # before any request: none can arrive until the serving object is returned
+    serving.live = make_live(engine, loop, model_name)  # the step recorder behind /live
     return serving

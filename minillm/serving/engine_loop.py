@@ -83,6 +83,7 @@ class EngineLoop:
         self.engine = engine  # read by nobody else: the name is for the docs and for `call`
         self.max_queue = max_queue
         self.on_finished = on_finished  # runs on the engine thread for each finished request (metrics, logs)
+        self.on_step: Callable[[LLMEngine], None] | None = None  # runs on it after each step (the live page)
         self.num_running = self.num_waiting = self.num_blocks_used = 0
         self.num_blocks = engine.block_manager.num_blocks
         self.accepting = True
@@ -225,6 +226,11 @@ class EngineLoop:
         self.num_running = len(engine.scheduler.running)
         self.num_waiting = len(engine.scheduler.waiting)
         self.num_blocks_used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+        if self.on_step is not None:
+            try:
+                self.on_step(engine)
+            except Exception:  # noqa: BLE001  (watching must not stop the serving)
+                log.error("recording a step failed\n%s", traceback.format_exc())
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: abort every request it could have touched, tell their clients, keep serving."""
