@@ -28,7 +28,7 @@ fresh process that sends back only data, and `verify` in the parent, which
 decides the score. Both pass the output through the same encoding, so a test
 and the grader judge the same values.
 
-Rules each check keeps (tests/test_exercises_tool.py and tests/test_exercise_catalogue.py hold them): every
+Rules each check keeps (tests/test_exercise_grading.py and tests/test_exercise_catalogue.py hold them): every
 case reaches the exercise's own region, so its stub fails them all and no other exercise's stub is reached; each
 situation matches a visible case and is drawn the same number of times each run; the plausible wrong versions in
 tests/exercises/wrong_<concept>.py score below full marks on every one of 200 seeds (the edges make sure of it);
