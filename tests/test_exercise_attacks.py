@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from minillm.classroom import answers, judge as judging, wire
 from minillm.classroom.copies import make_copy
@@ -9,7 +10,7 @@ from minillm.classroom.regions import find_exercises
 
 from exercise_tool_support import reference  # noqa: F401  (fixtures)
 from exercise_tool_support import (REGION, ROOT, only_sampling_top_k_stubbed, parse, pytest_in, reference_only,
-                                    region_lines, restore, results_by_exercise, run_tool)
+                                    restore, results_by_exercise, run_tool)
 
 
 @reference_only
@@ -47,30 +48,49 @@ def test_no_region_may_import_the_answer_keys_or_the_catalogue():
     assert judging.forbidden_calls(ex, ["key_states = self.free", "wrong_way = 1", "return key_states"]) == [], \
         "a name of one's own that starts like a key module is no offence"
 
+ESCAPES = {"sampling-top-k": "_os.setsid()       # a session of its own, then a second fork",
+           "sampling-top-p": "_os.setpgid(0, 0)  # a process group of its own, then a second fork"}
 LINGERER = """\
 import os as _os, time as _time
-if _os.fork() == 0:                 # outlive the child, and forge the results once they are written
-    for _ in range(300):
-        _time.sleep(0.1)
-        if _os.path.exists({path!r}):
-            _time.sleep(0.5)
-            with open({path!r}, "w") as f:
-                f.write('{{"score": 25.0, "output": "forged", "tests": []}}')
-            break
+_seen = len(_os.listdir({pids!r}))
+_middle = _os.fork()
+if _middle == 0:
+    {escape}
+    if _os.fork() == 0:             # the grandchild: outlive the exercise, and forge the results once written
+        open(_os.path.join({pids!r}, str(_os.getpid())), "w").close()
+        for _ in range(600):
+            _time.sleep(0.1)
+            if _os.path.exists({path!r}):
+                with open({path!r}, "w") as _f:
+                    _f.write('{{"score": 30.0, "output": "forged", "tests": []}}')
+                break
+        _os._exit(0)
     _os._exit(0)
+_os.waitpid(_middle, 0)
+for _ in range(200):                # the grandchild is under way before the case goes on
+    if len(_os.listdir({pids!r})) > _seen:
+        break
+    _time.sleep(0.01)
 """
 
+
 @reference_only
-def test_what_the_graded_code_leaves_running_is_killed_with_its_child(tmp_path, reference):
+def test_nothing_the_graded_code_starts_outlives_its_exercise(tmp_path, reference):
+    """A region that forks twice, the middle process leaving its session or its process group, leaves a
+    grandchild the process-group kill cannot reach, one per case, that rewrites the results once they appear.
+    Every one of them is gone when grade returns, and the results file is the grader's."""
     copy = tmp_path / "lingering"
-    make_copy(copy, only="sampling-top-k", keys=True)
-    (ex,) = [e for e in find_exercises(copy) if e.id == "sampling-top-k"]
-    results = tmp_path / "results.json"
-    body = region_lines(ex, *LINGERER.format(path=str(results)).splitlines())
-    restore(copy, ex, [line[len(ex.indent):] for line in body] + [line[len(ex.indent):] for line in
-                                                                    next(r for r in reference if r.id == ex.id).body])
+    make_copy(copy, only=",".join(ESCAPES), keys=True)
+    results, pids = tmp_path / "results.json", {}
+    for ex in [e for e in find_exercises(copy) if e.id in ESCAPES]:
+        pids[ex.id] = tmp_path / f"pids-{ex.id}"
+        pids[ex.id].mkdir()
+        trick = LINGERER.format(pids=str(pids[ex.id]), escape=ESCAPES[ex.id], path=str(results)).splitlines()
+        restore(copy, ex, trick + [line[len(ex.indent):] for line in next(r for r in reference if r.id == ex.id).body])
     proc = run_tool(copy, "grade", "--json", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    import time
-    time.sleep(2)
-    assert json.loads(results.read_text())["score"] == 1.0, results.read_text()
+    started = {ex_id: [int(p.name) for p in folder.iterdir()] for ex_id, folder in pids.items()}
+    alive = [pid for found in started.values() for pid in found if Path(f"/proc/{pid}").exists()]
+    assert all(started.values()) and not alive, f"started {started}; alive after the grade: {alive}"
+    graded = json.loads(results.read_text())
+    assert graded["score"] == sum(ex.points for ex in reference if ex.id in ESCAPES), graded

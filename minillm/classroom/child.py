@@ -9,7 +9,8 @@ the file for what the code prints, the channel back) it forks a child in a
 session of its own. The child reads its job, the source of the check's `run`
 and the inputs as plain data, and sends back JSON lines: what the student's
 function returned, or what it raised. The starter reports each child's pid and
-how it ended; the grader decodes and judges everything alone.
+how it ended; the grader decodes and judges everything alone, after killing
+every process the child started (reaper.py).
 """
 import json
 import os
@@ -70,7 +71,10 @@ def fork_child(sock: socket.socket, fds: list[int], root: str) -> int:
     code = 0
     try:
         sock.close()
-        os.setsid()                     # a session of its own: the grader kills the whole group at the end
+        os.setsid()                     # a session of its own, and on Linux a subreaper: whatever its code starts
+        if sys.platform.startswith("linux"):    # stays below it, for the grader to kill when its run ends
+            from minillm.classroom.reaper import set_subreaper
+            set_subreaper(True)
         job, out, channel = fds
         os.dup2(job, 0)
         os.dup2(out, 1)

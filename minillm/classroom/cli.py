@@ -11,7 +11,8 @@ from .copies import make_copy, untracked_files
 from .grading import DEFAULT_TIMEOUT_S, grade_exercises, grade_timeout, warn_fixed_seed
 from .manifest import MANIFEST, assigned_exercises, is_student_copy
 from .regions import ROOT, ExerciseError, find_exercises, select
-from .results import VISIBILITIES, failed_results, gradescope_results, results_problems, write_results
+from .results import (VISIBILITIES, check_writable, failed_results, gradescope_results, results_problems,
+                      write_results)
 
 PROG = "python -m minillm.classroom"
 WIDTH = 100   # `list` fits a terminal of this many columns
@@ -87,8 +88,8 @@ def cmd_grade(args) -> int:
                                 f"{', '.join(VISIBILITIES)}")
         if args.jobs is not None and args.jobs < 1:
             raise ExerciseError(f"--jobs {args.jobs}: grade at least 1 exercise at a time")
-        if args.json:   # at once: a path that cannot be written fails before any grading, and a file is there
-            write_results(args.json, failed_results("grading did not finish: the grader was stopped"))
+        if args.json:   # at once: a path that cannot be written fails before any grading
+            check_writable(args.json)
         if args.seed is not None:
             warn_fixed_seed(args.seed)
         submission = Path(args.submission).resolve() if args.submission else ROOT
