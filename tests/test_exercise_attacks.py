@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from minillm.classroom import answers, judge as judging, wire
 from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import find_exercises
@@ -94,3 +96,26 @@ def test_nothing_the_graded_code_starts_outlives_its_exercise(tmp_path, referenc
     assert all(started.values()) and not alive, f"started {started}; alive after the grade: {alive}"
     graded = json.loads(results.read_text())
     assert graded["score"] == sum(ex.points for ex in reference if ex.id in ESCAPES), graded
+
+
+@pytest.mark.parametrize("lines, named", [
+    (["import importlib", "w = importlib.import_module('transformers').TopPLogitsWarper", "return w(p)(None, logits)"],
+     ["transformers"]),
+    (["from importlib import import_module", "return import_module('transformers.generation').x"], ["transformers"]),
+    (["w = __import__('transformers')", "return w"], ["transformers"]),
+    (["import sys", "return sys.modules['transformers'].TopPLogitsWarper"], ["transformers"]),
+    (["import importlib.util", "return importlib.util.find_spec('key_sampling')"], ["key_sampling"]),
+    (["import torch", "return getattr(torch, 'sorted')(self.free)"], ["sorted"]),
+    (["import builtins", "return getattr(builtins, 'sorted')(self.free)"], ["sorted"]),
+])
+def test_a_name_given_as_a_string_is_checked_like_one_in_the_code(lines, named):
+    """Importing or looking up an off-limits name by a constant string is using it: the name check reads the
+    strings given to import_module, __import__, find_spec, sys.modules[...] and getattr."""
+    (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: sorted."))
+    assert judging.forbidden_calls(ex, lines) == named
+
+
+def test_a_string_that_only_mentions_a_name_is_no_offence():
+    (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: sorted."))
+    assert judging.forbidden_calls(ex, ["message = 'not sorted, and transformers are not used'",
+                                        "print('transformers')", "return getattr(self, 'free')"]) == []
