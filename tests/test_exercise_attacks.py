@@ -119,3 +119,25 @@ def test_a_string_that_only_mentions_a_name_is_no_offence():
     (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: sorted."))
     assert judging.forbidden_calls(ex, ["message = 'not sorted, and transformers are not used'",
                                         "print('transformers')", "return getattr(self, 'free')"]) == []
+
+
+IN_PLACE = {"sampling-top-k": "apply_top_k", "sampling-top-p": "apply_top_p"}
+
+
+@reference_only
+def test_a_region_that_masks_the_callers_logits_in_place_fails_and_is_told_so(tmp_path, reference):
+    """Top-k and top-p that return the right tensor but mask the logits they were given: the engine reuses those,
+    so the judge fails every case that masked anything, naming the input, and the visible cases say it too."""
+    copy = tmp_path / "in-place"
+    make_copy(copy, only=",".join(IN_PLACE), keys=True)
+    for ex in [e for e in find_exercises(copy) if e.id in IN_PLACE]:
+        body = next(r for r in reference if r.id == ex.id).body   # the reference, masking in place
+        restore(copy, ex, [line[len(ex.indent):].replace("logits.masked_fill(", "logits.masked_fill_(") for line in body])
+    proc = run_tool(copy, "grade", "--json", str(tmp_path / "results.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = results_by_exercise(tmp_path / "results.json")
+    for ex_id, function in IN_PLACE.items():
+        held = results[ex_id]["held-out checks"]
+        assert held["score"] == 0, held
+        assert f"{function} changed its input logits in place" in held["output"], held["output"]
+        assert "changed its input logits in place" in results[ex_id]["visible cases"]["output"]

@@ -175,11 +175,21 @@ def _judge(ex: Exercise, check, cases: list[Case], run: ChildRun) -> Score:
                        f"so this case counts as failed")
         elif "raised" in got[0]:
             message = _raised_message(ex, got[0]["raised"])
+        elif got[0].get("changed"):
+            message = changed_message(check, got[0]["changed"])
         else:
             message = _verify(check, case, got[0].get("output"))
         results.append(CaseResult(case.name, case.held_out, message == "", message))
     ended = run.ended + (f"; {stray} line(s) on the grader's channel were not its messages" if stray else "")
     return Score(ex, results, ended, run.printed)
+
+
+def changed_message(check, names) -> str:
+    """What a student reads when the code changed inputs it was only given to read."""
+    names = [str(n)[:100] for n in names] if isinstance(names, list) else [str(names)[:100]]
+    return (f"{check.where.split(', ')[-1]} changed its input{'s' * (len(names) > 1)} {', '.join(names)} in place; "
+            f"the caller keeps using {'them' if len(names) > 1 else 'it'} (the engine reuses what it passes), so "
+            f"leave the inputs as they were and return new values. Look at {check.where}.")
 
 
 def _verify(check, case: Case, wire) -> str:
