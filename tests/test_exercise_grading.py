@@ -252,26 +252,34 @@ def test_the_whole_suite_in_a_stubbed_copy_reports_in_a_few_lines(stubbed_copy, 
 
 def test_only_the_regions_of_a_submission_are_taken():
     mine = parse(TWO_REGIONS)
-    bodies = splice.regions_of_submission("import os\nos.system('x')\n" + SUBMITTED + "EVIL = 1\n", "minillm/pool.py", mine)
-    assert bodies == {"pool-take": ["        return [self.free.pop() for _ in range(n)]"],
-                      "pool-give": list(mine[1].body)}
+    bodies, broken = splice.regions_of_submission("import os\nos.system('x')\n" + SUBMITTED + "EVIL = 1\n",
+                                                  "minillm/pool.py", mine)
+    assert broken == {} and bodies == {"pool-take": ["        return [self.free.pop() for _ in range(n)]"],
+                                       "pool-give": list(mine[1].body)}
+    swapped = SUBMITTED.replace("pool-take", "POOL").replace("pool-give", "pool-take").replace("POOL", "pool-give")
+    bodies, broken = splice.regions_of_submission(swapped, "minillm/pool.py", mine)   # in another order: still whole
+    assert broken == {} and bodies["pool-give"] == ["        return [self.free.pop() for _ in range(n)]"]
+
 
 @pytest.mark.parametrize("submitted, message", [
     (SUBMITTED.replace("        # >>> exercise pool-give (lesson 05, 1 pts): give blocks back\n", ""),
-     r"minillm/pool.py: the marker of exercise pool-give .* appears 0 times"),
+     {"pool-give": r"minillm/pool.py: the marker of exercise pool-give .* appears 0 times"}),
     (SUBMITTED + "        # >>> exercise pool-take (lesson 05, 2 pts): again\n",
-     r"minillm/pool.py: the marker of exercise pool-take .* appears 2 times"),
-    (SUBMITTED.replace("pool-take", "POOL").replace("pool-give", "pool-take").replace("POOL", "pool-give"),
-     r"minillm/pool.py: the exercise markers are out of order \(pool-give, pool-take\)"),
+     {"pool-take": r"minillm/pool.py: the marker of exercise pool-take .* appears 2 times \(lines 4, 15\)"}),
     (SUBMITTED.replace("        return [self.free.pop() for _ in range(n)]\n        # <<< exercise\n", "        x = 1\n", 1),
-     r"minillm/pool.py:4: exercise pool-take has no end marker"),
+     {"pool-take": r"minillm/pool.py:4: exercise pool-take has no end marker"}),
     (SUBMITTED.replace("        return [self", '        x = """\n        return [self').replace(
         "            self.free.append(block)\n", '            self.free.append(block)\n        """\n'),
-     r"minillm/pool.py:\d+: the code of exercise pool-take is not valid Python on its own"),
+     {"pool-take": r"minillm/pool.py:\d+: the code of exercise pool-take is not valid Python on its own",
+      "pool-give": r"minillm/pool.py:\d+: the code of exercise pool-give is not valid Python on its own"}),
 ])
-def test_a_submission_with_broken_markers_is_refused_naming_file_and_marker(submitted, message):
-    with pytest.raises(ExerciseError, match=message):
-        splice.regions_of_submission(submitted, "minillm/pool.py", parse(TWO_REGIONS))
+def test_a_broken_region_costs_only_its_own_exercise_naming_file_and_marker(submitted, message):
+    bodies, broken = splice.regions_of_submission(submitted, "minillm/pool.py", parse(TWO_REGIONS))
+    assert sorted(broken) == sorted(message) and not set(bodies) & set(broken)
+    assert sorted(bodies) == sorted({"pool-take", "pool-give"} - set(broken))
+    for ex_id, pattern in message.items():
+        assert re.search(pattern, broken[ex_id]), broken[ex_id]
+
 
 def test_what_a_child_sends_costs_its_own_cases_only():
     forged = {"tensor": {"dtype": "int8", "shape": [1], "data": [100000]}}   # torch raises on decoding it
@@ -315,3 +323,27 @@ def test_list_fits_100_columns(capsys):
     assert cli.main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) > 14 and max(len(line) for line in lines) <= cli.WIDTH, max(lines, key=len)
+
+
+@reference_only
+def test_one_broken_marker_costs_only_its_exercise_and_the_results_say_which(tmp_path, reference):
+    """A submission whose top-p region lost its end marker: top-k, written honestly, still gets its points, and
+    top-p's results name the file, the line and the marker."""
+    graded = "sampling-top-k,sampling-top-p"
+    make_copy(tmp_path / "grading", only=graded, keys=True)
+    make_copy(tmp_path / "student", only=graded)
+    restore(tmp_path / "student", next(r for r in reference if r.id == "sampling-top-k"))
+    student = {ex.id: ex for ex in find_exercises(tmp_path / "student")}
+    path = tmp_path / "student" / "minillm" / "sampling.py"
+    lines = path.read_text().splitlines(keepends=True)
+    top_p = student["sampling-top-p"]
+    end = next(n for n in range(top_p.line, len(lines)) if lines[n].strip() == "# <<< exercise")
+    path.write_text("".join(lines[:end] + lines[end + 1:]))
+    proc = run_tool(tmp_path / "grading", "grade", str(tmp_path / "student"), "--json", str(tmp_path / "results.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = results_by_exercise(tmp_path / "results.json")
+    assert results["sampling-top-k"]["held-out checks"]["score"] == next(
+        r.points for r in reference if r.id == "sampling-top-k")
+    held = results["sampling-top-p"]["held-out checks"]
+    assert held["score"] == 0 and (f"minillm/sampling.py:{top_p.line}: exercise sampling-top-p has no end marker"
+                                   in held["output"]), held["output"]

@@ -48,7 +48,7 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
         if readable:
             raise ExerciseError(f"--user {user} can read the instructor's checks in {readable[0]}, oracles "
                                 f"included; make them private first: chmod -R go-rwx {readable[0]}")
-    folder = spliced_folder(root, submission, exercises, listed)
+    folder, broken = spliced_folder(root, submission, exercises, listed)
     try:
         if user:
             check_user_can_run(user, folder)
@@ -56,6 +56,9 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
         work = []
         for ex in exercises:
             check, cases = checks[ex.id], cases_of(checks[ex.id], seed, answers)
+            if ex.id in broken:
+                scores[ex.id] = failed_all(ex, cases, f"not graded, as its region cannot be taken: {broken[ex.id]}")
+                continue
             body = _region_body(folder, ex)
             banned = forbidden_calls(ex, body)
             if banned:
