@@ -319,10 +319,14 @@ def test_hidden_held_out_checks_keep_the_runs_output_out_of_sight():
     assert "printed this" in shown["tests"][0]["output"] and "0 / 2 points" in shown["output"]
 
 @reference_only
-def test_list_fits_100_columns(capsys):
+def test_list_shows_whole_titles_within_100_columns(capsys):
     assert cli.main(["list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     assert len(lines) > 14 and max(len(line) for line in lines) <= cli.WIDTH, max(lines, key=len)
+    words = " ".join(out.split())
+    for ex in find_exercises(ROOT):   # every word of every title, in order, once the wrapping is undone
+        assert " ".join(ex.title.split()) in words, ex.title
 
 
 @reference_only

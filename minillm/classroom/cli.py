@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def cmd_list(args) -> int:
     rows = [(ex.id, ex.lesson, str(ex.points), "stub" if ex.is_stub else "written", f"{ex.file}:{ex.line}", ex.title)
             + ((("yes" if ex.id in assigned else "no"),) if assigned is not None else ()) for ex in exercises]
     _table(("id", "lesson", "pts", "state", "where", "title") + (("graded",) if assigned is not None else ()), rows,
-           squeeze=5)
+           wrap=5)
     print(f"\n{len(exercises)} exercises, {sum(ex.points for ex in exercises)} points, in lesson order")
     return 0
 
@@ -141,20 +142,21 @@ def _checked_user(user: str | None) -> str | None:
     return user
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], squeeze: int | None = None) -> None:
-    """Columns padded to their widest cell; column `squeeze` is cut so that a line fits WIDTH."""
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], wrap: int | None = None) -> None:
+    """Columns padded to their widest cell; column `wrap` is wrapped at spaces onto lines of its own, so that a
+    line fits WIDTH and every word of it is shown (a title is never cut)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    if squeeze is not None:
-        room = WIDTH - (sum(widths) - widths[squeeze]) - 2 * (len(widths) - 1)
-        if widths[squeeze] > room:
-            widths[squeeze] = max(room, len(header[squeeze]))
-            rows = [r[:squeeze] + (_cut(r[squeeze], widths[squeeze]),) + r[squeeze + 1:] for r in rows]
+    if wrap is not None:
+        room = WIDTH - (sum(widths) - widths[wrap]) - 2 * (len(widths) - 1)
+        widths[wrap] = max(min(widths[wrap], room), len(header[wrap]), 20)
+        wrapped = []
+        for r in rows:
+            pieces = textwrap.wrap(r[wrap], widths[wrap], break_long_words=False, break_on_hyphens=False) or [""]
+            wrapped.append(r[:wrap] + (pieces[0],) + r[wrap + 1:])
+            wrapped += [tuple("" for _ in r[:wrap]) + (piece,) + tuple("" for _ in r[wrap + 1:]) for piece in pieces[1:]]
+        rows = wrapped
     for r in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def main(argv: list[str] | None = None) -> int:
