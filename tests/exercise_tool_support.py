@@ -209,13 +209,61 @@ _atexit.register(_forge)
 """
 
 
+THIEF = """\
+import importlib.util as _util, os as _os, re as _re, sys as _sys
+_places = list({places!r})                               # where the instructor's trees were once seen
+_spec = _util.find_spec("minillm")                       # the graded folder, and what the installed package maps to
+_places += [_os.path.dirname(p) for p in (_spec.submodule_search_locations or [])]
+for _entry in [p for p in _sys.path if _os.path.isdir(p)]:
+    _places.append(_entry)
+    for _name in _os.listdir(_entry):                    # an editable install's finder names the tree it points at
+        if _name.startswith("__editable__") and _name.endswith("finder.py"):
+            _places += _re.findall(r"'minillm': '([^']+)/minillm'", open(_os.path.join(_entry, _name)).read())
+for _root, _dirs, _files in _os.walk(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))):
+    if "sampling.py" in _files and _root.endswith("minillm"):   # the tree it runs in
+        _places.append(_os.path.dirname(_root))
+for _place in _places:
+    try:
+        _text = open(_os.path.join(_place, "minillm", "sampling.py")).read()
+    except OSError:
+        continue
+    _body = _text.split("# >>> exercise sampling-top-k")[1].split("# <<< exercise")[0].split(chr(10), 2)[2]
+    if "NotImplementedError" in _body or "_places" in _body:
+        continue
+    _ns = dict(globals())
+    exec("def _stolen(logits, k):" + chr(10) + _body, _ns)
+    return _ns["_stolen"](logits, k)
+raise RuntimeError("nothing to steal")
+"""
+
+LINGERER = """\
+import os as _os, time as _time
+_seen = len(_os.listdir({pids!r}))
+_middle = _os.fork()
+if _middle == 0:
+    _os.setsid()                    # a session of its own, then a second fork: out of the grader's process group
+    if _os.fork() == 0:
+        open(_os.path.join({pids!r}, str(_os.getpid())), "w").close()
+        _time.sleep(120)
+        _os._exit(0)
+    _os._exit(0)
+_os.waitpid(_middle, 0)
+for _ in range(200):                # the grandchild is under way before the case goes on
+    if len(_os.listdir({pids!r})) > _seen:
+        break
+    _time.sleep(0.01)
+"""
+
+
 def region_lines(ex: regions.Exercise, *lines: str) -> list[str]:
     return [ex.indent + line for line in lines]
 
 
-def cheat(student: Path, reference: list[regions.Exercise], source: Path, results_path: Path) -> dict[str, str]:
+def cheat(student: Path, reference: list[regions.Exercise], source: Path, results_path: Path,
+          pids: Path) -> dict[str, str]:
     """Every known attack, each against its own exercise of the student's copy; returns {exercise: the attack}.
-    The copy's other exercises are left for the caller to restore honestly."""
+    The copy's other exercises are left for the caller to restore honestly. The lingering processes write their
+    pids into the folder `pids`."""
     by_id = {ex.id: ex for ex in find_exercises(student)}
     ref = {ex.id: ex for ex in reference}
 
@@ -235,6 +283,11 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
     caching.write_text(caching.read_text() + "\n\n# rebinding the stub, outside its region\n" + block + "\n")
     tests = student / "tests" / "exercises" / "test_ex_sampling.py"   # the student's own judging, changed
     tests.write_text(tests.read_text() + "\nTopK.verify = lambda self, inputs, output: None\n")
+    put("sampling-top-k", region_lines(by_id["sampling-top-k"], *THIEF.format(places=[str(source)]).splitlines()))
+    put("model-heads", region_lines(by_id["model-heads"], *LINGERER.format(pids=str(pids)).splitlines(),
+                                    "raise NotImplementedError('the stub, after leaving a process behind')"))
+    put("prefix-match", region_lines(by_id["prefix-match"], "import importlib",
+                                     "return importlib.import_module('transformers').prefix_match(token_ids, block_size, cached)"))
     put("sampling-top-p", region_lines(by_id["sampling-top-p"], "from transformers import TopPLogitsWarper",
                                        "return TopPLogitsWarper(p)(None, logits)"))
     put("kv-cache-write", region_lines(by_id["kv-cache-write"], 'raise ValueError("\\\\udcff")'))
@@ -273,9 +326,12 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
     put("scheduler-budget-fill", region_lines(honest, "import statistics  # a lazy import of the standard library",
                                               "assert statistics.mean([1, 3]) == 2") + list(ref[honest.id].body))
     put("model-causal-attention", list(ref["model-causal-attention"].body))
-    return {"model-heads": "a stub, and a forged results file from the package's __init__ (the -m form, as root)",
-            "sampling-top-k": "a stub, and the student's own tests/exercises changed to pass anything",
-            "prefix-match": "a stub, and the function rebound to a working one outside the region",
+    return {"model-heads": "a forged results file from the package's __init__ (the -m form, as root), and a "
+                           "process that leaves its session and outlives the grade",
+            "sampling-top-k": "the student's own tests/exercises changed to pass anything, and the reference's body "
+                              "looked for through the installed package and the tree it runs in",
+            "prefix-match": "the function rebound to a working one outside the region, and a module named by a "
+                            "string: importlib.import_module('transformers')",
             "sampling-top-p": "transformers' TopPLogitsWarper", "kv-cache-write": "an exception whose message is a lone surrogate",
             "kv-cache-read": "forged channel lines holding out-of-range tensors, then os._exit",
             "paged-allocate": "importing the instructor's checks, oracles included",
@@ -307,19 +363,6 @@ def run_autograder_script() -> str:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", text[text.index("## For instructors"):], re.S).group(1)
     return "\n".join(line.removeprefix("  ") for line in block.splitlines()) + "\n"
-
-
-def run_script(script: str) -> subprocess.CompletedProcess:
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"   # python3: this environment's
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PATH": path, "MINILLM_GRADE_TIMEOUT": "60", "PYTHONDONTWRITEBYTECODE": "1"})
-
-
-def nobody_cannot_run_python() -> list[str]:
-    """What `nobody` could not read of this interpreter and its packages (a clone in a mode-700 folder)."""
-    import sysconfig
-    return runner.unreadable_for("nobody", [os.path.realpath(sys.executable), sysconfig.get_paths()["stdlib"],
-                                            *[p for p in sys.path if p and os.path.isabs(p)]])
 
 
 SUBMITTED = TWO_REGIONS.replace("        taken = self.free[-n:]\n        del self.free[-n:]\n        return taken\n",

@@ -50,11 +50,16 @@ def test_no_region_may_import_the_answer_keys_or_the_catalogue():
     assert judging.forbidden_calls(ex, ["key_states = self.free", "wrong_way = 1", "return key_states"]) == [], \
         "a name of one's own that starts like a key module is no offence"
 
-ESCAPES = {"sampling-top-k": "_os.setsid()       # a session of its own, then a second fork",
-           "sampling-top-p": "_os.setpgid(0, 0)  # a process group of its own, then a second fork"}
+ESCAPES = {  # what the region does before its first fork, and what the middle process does before the second
+    "sampling-top-k": ("pass", "_os.setsid()         # a session of its own"),
+    "sampling-top-p": ("pass", "_os.setpgid(0, 0)    # a process group of its own"),
+    "paged-slot-mapping": ("import ctypes as _c; _c.CDLL(None).prctl(36, 0, 0, 0, 0)   # no longer a subreaper",
+                           "_os.setsid()"),
+}
 LINGERER = """\
 import os as _os, time as _time
 _seen = len(_os.listdir({pids!r}))
+{before}
 _middle = _os.fork()
 if _middle == 0:
     {escape}
@@ -79,15 +84,17 @@ for _ in range(200):                # the grandchild is under way before the cas
 @reference_only
 def test_nothing_the_graded_code_starts_outlives_its_exercise(tmp_path, reference):
     """A region that forks twice, the middle process leaving its session or its process group, leaves a
-    grandchild the process-group kill cannot reach, one per case, that rewrites the results once they appear.
-    Every one of them is gone when grade returns, and the results file is the grader's."""
+    grandchild the process-group kill cannot reach, one per case, that rewrites the results once they appear; one
+    region first stops its process being a subreaper, so its orphans go up to the grader. Every one of them is gone
+    when grade returns, and the results file is the grader's."""
     copy = tmp_path / "lingering"
     make_copy(copy, only=",".join(ESCAPES), keys=True)
     results, pids = tmp_path / "results.json", {}
     for ex in [e for e in find_exercises(copy) if e.id in ESCAPES]:
         pids[ex.id] = tmp_path / f"pids-{ex.id}"
         pids[ex.id].mkdir()
-        trick = LINGERER.format(pids=str(pids[ex.id]), escape=ESCAPES[ex.id], path=str(results)).splitlines()
+        before, escape = ESCAPES[ex.id]
+        trick = LINGERER.format(pids=str(pids[ex.id]), before=before, escape=escape, path=str(results)).splitlines()
         restore(copy, ex, trick + [line[len(ex.indent):] for line in next(r for r in reference if r.id == ex.id).body])
     proc = run_tool(copy, "grade", "--json", str(results))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -17,6 +17,9 @@ from .results import (VISIBILITIES, check_writable, failed_results, gradescope_r
 
 PROG = "python -m minillm.classroom"
 WIDTH = 100   # `list` fits a terminal of this many columns
+LOCAL_CHECK = ("graded without --user, the code ran as the grader's own user, who can read the answer keys and the "
+               "reference: this is only an instructor's local check of their own code, not a grade of a student's. "
+               "Grade a submission on the grading image, as root, with --user nobody (the README's run_autograder).")
 
 
 def cmd_list(args) -> int:
@@ -103,6 +106,9 @@ def cmd_grade(args) -> int:
         scores, seed = grade_exercises(exercises, ROOT, submission, args.seed, grade_timeout(args.timeout),
                                        args.jobs, user)
         results = gradescope_results(scores, seed, args.held_out_visibility)
+        if not user:
+            print(f"note: {LOCAL_CHECK}", file=sys.stderr)
+            results["output"] += f" Note: {LOCAL_CHECK}"
         problems = results_problems(results)
         if problems:
             raise RuntimeError(f"the grader built invalid results: {problems}")
