@@ -197,6 +197,7 @@ FORGERY = """
 # --- a forgery outside every region: if any process imported the package from here, it would forge the verdicts
 import atexit as _atexit, json as _json, os as _os
 
+
 def _forge(*_):
     try:
         with open({path!r}, "w") as f:

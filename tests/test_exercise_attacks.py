@@ -33,6 +33,7 @@ def test_tampering_with_a_copys_answers_changes_no_grade(tmp_path):
     results = results_by_exercise(tmp_path / "results.json")["sampling-top-k"]
     assert results["held-out checks"]["score"] == 0 and results["visible cases"]["status"] == "failed", results
 
+
 def test_off_limits_names_are_found_in_the_code_not_in_its_comments():
     (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: heapq, sorted."))
     assert ex.off_limits == ("heapq", "sorted")
@@ -40,6 +41,7 @@ def test_off_limits_names_are_found_in_the_code_not_in_its_comments():
     assert judging.forbidden_calls(ex, ["import heapq", "return sorted(self.free)"]) == ["heapq", "sorted"]
     assert judging.forbidden_calls(ex, ["from transformers import TopKLogitsWarper", "return 1"]) == ["transformers"]
     assert judging.forbidden_calls(ex, ["import test_ex_pool", "return 1"]) == ["test_ex_pool"]
+
 
 def test_no_region_may_import_the_answer_keys_or_the_catalogue():
     (ex,) = parse(REGION)

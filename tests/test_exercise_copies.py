@@ -26,16 +26,19 @@ def test_parse_reads_every_field():
     assert ex.body == ("        taken = self.free[-n:]", "        del self.free[-n:]", "        return taken")
     assert ex.where() == "minillm/pool.py:4, in Pool.take"
 
+
 def test_parse_accepts_one_pt_module_level_regions_and_deeper_code():
     text = ("# >>> exercise answer (lesson 01, 1 pt): the answer\n# hint: six times seven\n"
             "if True:\n    ANSWER = 42\n# <<< exercise\n")
     (ex,) = parse(text)
     assert (ex.points, ex.function, ex.body[-1]) == (1, "<module>", "    ANSWER = 42")
 
+
 def test_parse_finds_several_regions_in_order():
     second = REGION.replace("pool-take", "pool-give").replace("def take", "def give")
     assert [ex.id for ex in parse(REGION + second)] == ["pool-take", "pool-give"]
     assert parse(REGION + second)[1].line == 13
+
 
 @pytest.mark.parametrize("broken, message", [
     (REGION.replace("        # <<< exercise\n", ""), r"minillm/pool.py:4: exercise pool-take has no end marker"),
@@ -55,12 +58,14 @@ def test_parse_rejects_malformed_regions_naming_file_and_line(broken, message):
     with pytest.raises(ExerciseError, match=message):
         parse(broken)
 
+
 def test_duplicate_ids_across_files_are_rejected(tmp_path):
     (tmp_path / "minillm").mkdir()
     (tmp_path / "minillm" / "a.py").write_text(REGION)
     (tmp_path / "minillm" / "b.py").write_text(REGION)
     with pytest.raises(ExerciseError, match=r"minillm/b.py:4: exercise id 'pool-take' is already used at minillm/a.py:4"):
         find_exercises(tmp_path)
+
 
 def test_stub_keeps_markers_imports_and_raises_naming_the_exercise():
     (ex,) = parse(REGION)
@@ -75,10 +80,12 @@ def test_stub_keeps_markers_imports_and_raises_naming_the_exercise():
     (stubbed,) = parse(text)
     assert stubbed.is_stub and not ex.is_stub
 
+
 def test_putting_the_code_back_restores_the_file_exactly():
     (ex,) = parse(REGION)
     stubbed = replace_region(REGION, ex.file, ex.id, ex.stub())
     assert replace_region(stubbed, ex.file, ex.id, list(ex.body)) == REGION
+
 
 def test_select_names_the_known_ids_and_refuses_an_empty_list():
     exs = parse(REGION + REGION.replace("pool-take", "pool-give"))
@@ -89,11 +96,13 @@ def test_select_names_the_known_ids_and_refuses_an_empty_list():
         with pytest.raises(ExerciseError, match="names no exercise"):
             regions.select(exs, empty)
 
+
 @reference_only
 def test_exercises_are_listed_in_lesson_order():
     lessons = [ex.lesson for ex in find_exercises(ROOT)]
     assert lessons == sorted(lessons)
     assert {ex.id: ex.lesson for ex in find_exercises(ROOT)}["scheduler-budget-fill"] == "07"
+
 
 def test_make_copies_exactly_what_git_tracks_and_the_copys_line_numbers(tiny_project, tmp_path):
     chosen = make_copy(tmp_path / "student", root=tiny_project)
@@ -110,10 +119,12 @@ def test_make_copies_exactly_what_git_tracks_and_the_copys_line_numbers(tiny_pro
     assert set(manifest["files"]) == files_under(tmp_path / "student") - {manifests.MANIFEST}
     assert "minillm/pool.py~" in copies.untracked_files(tiny_project)   # make tells the instructor what it left out
 
+
 def test_the_catalogue_of_wrong_versions_stays_with_the_instructor():
     files = copies.tracked_files(ROOT)
     assert not [f for f in files if "/wrong_" in f or "/key_" in f] and "tests/test_exercise_catalogue.py" not in files
     assert (ROOT / "tests/exercises/wrong_sampling.py").is_file()
+
 
 def test_make_only_stubs_the_chosen_and_the_manifest_says_so(tiny_project, tmp_path):
     chosen = make_copy(tmp_path / "s", only="pool-give", root=tiny_project)
@@ -123,6 +134,7 @@ def test_make_only_stubs_the_chosen_and_the_manifest_says_so(tiny_project, tmp_p
     with pytest.raises(ExerciseError, match="names no exercise"):
         make_copy(tmp_path / "t", only=",", root=tiny_project)
     assert not (tmp_path / "t").exists()
+
 
 def test_make_writes_only_into_a_new_or_empty_folder_outside_the_project(tiny_project, tmp_path):
     for inside in (tiny_project, tiny_project / "lessons", tiny_project.parent):
@@ -137,6 +149,7 @@ def test_make_writes_only_into_a_new_or_empty_folder_outside_the_project(tiny_pr
     with pytest.raises(ExerciseError, match="--force replaces only a previous copy"):
         make_copy(target, root=tiny_project, force=True)
     assert files_under(target) == {"notes.txt"}
+
 
 def test_make_force_deletes_only_what_the_previous_copy_wrote(tiny_project, tmp_path):
     target = tmp_path / "student"
@@ -161,16 +174,19 @@ def test_make_force_deletes_only_what_the_previous_copy_wrote(tiny_project, tmp_
         make_copy(target, root=tiny_project, force=True)
     assert (target / "README.md").read_text() == "someone else's\n"
 
+
 def test_make_refuses_a_tree_git_does_not_track(tiny_project, tmp_path):
     shutil.rmtree(tiny_project / ".git")
     with pytest.raises(ExerciseError, match="not a git checkout"):
         make_copy(tmp_path / "student", root=tiny_project)
+
 
 def test_make_stops_before_writing_on_an_unterminated_marker(tiny_project, tmp_path):
     (tiny_project / "minillm" / "pool.py").write_text(REGION.replace("        # <<< exercise\n", ""))
     with pytest.raises(ExerciseError, match=r"minillm/pool.py:4: exercise pool-take has no end marker"):
         make_copy(tmp_path / "student", root=tiny_project)
     assert not (tmp_path / "student").exists()
+
 
 def test_make_refuses_a_hint_that_gives_the_solution_away(tiny_project, tmp_path):
     told = TWO_REGIONS.replace("# hint: pop from the end", "# hint: taken = self.free[-n:] then del self.free[-n:]")
@@ -180,6 +196,7 @@ def test_make_refuses_a_hint_that_gives_the_solution_away(tiny_project, tmp_path
     assert not (tmp_path / "student").exists()
 
 TAKE_IN_CODE = "def test_take(pool, n):\n    taken = pool.free[-n:]\n    del pool.free[-n:]\n    return taken\n"
+
 
 @pytest.mark.parametrize("test_file, leak", [
     (TAKE_IN_CODE, "tests/test_pool.py:2: exercise pool-take"),                       # the solution, as a test's code
@@ -198,6 +215,7 @@ def test_make_reads_the_tests_code_and_prose_and_names_the_leak(tiny_project, tm
     assert "minillm/pool.py" not in str(refused.value), "the package's own code is not a leak"
     assert not (tmp_path / "student").exists()
 
+
 def test_a_copy_of_a_solution_in_a_test_is_a_leak_even_where_the_package_shows_its_pieces(tiny_project, tmp_path):
     # Every 8 tokens of pool-take appear in the package outside its region, so each is an idiom; 16 in a row in a
     # test are still a copy of the solution.
@@ -207,6 +225,7 @@ def test_a_copy_of_a_solution_in_a_test_is_a_leak_even_where_the_package_shows_i
     (tiny_project / "tests" / "test_pool.py").write_text(TAKE_IN_CODE)
     with pytest.raises(ExerciseError, match=r"(?s)would leak.*tests/test_pool.py:2: exercise pool-take"):
         make_copy(tmp_path / "student", root=tiny_project)
+
 
 def test_make_writes_the_visible_answers_as_data_and_no_key(tiny_with_checks, tmp_path):
     copy = tmp_path / "student"
@@ -225,6 +244,7 @@ def test_make_writes_the_visible_answers_as_data_and_no_key(tiny_with_checks, tm
     assert {p.name for p in (graders / "tests" / "exercises").iterdir()} == held | {"key_pool.py"}
     assert json.loads((graders / manifests.MANIFEST).read_text())["answer_keys"] is True
 
+
 def test_make_refuses_an_answer_it_cannot_write_into_a_copy(tiny_with_checks, tmp_path):
     """One the reference fails, one that is not data, and one whose mistake's name spells out the solution."""
     key = tiny_with_checks / "tests" / "exercises" / "key_pool.py"
@@ -240,6 +260,7 @@ def test_make_refuses_an_answer_it_cannot_write_into_a_copy(tiny_with_checks, tm
     key.write_text(KEY_OF_POOL.replace("'took from the front'", "'taken = self.free[-n:]; del self.free[-n:]'"))
     with pytest.raises(ExerciseError, match=r"(?s)would leak.*tests/exercises/visible_answers.json:\d+: exercise pool-take"):
         make_copy(tmp_path / "student", root=tiny_with_checks)
+
 
 def test_grading_refuses_a_tree_without_a_good_manifest_or_with_edited_markers(tiny_project, tmp_path):
     with pytest.raises(ExerciseError, match="exercises.json is missing, so this tree is not a student copy"):
@@ -258,6 +279,7 @@ def test_grading_refuses_a_tree_without_a_good_manifest_or_with_edited_markers(t
         with pytest.raises(ExerciseError, match="exercises.json is not .*make the copy again"):
             manifests.assigned_exercises(copy)
 
+
 def test_tokens_ignore_names_spacing_and_math_notation():
     assert leaks.code_tokens("rows[i // w] - w * 2") == leaks.code_tokens("r[j//k]−k·2") == \
         ["n", "[", "n", "//", "n", "]", "-", "n", "*", "2"]
@@ -265,6 +287,7 @@ def test_tokens_ignore_names_spacing_and_math_notation():
         ["n", ".", "values", "[", "0", "]", "<=", "n"]
     assert leaks.code_tokens("for s in xs if s is not None") == ["for", "n", "in", "n", "if", "n", "is", "not", "None"]
     assert leaks.code_tokens('f"slot {p // bs}"') == ["n", "n", "n", "//", "n"]
+
 
 def leaky(text: str) -> str:
     """A solution written here with placeholders (DIV for //, MOD for %, DOTS for ...), so that this file, which
@@ -275,9 +298,11 @@ SLOT_HINT = "# hint: which entry of the block table holds position p"
 
 OLD_SLOT_HINT = "# hint: block_table[p DIV block_size] * block_size + p MOD block_size"   # a hint that once gave it away
 
+
 @reference_only
 def test_no_hint_docstring_message_lesson_or_readme_leaks_a_solution():
     assert leaks.find_leaks(ROOT, find_exercises(ROOT), copies.tracked_files(ROOT)) == []
+
 
 @reference_only
 @pytest.mark.parametrize("where, change", [
@@ -300,6 +325,7 @@ def test_the_leak_check_finds_a_solution_in_a_hint_docstring_message_or_lesson(t
     assert (tmp_path / where).read_text() != original, "the test's edit did not apply: update it"
     found = leaks.find_leaks(tmp_path, find_exercises(tmp_path), files)
     assert found and all(leak.startswith(where + ":") for leak in found), found
+
 
 @reference_only
 def test_a_copy_holds_the_visible_answers_as_data_and_no_key(tmp_path):
@@ -324,6 +350,7 @@ def test_a_copy_holds_the_visible_answers_as_data_and_no_key(tmp_path):
     assert (grading_copy / "tests/exercises/key_sampling.py").is_file()
     assert not list((grading_copy / "tests/exercises").glob("wrong_*.py"))
 
+
 @reference_only
 def test_a_copys_tests_judge_against_its_literal_answers(tmp_path):
     copy = only_sampling_top_k_stubbed(tmp_path)
@@ -335,6 +362,7 @@ def test_a_copys_tests_judge_against_its_literal_answers(tmp_path):
     stubbed = pytest_in(copy, "tests/exercises/test_ex_sampling.py", "--exercise", "sampling-top-k,sampling-top-p")
     failed, passed = (re.findall(rf"{verdict} \S+::(test_top_\w)", stubbed.stdout) for verdict in ("FAILED", "PASSED"))
     assert (failed, passed) == (["test_top_k"] * 4, ["test_top_p"] * 7), stubbed.stdout[-3000:]
+
 
 @reference_only
 def test_check_in_a_copy_runs_the_visible_cases_and_leaves_the_held_out_to_grading(tmp_path):
@@ -350,6 +378,7 @@ def test_check_in_a_copy_runs_the_visible_cases_and_leaves_the_held_out_to_gradi
     instructor = run_tool(ROOT, "check", "sampling-top-p")   # the instructor's tree: visible, then a fresh draw
     assert instructor.returncode == 0 and "held-out checks, drawn with seed" in instructor.stdout, instructor.stdout
     assert "edge: a per-row tensor p" in instructor.stdout
+
 
 def test_make_refuses_a_check_that_works_its_answers_out_in_verify():
     """A check with a `verify` of its own and no `expect` would need its oracle in the copy: make names it."""

@@ -38,6 +38,7 @@ def test_only_plain_data_crosses_from_a_child():
     assert got["pair"] == (1.5, float("-inf")) and got["keys"] == {7: "x"} and got["flag"] is True
     assert isinstance(got["obj"], wire.Opaque) and got["obj"].opaque_type == "object"
 
+
 @pytest.mark.parametrize("forged", [
     {"tensor": {"dtype": "float32", "shape": [2, 2], "data": [1.0]}},
     {"tensor": {"dtype": "complex_object", "shape": [1], "data": [1]}},
@@ -48,6 +49,7 @@ def test_only_plain_data_crosses_from_a_child():
 def test_the_grader_refuses_data_it_did_not_encode(forged):
     with pytest.raises(ValueError):
         wire.from_wire(forged)
+
 
 def test_the_grader_judges_each_case_once_and_says_what_happened():
     stub = {"type": "NotImplementedError", "message": "exercise pool-take (lesson 05): ...", "where": "minillm/pool.py:6"}
@@ -69,6 +71,7 @@ def test_the_grader_judges_each_case_once_and_says_what_happened():
     assert half.score == 1.0                       # 2 pts × 2/4 held-out checks; the visible cases do not count
     assert "2/4 held-out checks" in report.feedback(half, True) and "printed this" in report.feedback(half, True)
 
+
 def test_gradescope_results_are_valid_field_by_field():
     score = judged([{"case": i, "output": i} for i in range(6)])
     results = report.gradescope_results([score], seed=123, held_out_visibility="after_due_date")
@@ -85,6 +88,7 @@ def test_gradescope_results_are_valid_field_by_field():
                             ({**results, "tests": [{**held, "max_score": None}]}, "max_score"),
                             ({**results, "tests": [{**held, "status": "ok"}]}, "status")]:
         assert any(problem in p for p in report.results_problems(broken)), (problem, report.results_problems(broken))
+
 
 @reference_only
 def test_cli_errors_are_one_clear_line_and_grade_still_writes_results(tmp_path, capsys, monkeypatch):
@@ -121,6 +125,7 @@ def test_cli_errors_are_one_clear_line_and_grade_still_writes_results(tmp_path, 
     with pytest.raises(ExerciseError, match="MINILLM_GRADE_TIMEOUT"):
         grading.grade_timeout(None)
 
+
 @reference_only
 def test_every_exercise_has_a_check_whose_caller_holds_no_oracle(reference):
     checks = judging.load_checks(ROOT)
@@ -141,6 +146,7 @@ def test_every_exercise_has_a_check_whose_caller_holds_no_oracle(reference):
         source = callers.caller_source(c)   # what the child gets: run, and what run uses
         compile(source, ex.id, "exec")
         assert "def verify" not in source and "oracle" not in source and "expected" not in source, source
+
 
 def test_a_caller_that_reaches_an_oracle_is_refused(tmp_path, monkeypatch):
     folder = tmp_path / "tests" / "exercises"
@@ -173,14 +179,17 @@ import importlib, pkgutil
 import minillm
 from minillm.model import attention_by_hand
 
+
 def test_probe_every_module_imports():
     for m in pkgutil.iter_modules(minillm.__path__):
         if not m.name.startswith("__"):
             importlib.import_module("minillm." + m.name)
 
+
 def test_probe_reaches_a_stub_it_does_not_own():
     attention_by_hand(None, None, None)
 '''
+
 
 @reference_only
 def test_a_stubbed_copy_scores_0_and_its_pytest_report_is_one_line_per_exercise(stubbed_copy, reference, tmp_path):
@@ -213,6 +222,7 @@ def test_a_stubbed_copy_scores_0_and_its_pytest_report_is_one_line_per_exercise(
         assert f"{ex.id} ({ex.worth}): {ex.where()}" in out
     assert "Traceback" not in out and "NotImplementedError" not in out and len(out.splitlines()) < 30, out
 
+
 @reference_only
 def test_a_fully_solved_copy_scores_full_marks(tmp_path, reference):
     copy = tmp_path / "solved"
@@ -225,6 +235,7 @@ def test_a_fully_solved_copy_scores_full_marks(tmp_path, reference):
     wrong = {i: r for i, r in results.items() if any(t["status"] != "passed" for t in r.values())}
     assert not wrong, json.dumps(wrong, indent=1)[:5000]
     assert json.loads((tmp_path / "results.json").read_text())["score"] == sum(ex.points for ex in reference)
+
 
 @reference_only
 @pytest.mark.slow
@@ -239,6 +250,7 @@ def test_each_region_put_back_alone_passes_with_everything_else_stubbed(tmp_path
     scored = {i: r["held-out checks"]["score"] for i, r in results.items() if r["held-out checks"]["score"]}
     assert scored == {ex_id: next(e.points for e in reference if e.id == ex_id)}, scored
 
+
 @reference_only
 @pytest.mark.slow
 def test_the_whole_suite_in_a_stubbed_copy_reports_in_a_few_lines(stubbed_copy, reference):
@@ -249,6 +261,7 @@ def test_the_whole_suite_in_a_stubbed_copy_reports_in_a_few_lines(stubbed_copy, 
     assert proc.returncode == 1 and " failed" not in out and " error" not in out, out[-5000:]
     assert f"{len(reference)} exercises still to write" in out and "Traceback" not in out, out[-5000:]
     assert len(out.splitlines()) < 60, out
+
 
 def test_only_the_regions_of_a_submission_are_taken():
     mine = parse(TWO_REGIONS)
@@ -301,6 +314,7 @@ def test_what_a_child_sends_costs_its_own_cases_only():
     assert broken.score == 0 and not broken.results[0].passed
     assert runner.signal_name(11) == "SIGSEGV" and runner.signal_name(40) == "signal 40"
 
+
 def test_the_results_file_is_ascii_and_written_whole_whatever_the_code_said(tmp_path):
     score = judged([{"case": i, "raised": {"type": "ValueError", "message": "\udcff é"}} for i in range(6)])
     path = tmp_path / "out" / "results.json"
@@ -308,6 +322,7 @@ def test_the_results_file_is_ascii_and_written_whole_whatever_the_code_said(tmp_
     raw = path.read_bytes()
     assert all(b < 128 for b in raw) and "\udcff" in json.loads(raw)["tests"][1]["output"]
     assert [p.name for p in path.parent.iterdir()] == ["results.json"]   # no partial file left behind
+
 
 def test_hidden_held_out_checks_keep_the_runs_output_out_of_sight():
     score = judged([{"case": i, "output": -1} for i in range(6)], ended="it ran past the time limit (during case c5)")
@@ -317,6 +332,7 @@ def test_hidden_held_out_checks_keep_the_runs_output_out_of_sight():
     assert "points (the held-out checks are shown after due date)" in hidden["output"]
     shown = report.gradescope_results([score], seed=1)
     assert "printed this" in shown["tests"][0]["output"] and "0 / 2 points" in shown["output"]
+
 
 @reference_only
 def test_list_shows_whole_titles_within_100_columns(capsys):

@@ -58,8 +58,9 @@ def distributions_for(project: str) -> list[importlib.metadata.Distribution]:
     are pytest tests, and the grader loads them), and pip and setuptools for the editable install."""
     from packaging.requirements import Requirement
     found: dict[str, importlib.metadata.Distribution] = {}
-    todo = [Requirement(r).name for r in importlib.metadata.requires(project) or []
-            if Requirement(r).marker is None or Requirement(r).marker.evaluate({"extra": ""})] + ["pytest", "pip", "setuptools"]
+    needed = [Requirement(r) for r in importlib.metadata.requires(project) or []]
+    todo = [r.name for r in needed if r.marker is None or r.marker.evaluate({"extra": ""})] + ["pytest", "pip",
+                                                                                               "setuptools"]
     while todo:
         name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
         if name in found:
