@@ -10,18 +10,20 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from minillm.classroom import (callers, cli, grading, judge as judging, manifest as manifests, results as report,
-                               runner, splice, wire)
+from minillm.classroom import (callers, cli, exposure, grading, judge as judging, manifest as manifests,
+                               results as report, runner, splice, wire)
 from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import ExerciseError, find_exercises
 
-from exercise_tool_support import reference, stubbed_copy  # noqa: F401  (fixtures)
+from exercise_tool_support import reference, stubbed_copy, tiny_project  # noqa: F401  (fixtures)
 from exercise_tool_support import (IN_STUDENT_COPY, REGION, ROOT, SUBMITTED, TWO_REGIONS, judged, parse,
-                                    reference_only, restore, results_by_exercise, run_tool)
+                                    reference_only, restore, results_by_exercise, run_tool, world_readable)
 
 
 def test_only_plain_data_crosses_from_a_child():
@@ -367,3 +369,35 @@ def test_one_broken_marker_costs_only_its_exercise_and_the_results_say_which(tmp
     held = results["sampling-top-p"]["held-out checks"]
     assert held["score"] == 0 and (f"minillm/sampling.py:{top_p.line}: exercise sampling-top-p has no end marker"
                                    in held["output"]), held["output"]
+
+
+def test_grading_refuses_a_tree_whose_graded_solutions_the_user_can_reach(tiny_project, monkeypatch):
+    """The tree graded from holds the solutions (its files, its .git): with --user, grading from it is refused,
+    saying what to do instead, unless the user cannot reach it; a copy whose regions are stubs is graded."""
+    monkeypatch.setattr(exposure, "installed_packages", lambda: [])   # only the tree graded from, here
+    base = Path(tempfile.mkdtemp(prefix="minillm-exposure-"))
+    try:
+        base.chmod(0o755)
+        monkeypatch.chdir(base)
+        tree = base / "reference"
+        shutil.copytree(tiny_project, tree)
+        world_readable(base)
+        exercises = find_exercises(tree)
+        assert exposure.solutions_in(tree, exercises) == ["pool-take", "pool-give"]
+        with pytest.raises(ExerciseError, match=rf"the tree you grade from, {tree}, holds the solution of pool-take, "
+                                                rf"pool-give, and nobody can read it .*--for-grading.*chmod 700 {tree}"):
+            exposure.check_out_of_reach("nobody", tree, exercises)
+        tree.chmod(0o700)
+        exposure.check_out_of_reach("nobody", tree, exercises)     # out of nobody's reach: graded
+        tree.chmod(0o755)
+        copy = base / "copy"
+        make_copy(copy, root=tree)
+        world_readable(copy)
+        assert exposure.solutions_in(copy, exercises) == []
+        exposure.check_out_of_reach("nobody", copy, exercises)     # stubs: nothing to read
+        (copy / "tests" / "exercises").mkdir(parents=True)
+        (copy / "tests" / "exercises").chmod(0o755)
+        with pytest.raises(ExerciseError, match=r"nobody can read the checks .*chmod -R go-rwx"):
+            exposure.check_out_of_reach("nobody", copy, exercises)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
