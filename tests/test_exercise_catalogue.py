@@ -2,8 +2,9 @@
 tests/exercises/wrong_<concept>.py scores below full marks on every one of 200 held-out draws.
 
 One process per exercise: it splices each wrong version into the reference module in turn, and judges each
-seed's held-out cases with the check's own run and verify until one fails (the grader's child would send the
-same data: the outputs go through the same encoding). Instructor only: `make` leaves this file out.
+seed's held-out cases with the check's own run and verify until one fails, a case whose inputs came back
+changed failing as in the grader (the grader's child would send the same data: the outputs go through the same
+encoding). Instructor only: `make` leaves this file out.
 """
 import importlib
 import json
@@ -40,7 +41,7 @@ import torch
 torch.set_num_threads(1)
 from minillm.classroom.judge import load_checks
 from minillm.classroom.regions import find_exercises, replace_region
-from minillm.classroom.wire import over_the_wire
+from minillm.classroom.wire import changed_inputs, over_the_wire, to_wire
 from pathlib import Path
 WRONG = importlib.import_module(MODULE).WRONG
 ex = next(e for e in find_exercises(Path(ROOT)) if e.id == EX)
@@ -51,8 +52,11 @@ original = (Path(ROOT) / ex.file).read_text()
 def full_marks(seed):
     for inputs in check.held_out(seed).values():
         try:
-            check.verify(inputs, over_the_wire(check.run(copy.deepcopy(inputs))))
+            given = copy.deepcopy(inputs)
+            check.verify(inputs, over_the_wire(check.run(given)))
         except Exception:
+            return False
+        if changed_inputs(to_wire(inputs), given):   # the grader fails a case whose inputs came back changed
             return False
     return True
 

@@ -3,7 +3,7 @@
     python -m minillm.classroom list                       # id, lesson, points, stub/written, where, in lesson order
     python -m minillm.classroom make DIR [--only IDS] [--force] [--for-grading]
     python -m minillm.classroom check ID                   # one exercise: visible cases (+ a held-out draw, not in a copy)
-    python -m minillm.classroom grade [SUBMISSION] [--json PATH] [--user nobody]
+    python -m minillm.classroom grade [SUBMISSION] [--json PATH] [--user nobody]   # as root, on the image
 
 Regions (regions.py). Pieces of the reference engine are marked in place:
 
@@ -30,35 +30,41 @@ Grading, and what it defends against
     between each assigned exercise's markers in the submission and splices
     it into this tree's own files, in a fresh folder. Every other line, the
     package's `__init__` and this grader included, is the instructor's; a
-    marker missing, duplicated or out of order refuses the submission, naming
-    the file and the marker, and a region must be whole statements that stay
-    inside their function. A region may not use its hint's "Off limits"
-    names, nor transformers, the checks, the answer keys or the catalogue
-    (test_ex_*, key_*, wrong_*; checked on its syntax tree).
-  * The student's code never shares a process with the answer key
-    (callers.py, runner.py, child.py). Each exercise runs in a fresh
-    interpreter, as `--user` when given, that receives only its inputs as
-    plain data and the source of the check's `run`, cut out of the test file
-    with the definitions it uses; `verify`, the oracles and the seed stay
-    here, and so do the answers: a copy's visible_answers.json is never read
-    in grading, so editing it changes no grade. With `--user` the grader
-    refuses to start when that user could read
-    the checks, or could not read the interpreter, the standard library or
-    a sys.path entry (an honest solution would then fail on an import).
+    marker missing or duplicated, or a region that is not whole statements
+    staying inside its function, fails that exercise alone, its results
+    naming the file, the line and the marker. A region may not use its hint's
+    "Off limits" names, nor transformers, the checks, the answer keys or the
+    catalogue (test_ex_*, key_*, wrong_*; checked on its syntax tree, names
+    given as constant strings to import_module, __import__, getattr included).
+  * The answer is out of reach (exposure.py, callers.py, runner.py, child.py).
+    Each exercise runs in a fresh interpreter, as `--user`, that receives only
+    its inputs as plain data and the source of the check's `run`, cut out of
+    the test file with the definitions it uses; `verify`, the oracles and the
+    seed stay here, and so do the answers: a copy's visible_answers.json is
+    never read in grading, so editing it changes no grade. With `--user` the
+    grader refuses to start when that user could read the checks, or a graded
+    region's solution in the tree graded from, the installed package's tree or
+    the working folder (grade in a `make --for-grading` copy), or could not
+    read the interpreter or a folder its packages come from. Without `--user`
+    the code runs as the grader's user, and `grade` says it is only an
+    instructor's local check of their own code.
   * A child costs only its own exercise (judge.py). Its output is JSON data,
     decoded and judged here inside a guard of its exercise; a crash, a signal
-    (named, or by number), os._exit, sys.exit, an endless loop or forged
-    lines fail that exercise only, and the whole session it started is killed.
-  * The results file is always written, whole (renamed into place) and ASCII,
-    also when grading fails, with the reason (results.py).
+    (named, or by number), os._exit, sys.exit, an endless loop, forged lines
+    or inputs changed in place fail that exercise only. When its run ends,
+    the child and every process it started are killed, wherever they moved
+    (reaper.py: subreapers on Linux).
+  * The results file is written once, at the end, when no process of the
+    graded code is left: whole (renamed into place) and ASCII, also when
+    grading fails, with the reason (results.py).
   * Held-out inputs are drawn from a fresh seed recorded in the results. A
     fixed one (MINILLM_GRADE_SEED, --seed) prints a warning: a table of
     answers built for it would pass, so it is only for reproducing a grade.
   * With held-out results hidden (--held-out-visibility), nothing the code
     printed, and no way its run ended, reaches the visible output.
-What no check stops: code that reads files its user can read (keep the
-reference off the image, and the checks private: the README's run_autograder
-does both), network use, and exhausting memory or disk.
+What no check stops: code that reads other files its user can read (a copy
+of the reference left elsewhere on the image), network use, and exhausting
+memory or disk.
 
 Adding an exercise
 ------------------

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from .regions import ExerciseError
-from .wire import from_wire, over_the_wire, to_wire
+from .wire import changed_inputs, from_wire, over_the_wire, to_wire
 
 ANSWERS = "tests/exercises/visible_answers.json"
 ANSWERS_FORMAT = 1
@@ -56,7 +56,10 @@ def answers_of(checks: dict) -> dict:
                 if _holds_an_object(wired):
                     raise TypeError("it returned an object that is not data")
                 answer = from_wire(json.loads(json.dumps(wired)))
-                output = over_the_wire(check.run(copy.deepcopy(inputs)))
+                given = copy.deepcopy(inputs)
+                output = over_the_wire(check.run(given))
+                if changed_inputs(to_wire(inputs), given):
+                    raise AssertionError(f"it changed its inputs {', '.join(changed_inputs(to_wire(inputs), given))}")
                 check.judge(inputs, output, answer)
             except AssertionError as e:
                 raise ExerciseError(f"exercise {ex_id}, visible case {case!r}: the reference fails its own check, so "

@@ -8,8 +8,9 @@ exercise the grader sends (three file descriptors over the socket: the job,
 the file for what the code prints, the channel back) it forks a child in a
 session of its own. The child reads its job, the source of the check's `run`
 and the inputs as plain data, and sends back JSON lines: what the student's
-function returned, or what it raised. The starter reports each child's pid and
-how it ended; the grader decodes and judges everything alone.
+function returned and which of its inputs it changed, or what it raised. The starter reports each child's pid and
+how it ended; the grader decodes and judges everything alone, after killing
+every process the child started (reaper.py).
 """
 import json
 import os
@@ -43,14 +44,15 @@ def run_job(channel: int, root: str) -> None:
     """In a child: the job from stdin, each case's inputs through the caller, each output back as data."""
     job = json.loads(sys.stdin.buffer.read())
     os.close(0)
-    from minillm.classroom.wire import from_wire, to_wire
+    from minillm.classroom.wire import changed_inputs, from_wire, to_wire
     namespace = {"__name__": "exercise_caller"}
     exec(compile(job["caller"], f"<the caller of exercise {job['exercise']}>", "exec"), namespace)
     caller = namespace["CALLER"]
     for i, name, inputs in job["cases"]:
         send(channel, {"start": name})
         try:
-            message = {"case": i, "output": to_wire(caller.run(from_wire(inputs)))}
+            given = from_wire(inputs)
+            message = {"case": i, "output": to_wire(caller.run(given)), "changed": changed_inputs(inputs, given)}
         except BaseException as e:        # SystemExit and KeyboardInterrupt too: they end this case, not the run
             message = {"case": i, "raised": describe(e, root)}
         try:
@@ -70,7 +72,10 @@ def fork_child(sock: socket.socket, fds: list[int], root: str) -> int:
     code = 0
     try:
         sock.close()
-        os.setsid()                     # a session of its own: the grader kills the whole group at the end
+        os.setsid()                     # a session of its own, and on Linux a subreaper: whatever its code starts
+        if sys.platform.startswith("linux"):    # stays below it, for the grader to kill when its run ends
+            from minillm.classroom.reaper import set_subreaper
+            set_subreaper(True)
         job, out, channel = fds
         os.dup2(job, 0)
         os.dup2(out, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -11,10 +12,14 @@ from .copies import make_copy, untracked_files
 from .grading import DEFAULT_TIMEOUT_S, grade_exercises, grade_timeout, warn_fixed_seed
 from .manifest import MANIFEST, assigned_exercises, is_student_copy
 from .regions import ROOT, ExerciseError, find_exercises, select
-from .results import VISIBILITIES, failed_results, gradescope_results, results_problems, write_results
+from .results import (VISIBILITIES, check_writable, failed_results, gradescope_results, results_problems,
+                      write_results)
 
 PROG = "python -m minillm.classroom"
 WIDTH = 100   # `list` fits a terminal of this many columns
+LOCAL_CHECK = ("graded without --user, the code ran as the grader's own user, who can read the answer keys and the "
+               "reference: this is only an instructor's local check of their own code, not a grade of a student's. "
+               "Grade a submission on the grading image, as root, with --user nobody (the README's run_autograder).")
 
 
 def cmd_list(args) -> int:
@@ -26,7 +31,7 @@ def cmd_list(args) -> int:
     rows = [(ex.id, ex.lesson, str(ex.points), "stub" if ex.is_stub else "written", f"{ex.file}:{ex.line}", ex.title)
             + ((("yes" if ex.id in assigned else "no"),) if assigned is not None else ()) for ex in exercises]
     _table(("id", "lesson", "pts", "state", "where", "title") + (("graded",) if assigned is not None else ()), rows,
-           squeeze=5)
+           wrap=5)
     print(f"\n{len(exercises)} exercises, {sum(ex.points for ex in exercises)} points, in lesson order")
     return 0
 
@@ -87,8 +92,8 @@ def cmd_grade(args) -> int:
                                 f"{', '.join(VISIBILITIES)}")
         if args.jobs is not None and args.jobs < 1:
             raise ExerciseError(f"--jobs {args.jobs}: grade at least 1 exercise at a time")
-        if args.json:   # at once: a path that cannot be written fails before any grading, and a file is there
-            write_results(args.json, failed_results("grading did not finish: the grader was stopped"))
+        if args.json:   # at once: a path that cannot be written fails before any grading
+            check_writable(args.json)
         if args.seed is not None:
             warn_fixed_seed(args.seed)
         submission = Path(args.submission).resolve() if args.submission else ROOT
@@ -101,6 +106,9 @@ def cmd_grade(args) -> int:
         scores, seed = grade_exercises(exercises, ROOT, submission, args.seed, grade_timeout(args.timeout),
                                        args.jobs, user)
         results = gradescope_results(scores, seed, args.held_out_visibility)
+        if not user:
+            print(f"note: {LOCAL_CHECK}", file=sys.stderr)
+            results["output"] += f" Note: {LOCAL_CHECK}"
         problems = results_problems(results)
         if problems:
             raise RuntimeError(f"the grader built invalid results: {problems}")
@@ -140,20 +148,21 @@ def _checked_user(user: str | None) -> str | None:
     return user
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], squeeze: int | None = None) -> None:
-    """Columns padded to their widest cell; column `squeeze` is cut so that a line fits WIDTH."""
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], wrap: int | None = None) -> None:
+    """Columns padded to their widest cell; column `wrap` is wrapped at spaces onto lines of its own, so that a
+    line fits WIDTH and every word of it is shown (a title is never cut)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    if squeeze is not None:
-        room = WIDTH - (sum(widths) - widths[squeeze]) - 2 * (len(widths) - 1)
-        if widths[squeeze] > room:
-            widths[squeeze] = max(room, len(header[squeeze]))
-            rows = [r[:squeeze] + (_cut(r[squeeze], widths[squeeze]),) + r[squeeze + 1:] for r in rows]
+    if wrap is not None:
+        room = WIDTH - (sum(widths) - widths[wrap]) - 2 * (len(widths) - 1)
+        widths[wrap] = max(min(widths[wrap], room), len(header[wrap]), 20)
+        wrapped = []
+        for r in rows:
+            pieces = textwrap.wrap(r[wrap], widths[wrap], break_long_words=False, break_on_hyphens=False) or [""]
+            wrapped.append(r[:wrap] + (pieces[0],) + r[wrap + 1:])
+            wrapped += [tuple("" for _ in r[:wrap]) + (piece,) + tuple("" for _ in r[wrap + 1:]) for piece in pieces[1:]]
+        rows = wrapped
     for r in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def main(argv: list[str] | None = None) -> int:

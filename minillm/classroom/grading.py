@@ -10,10 +10,11 @@ from pathlib import Path
 
 from .answers import read_answers
 from .callers import caller_source
+from .exposure import check_out_of_reach
 from .judge import EXERCISE_TESTS, CaseResult, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
 from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
-from .runner import check_user_can_run, run_children, unreadable_for
+from .runner import check_user_can_run, run_children
 from .splice import spliced_folder
 from .wire import to_wire
 
@@ -44,11 +45,8 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
                             f"{', '.join(missing)}; every exercise needs one (see exercise_checks.py)")
     listed = read_manifest(root)["files"] if (root / MANIFEST).exists() else None
     if user:
-        readable = [] if unreadable_for(user, [str(root / EXERCISE_TESTS)]) else [str(root / EXERCISE_TESTS)]
-        if readable:
-            raise ExerciseError(f"--user {user} can read the instructor's checks in {readable[0]}, oracles "
-                                f"included; make them private first: chmod -R go-rwx {readable[0]}")
-    folder = spliced_folder(root, submission, exercises, listed)
+        check_out_of_reach(user, root, exercises)
+    folder, broken = spliced_folder(root, submission, exercises, listed)
     try:
         if user:
             check_user_can_run(user, folder)
@@ -56,6 +54,9 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
         work = []
         for ex in exercises:
             check, cases = checks[ex.id], cases_of(checks[ex.id], seed, answers)
+            if ex.id in broken:
+                scores[ex.id] = failed_all(ex, cases, f"not graded, as its region cannot be taken: {broken[ex.id]}")
+                continue
             body = _region_body(folder, ex)
             banned = forbidden_calls(ex, body)
             if banned:

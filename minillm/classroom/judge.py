@@ -67,9 +67,21 @@ def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]
     return [Case(name, inputs, False, literal_answer(answers, check, name)) for name, inputs in check.visible().items()]
 
 
+IMPORTERS = ("import_module", "__import__", "find_spec", "spec_from_file_location", "import_from_path")
+GETTERS = ("getattr", "hasattr", "attrgetter")
+
+
+def _constant_strings(node: ast.Call) -> list[str]:
+    return [a.value for a in [*node.args, *(k.value for k in node.keywords)]
+            if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+
 def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
     """The off-limits names a region's code uses: its hint's "Off limits: ..." and what no region may reach.
-    Checked on the code's syntax tree, so a comment or a string that names one is no offence."""
+    Checked on the code's syntax tree, so a comment or a docstring that names one is no offence, but a name given
+    as a constant string to what imports or looks up by name is: `importlib.import_module("transformers")`,
+    `__import__("key_model")`, `sys.modules["transformers"]`, `getattr(torch, "topk")`. A name computed at run
+    time ("trans" + "formers") still slips through: that is for a reader of the code to catch."""
     try:
         tree = ast.parse(textwrap.dedent("\n".join(body)))
     except SyntaxError:
@@ -80,6 +92,15 @@ def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
             used.add(node.id)
         elif isinstance(node, ast.Attribute):
             used.add(node.attr)
+        elif isinstance(node, ast.Call):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if called in IMPORTERS:
+                imported.update(part for name in _constant_strings(node) for part in name.split("."))
+            elif called in GETTERS:
+                used.update(name for name in _constant_strings(node) if name.isidentifier())
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "modules"
+              and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+            imported.update(node.slice.value.split("."))
         elif isinstance(node, ast.Import):
             imported.update(part for alias in node.names for part in alias.name.split("."))
         elif isinstance(node, ast.ImportFrom):
@@ -154,11 +175,21 @@ def _judge(ex: Exercise, check, cases: list[Case], run: ChildRun) -> Score:
                        f"so this case counts as failed")
         elif "raised" in got[0]:
             message = _raised_message(ex, got[0]["raised"])
+        elif got[0].get("changed"):
+            message = changed_message(check, got[0]["changed"])
         else:
             message = _verify(check, case, got[0].get("output"))
         results.append(CaseResult(case.name, case.held_out, message == "", message))
     ended = run.ended + (f"; {stray} line(s) on the grader's channel were not its messages" if stray else "")
     return Score(ex, results, ended, run.printed)
+
+
+def changed_message(check, names) -> str:
+    """What a student reads when the code changed inputs it was only given to read."""
+    names = [str(n)[:100] for n in names] if isinstance(names, list) else [str(names)[:100]]
+    return (f"{check.where.split(', ')[-1]} changed its input{'s' * (len(names) > 1)} {', '.join(names)} in place; "
+            f"the caller keeps using {'them' if len(names) > 1 else 'it'} (the engine reuses what it passes), so "
+            f"leave the inputs as they were and return new values. Look at {check.where}.")
 
 
 def _verify(check, case: Case, wire) -> str:

@@ -89,6 +89,18 @@ def results_problems(results) -> list[str]:
     return problems
 
 
+def check_writable(path: str | Path) -> None:
+    """Refuse, before any grading, a results path that cannot be written: a file is made beside it and removed.
+    The results file itself is written once, at the end, when no process of the graded code is left."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=target.name + ".", suffix=".probe", dir=target.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ExerciseError(f"cannot write the results to {target}: {e.strerror or e}; give --json a path in a "
+                            f"folder you can write") from None
 
 
 def write_results(path: str | Path, data: dict) -> None:

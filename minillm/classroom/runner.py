@@ -4,8 +4,10 @@ One fresh interpreter, the starter (child.py), runs as that user, imports
 torch once and forks a child per exercise: fresh for the grader's secrets,
 cheap to start. The grader writes each child's job (its caller's source and
 the inputs, as plain data) to a file only the grader can open and hands it
-over, open, with the file for what the code prints and the pipe back; each
-child leads a session of its own, killed whole when its run ends.
+over, open, with the file for what the code prints and the pipe back. When a
+run ends, the child and everything it started are killed, wherever they moved
+(reaper.py), and before the grader returns, no process of the graded code is
+left.
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import reaper
 from .regions import ExerciseError
 
-CHILD = Path(__file__).with_name("child.py")
 MAX_OUTPUT = 64 << 20
 
 
@@ -79,18 +81,30 @@ def unreadable_for(user: str, paths: list[str]) -> list[str]:
     return bad
 
 
+def child_sys_path() -> list[str]:
+    """The folders the children's interpreter (`python -I`, as the starter runs) imports from: its standard
+    library and installed packages, what .pth files add, and nothing of the grader's own sys.path."""
+    probe = subprocess.run([sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
+                           capture_output=True, text=True, cwd="/", timeout=120)
+    if probe.returncode != 0:
+        raise ExerciseError(f"{sys.executable} -I could not start ({probe.stderr.strip()[-300:]}), so the children "
+                            f"could not either; grade with an interpreter that starts")
+    return [p for p in json.loads(probe.stdout) if p and os.path.isabs(p) and not p.endswith(".zip")]
+
+
 def check_user_can_run(user: str, folder: Path) -> None:
-    """Refuse before grading when `user` cannot read the interpreter, its standard library, a sys.path entry
-    or the graded folder: otherwise an honest solution would fail on an import."""
+    """Refuse before grading when `user` cannot read the interpreter, its standard library, a folder the
+    children's interpreter imports from, or the graded folder: otherwise an honest solution would fail on an
+    import. The grader's own sys.path is not the children's: the checks' folder is on it, and private."""
     import sysconfig
-    paths = [os.path.realpath(sys.executable), sys.executable, sysconfig.get_paths()["stdlib"], str(folder), str(CHILD)]
-    paths += [p for p in sys.path if p and os.path.isabs(p) and not p.endswith(".zip")]
+    paths = [os.path.realpath(sys.executable), sys.executable, sysconfig.get_paths()["stdlib"], str(folder),
+             str(folder / "minillm" / "classroom" / "child.py"), *child_sys_path()]
     bad = unreadable_for(user, paths)
     if bad:
         raise ExerciseError(f"--user {user} cannot read what the student's code needs to run: {', '.join(bad[:4])}"
                             f"{' ...' if len(bad) > 4 else ''}; install Python and the packages where {user} can "
-                            f"read them (not under a folder of mode 700, such as a private home or a mktemp -d "
-                            f"folder), or grade without --user")
+                            f"read them, not under a folder of mode 700 such as a private home or a mktemp -d "
+                            f"folder (on Gradescope's image: the system Python, and setup.sh's pip install into it)")
 
 
 class Starter:
@@ -112,6 +126,7 @@ class Starter:
             theirs.close()
         self.ended: dict[int, int] = {}   # pid -> exit code, as the starter reported it
         self.alive = True
+        self.known: set[int] = set()      # the grader's own children: the starter, and what it had before
 
     def start(self, ex_id: str, job: dict, folder: Path, timeout: float) -> "Child":
         out = tempfile.TemporaryFile()
@@ -242,8 +257,12 @@ class Child:
         return ChildRun(messages, stray, ended, printed)
 
     def kill(self) -> None:
-        """SIGKILL its session's process group (what it started) and the child itself."""
+        """Kill the child and everything it started, wherever that moved, and any orphan handed back to the
+        grader (reaper.py); without a subreaper (not Linux), its session's process group and the child."""
         if self.pid is None:
+            return
+        if reaper.CAN_REAP:
+            reaper.kill_tree({self.pid} | reaper.strays(self.starter.known), ours=self.starter.known)
             return
         for kill in (os.killpg, os.kill):
             try:
@@ -275,7 +294,10 @@ def run_children(jobs: list[tuple[str, dict]], folder: Path, timeout: float, par
     pending, running, done = list(jobs), [], {}
     if not jobs:
         return done
+    was_subreaper = reaper.set_subreaper(True) if reaper.CAN_REAP else False
+    before = reaper.strays(set()) if reaper.CAN_REAP else set()
     starter = Starter(folder, user)
+    starter.known = before | {starter.proc.pid}
     selector = selectors.PollSelector()
     try:
         while pending or running:
@@ -297,4 +319,11 @@ def run_children(jobs: list[tuple[str, dict]], folder: Path, timeout: float, par
         for child in running:
             child.kill()
         starter.close()
+        if reaper.CAN_REAP:      # what the starter's end handed back; then nothing of the graded code is left
+            left = reaper.strays(before)
+            reaper.kill_tree(left, ours=before)
+            alive = reaper.wait_until_gone(left)
+            reaper.set_subreaper(was_subreaper)
+            if alive:
+                raise RuntimeError(f"processes of the graded code outlived its kill: {sorted(alive)}")
     return done

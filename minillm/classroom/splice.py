@@ -3,7 +3,9 @@
 Grading never runs a submission's files. It reads the text between each
 assigned exercise's markers, checks it, and writes it into a copy of the
 instructor's package in a fresh folder; every line outside the regions, the
-package's `__init__` and the grader included, is the instructor's.
+package's `__init__` and the grader included, is the instructor's. A region
+that cannot be taken (a marker missing or duplicated, code that leaves its
+function) keeps its stub and fails its own exercise, saying why.
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from pathlib import Path
 from .regions import BEGIN, END, HINT, PACKAGE, Exercise, ExerciseError, replace_region, write_tree
 
 
-def regions_of_submission(text: str, file: str, expected: list[Exercise]) -> dict[str, list[str]]:
-    """The code of each of `expected` (the instructor's regions of `file`, in order) in a submission's `file`.
-
-    Refused, naming the file and the marker, when a marker is missing, duplicated or out of order, when an end
-    marker is missing, or when a region's code is not a block of statements that stays inside its function."""
+def regions_of_submission(text: str, file: str, expected: list[Exercise]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The code of each of `expected` (the instructor's regions of `file`) in a submission's `file`, and for each
+    region that cannot be taken, what is wrong with it, naming the file, the line and the marker: a marker missing
+    or duplicated, no end marker before the next region, or code that is not a block of statements staying inside
+    its function. A broken region costs only its own exercise; the order of the regions does not matter."""
     lines = text.splitlines()
     opened = []
     for n, line in enumerate(lines):
@@ -28,30 +30,28 @@ def regions_of_submission(text: str, file: str, expected: list[Exercise]) -> dic
         if stripped.startswith(BEGIN):
             rest = stripped[len(BEGIN):].split()
             opened.append((rest[0] if rest else "", n))
-    ids = [i for i, _ in opened]
+    bodies: dict[str, list[str]] = {}
+    broken: dict[str, str] = {}
     for ex in expected:
-        count = ids.count(ex.id)
-        if count != 1:
-            raise ExerciseError(f"{file}: the marker of exercise {ex.id} ('{BEGIN} {ex.id} ...') appears {count} "
-                                f"times; keep exactly one, as the copy you were given has it")
-    strangers = [i for i in ids if i not in {ex.id for ex in expected}]
-    if strangers:
-        raise ExerciseError(f"{file}: a marker '{BEGIN} {strangers[0]}' that the assignment does not have here; "
-                            f"keep the markers as the copy you were given has them")
-    if ids != [ex.id for ex in expected]:
-        raise ExerciseError(f"{file}: the exercise markers are out of order ({', '.join(ids)}); the assignment has "
-                            f"{', '.join(ex.id for ex in expected)}: put the code back between its own markers")
-    bodies = {}
-    for k, ((ex_id, start), ex) in enumerate(zip(opened, expected)):
-        stop = opened[k + 1][1] if k + 1 < len(opened) else len(lines)
+        starts = [n for ex_id, n in opened if ex_id == ex.id]
+        if len(starts) != 1:
+            where = f" (lines {', '.join(str(n + 1) for n in starts)})" if starts else ""
+            broken[ex.id] = (f"{file}: the marker of exercise {ex.id} ('{BEGIN} {ex.id} ...') appears {len(starts)} "
+                             f"times{where}; keep exactly one, as the copy you were given has it")
+            continue
+        start = starts[0]
+        stop = min([n for _, n in opened if n > start], default=len(lines))
         ends = [n for n in range(start + 1, stop) if lines[n].strip().startswith(END)]
         if not ends:
-            raise ExerciseError(f"{file}:{start + 1}: exercise {ex_id} has no end marker '{END}' before the next "
-                                f"region; put it back after your code")
+            broken[ex.id] = (f"{file}:{start + 1}: exercise {ex.id} has no end marker '{END}' before the next region "
+                             f"or the end of the file; put it back after your code")
+            continue
         first = start + 1 + (HINT.fullmatch(lines[start + 1]) is not None if start + 1 < ends[0] else 0)
-        body = lines[first:ends[0]]
-        bodies[ex_id] = _checked_body(body, ex, file, first + 1)
-    return bodies
+        try:
+            bodies[ex.id] = _checked_body(lines[first:ends[0]], ex, file, first + 1)
+        except ExerciseError as e:
+            broken[ex.id] = str(e)
+    return bodies, broken
 
 
 def _checked_body(body: list[str], ex: Exercise, file: str, first_line: int) -> list[str]:
@@ -79,33 +79,40 @@ def package_files(root: Path, listed: list[str] | None) -> list[str]:
                   if p.is_file() and "__pycache__" not in p.parts)
 
 
-def spliced_folder(root: Path, submission: Path, graded: list[Exercise], listed: list[str] | None) -> Path:
-    """A fresh folder holding the instructor's package with each graded region's code taken from `submission`.
+def spliced_folder(root: Path, submission: Path, graded: list[Exercise],
+                   listed: list[str] | None) -> tuple[Path, dict[str, str]]:
+    """A fresh folder holding the instructor's package with each graded region's code taken from `submission`,
+    and, by exercise, why a region could not be taken: that region holds its stub, and only it fails.
 
     Readable by everyone and writable by no one but its owner: the children read it as an unprivileged user."""
+    from .regions import parse_regions
     root, submission = Path(root), Path(submission)
     by_file: dict[str, list[Exercise]] = {}
     for ex in sorted(graded, key=lambda e: (e.file, e.line)):
         by_file.setdefault(ex.file, []).append(ex)
     texts: dict[str, str] = {}
+    broken: dict[str, str] = {}
     for rel, exercises in by_file.items():
+        mine = (root / rel).read_text(encoding="utf-8")
         source = submission / rel
         try:
-            submitted = source.read_text(encoding="utf-8")
+            bodies, broken_here = regions_of_submission(source.read_text(encoding="utf-8"), rel,
+                                                        parse_regions(mine, rel))
         except FileNotFoundError:
-            raise ExerciseError(f"the submission has no {rel}, which holds exercise{'s' * (len(exercises) > 1)} "
-                                f"{', '.join(e.id for e in exercises)}; submit the package's files") from None
+            bodies, why = {}, f"the submission has no {rel}; submit the package's files"
+            broken_here = {ex.id: why for ex in exercises}
         except (OSError, UnicodeDecodeError) as e:
-            raise ExerciseError(f"the submission's {rel} cannot be read as UTF-8 text ({e})") from None
-        mine = (root / rel).read_text(encoding="utf-8")
-        from .regions import parse_regions
-        in_mine = [ex for ex in parse_regions(mine, rel)]
-        bodies = regions_of_submission(submitted, rel, in_mine)
+            bodies, why = {}, f"the submission's {rel} cannot be read as UTF-8 text ({e})"
+            broken_here = {ex.id: why for ex in exercises}
         for ex in exercises:
-            mine = replace_region(mine, rel, ex.id, bodies[ex.id])
+            if ex.id in bodies:
+                mine = replace_region(mine, rel, ex.id, bodies[ex.id])
+            else:   # the stub, never this tree's own code (in the reference tree, the solution)
+                broken[ex.id] = broken_here[ex.id]
+                mine = replace_region(mine, rel, ex.id, ex.stub())
         texts[rel] = mine
     folder = Path(tempfile.mkdtemp(prefix="minillm-graded-"))
     write_tree(root, folder, package_files(root, listed), texts)
     for path in [folder, *folder.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    return folder
+    return folder, broken

@@ -90,3 +90,12 @@ def over_the_wire(value):
     return from_wire(json.loads(json.dumps(to_wire(value))))
 
 
+
+
+def changed_inputs(sent, inputs: dict) -> list[str]:
+    """The names of the inputs that a call changed: `sent` is how the inputs were (to_wire of the dict), `inputs`
+    what they are now. A region must leave its inputs as it found them: the engine keeps using them (the logits
+    it masks)."""
+    before = dict(sent["dict"]) if isinstance(sent, dict) and isinstance(sent.get("dict"), list) else {}
+    return [name for name, value in inputs.items()
+            if json.dumps(to_wire(value), allow_nan=True) != json.dumps(before.get(name), allow_nan=True)]

@@ -5,6 +5,8 @@ A Check holds an exercise's cases and the three parts of testing them:
     run(inputs)                      call the student's function on one case's inputs and return what it gave:
                                      tensors, numbers, lists, dicts. Imports minillm *inside* the method, never at
                                      module level: the grader imports this file and must never import student code.
+                                     Inputs the function receives are passed as they are, not copied: any input
+                                     that comes back changed fails the case (a region leaves its inputs alone).
     expect(inputs)                   the answer key of one case, as plain data, worked out by an oracle in
                                      tests/exercises/key_<concept>.py, imported inside the method. Instructor only.
     judge(inputs, output, expected)  raise AssertionError, with the message a student reads, unless `output` is
@@ -28,7 +30,7 @@ fresh process that sends back only data, and `verify` in the parent, which
 decides the score. Both pass the output through the same encoding, so a test
 and the grader judge the same values.
 
-Rules each check keeps (tests/test_exercises_tool.py and tests/test_exercise_catalogue.py hold them): every
+Rules each check keeps (tests/test_exercise_grading.py and tests/test_exercise_catalogue.py hold them): every
 case reaches the exercise's own region, so its stub fails them all and no other exercise's stub is reached; each
 situation matches a visible case and is drawn the same number of times each run; the plausible wrong versions in
 tests/exercises/wrong_<concept>.py score below full marks on every one of 200 seeds (the edges make sure of it);
@@ -125,10 +127,15 @@ class Check:
         @pytest.mark.parametrize("case", list(cases))
         def test(case):
             from minillm.classroom.answers import literal_answer, read_answers
+            from minillm.classroom.judge import changed_message
             from minillm.classroom.manifest import MANIFEST
             from minillm.classroom.regions import ExerciseError
-            from minillm.classroom.wire import over_the_wire
-            output = over_the_wire(check.run(copy.deepcopy(cases[case])))
+            from minillm.classroom.wire import changed_inputs, over_the_wire, to_wire
+            given = copy.deepcopy(cases[case])
+            output = over_the_wire(check.run(given))
+            changed = changed_inputs(to_wire(cases[case]), given)
+            if changed:                                              # as the grader says it
+                pytest.fail(changed_message(check, changed), pytrace=False)
             try:
                 root = Path(__file__).resolve().parents[2]   # a copy (it has a manifest) judges against its answers
                 answers = (read_answers(root) or {}) if (root / MANIFEST).is_file() else None

@@ -63,6 +63,10 @@ class CausalAttention(Check):
             "a decode step: 1 query over 9 keys, in each of 3 rows": case(3, 2, 1, 8, L=9),
             "a ragged chunk: 2 queries per row, rows ending at 3, 8 and 5 of 9 keys":
                 case(3, 2, 2, 8, L=9, mask=ragged_mask([[2, 3], [7, 8], [4, 5]], 9)),
+            # The mask is the whole truth: row 1 has one real query, at the last key, and a padding slot after it,
+            # so its first query sees all 9 keys, more than the triangle of 2 queries at the end would let it.
+            "a given mask is used as it is: a padded row's one query sees every key":
+                case(3, 2, 2, 8, L=9, mask=ragged_mask([[2, 3], [8, 8], [4, 5]], 9)),
         }
 
     def situations(self):

@@ -35,6 +35,13 @@ if mask is None:
 scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
 return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
 """,
+        "ANDs a given mask with the causal triangle, instead of using it as it is": """
+T, L = q.shape[-2], k.shape[-2]
+causal = causal_mask(torch.arange(L - T, L, device=q.device), L)
+mask = causal if mask is None else mask & causal
+scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+""",
         "lets each query see one key too many": """
 T, L = q.shape[-2], k.shape[-2]
 if mask is None:

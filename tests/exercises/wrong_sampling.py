@@ -24,6 +24,10 @@ return logits.masked_fill(logits < kth, float("-inf"))
 kth = torch.sort(logits, dim=-1).values[..., k - 1:k]
 return logits.masked_fill(logits < kth, float("-inf"))
 """,
+        "masks the caller's logits in place": """
+kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+return logits.masked_fill_(logits < kth, float("-inf"))
+""",
         "returns probabilities instead of logits": """
 kth = torch.topk(logits, k, dim=-1).values[..., -1:]
 return logits.softmax(dim=-1).masked_fill(logits < kth, float("-inf"))
@@ -46,6 +50,13 @@ probs = sorted_logits.softmax(dim=-1)
 drop_sorted = probs.cumsum(dim=-1) - probs >= p
 drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 return logits.masked_fill(drop, float("-inf"))
+""",
+        "masks the caller's logits in place": """
+sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+probs = sorted_logits.softmax(dim=-1)
+drop_sorted = probs.cumsum(dim=-1) - probs >= p
+drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+return logits.masked_fill_(drop, float("-inf"))
 """,
         "applies the sorted order's mask to the unsorted logits": """
 sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
