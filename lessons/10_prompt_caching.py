@@ -20,8 +20,8 @@ every block, looking every prompt up) keeps throughput within 3% of caching off.
 
 What this lesson measures
 -------------------------
-Every run gets a fresh engine whose pool holds its whole workload (nothing is
-preempted: caching is the only difference), greedy answers of fixed length.
+Every run gets a fresh engine whose pool holds its whole workload (nothing is preempted:
+caching is the only difference), greedy answers of fixed length.
 
     TTFT sweep  one request at a time (no queue), max_tokens 1: one request warms
                 the system prompt, then one request per shared length S ∈ {96, 192,
@@ -36,19 +36,17 @@ preempted: caching is the only difference), greedy answers of fixed length.
                 each prefill at the matmul ceiling, each decode step at its bytes
                 over the copy bandwidth.
     control     2 requests of 416 distinct tokens at once, answers of 32: nothing to share.
-    turns       2 conversations of 3 turns (a 128-token first message, then 64 per
-                turn), each turn resending the history: served once each way, shown
-                for its hit rate and prefill saved, not judged.
+    turns       2 conversations of 3 turns (a 128-token first message, then 64 per turn), each
+                resending the history: served once each way, shown (hit rate, prefill saved), not judged.
 
-Sizes scale with the context (gpt2's above); --quick keeps the proportions that decide
-each line, so the same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again
-(S + U) / U = 25 at the checked point); `shared` of 6 requests with a 96-token system
-prompt, 4 tokens of each request's own and 4-token answers (prompt ÷ answer = 25, as
-in the full run); the control of 100-token prompts; turns of 32 then 8 tokens. The
-sweep, shared and control runs go in turns, caching off and on, three rounds (two with
---quick); every ratio is taken within a round. On a CPU the model runs on one thread:
-on shared cores a second thread makes each small step wait for it, and the runs of a
-round then differ more than caching makes them differ.
+Sizes scale with the context (gpt2's above); --quick keeps the proportions that decide each
+line, so the same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again (S + U) / U = 25
+at the checked point); `shared` of 6 requests with a 96-token system prompt, 4 tokens of each
+request's own and 4-token answers (prompt ÷ answer = 25, as in the full run); the control of
+100-token prompts; turns of 32 then 8 tokens. The sweep, shared and control runs go in turns,
+caching off and on, three rounds (two with --quick); every ratio is taken within a round. On a
+CPU the model runs on one thread: on shared cores, a second thread would make each small step
+wait, and a round's runs would differ more than caching does.
 
 The verdict: per round, the checked TTFT off ÷ on ≥ 5, shared throughput on ÷ off ≥ 2,
 control throughput on ÷ off ≥ 0.97. Where a line is missed, the lesson computes why
@@ -67,12 +65,11 @@ import statistics
 
 from common import (make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, start, ticks_at,
                     write_results)
-from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
+from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.bench.replay import serve
+from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
 from minillm.bench.workloads import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload,
                                      shared_prefix_workload)
-
-from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
@@ -105,10 +102,9 @@ def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3)
 
 
 def make_engine(model, conversations: list[Conversation], caching: bool) -> LLMEngine:
-    return LLMEngine(model, SchedulerConfig(max_num_seqs=len(conversations)),
-                     cache_config=CacheConfig(block_size=BLOCK_SIZE,
-                                              num_gpu_blocks_override=conversation_blocks(conversations, BLOCK_SIZE),
-                                              enable_prefix_caching=caching))
+    pool = CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=conversation_blocks(conversations, BLOCK_SIZE),
+                       enable_prefix_caching=caching)
+    return LLMEngine(model, SchedulerConfig(max_num_seqs=len(conversations)), pool)
 
 
 def runner(model, conversations: list[Conversation], caching: bool, concurrency: int | None = None):
@@ -309,10 +305,11 @@ def main(argv=None) -> dict:
     m = measure(lesson, s)
     verdict, bound, bounds = judge_claim(lesson, s, m)
     on_off_turns = plot(lesson, s, m, pb, bound, verdict)
-    figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": m["ttft"]["off"], "ttft_on_s": m["ttft"]["on"]},
-               "throughput_bound": bound, "per_round_bounds": bounds, "predicted_bound": pb, "on_off_turns": on_off_turns,
-               "claim": {"ttft_line": TTFT_LINE, "throughput_line": THROUGHPUT_LINE,
-                         "control_cost_limit": 1 - CONTROL_LINE},
+    figures = {"sizes": s, "ttft_sweep": {"prefixes": s["sweep"], "ttft_off_s": m["ttft"]["off"],
+                                          "ttft_on_s": m["ttft"]["on"]},
+               "throughput_bound": bound, "per_round_bounds": bounds, "predicted_bound": pb,
+               "on_off_turns": on_off_turns, "claim": {"ttft_line": TTFT_LINE, "throughput_line": THROUGHPUT_LINE,
+                                                       "control_cost_limit": 1 - CONTROL_LINE},
                "runs": {name: [{k: v for k, v in r.items() if k != "records"} for r in rs]
                         for name, rs in m["runs"].items()}}
     write_results(lesson, figures, verdict)

@@ -13,30 +13,25 @@ of the whole batch waiting for its longest member. One step, data flowing one wa
     sample, update, record    → new tokens, finished requests free their blocks, times, and
                                 (`record_steps`) `last_step`: its rows, prefill chunk or decode
 
-The pieces, one file each: `scheduler.py` or `chunked_prefill.py` (the policy),
-`block_manager.py`, `paged_attention.py` (the pool), `cuda_graphs.py` (decode-only
-steps, a CUDA graph per bucket unless `enforce_eager=True`), `sampling.py`,
-`prefix_caching.py` (`enable_prefix_caching=True`: full blocks shared by the hash
-of their prefix; `num_cached_tokens` per output, `prefix_cache_hit_rate` overall),
-`kv_pool.py` (the pool's size, in a `CacheConfig`: `num_gpu_blocks_override`, `kv_cache_memory_bytes`, or a profile
-under `gpu_memory_utilization` on CUDA). Names follow vLLM's. `close()` frees the
-pool and the graphs. Cost per step: one forward pass over Σ tokens planned, plus
-bookkeeping linear in the running sequences; KV memory is blocks in use ·
-block_size · KV bytes per token.
+The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`
+under a `SchedulerConfig`), the pool (`block_manager.py`, `paged_attention.py`,
+sized by `kv_pool.py` from a `CacheConfig`; `prefix_caching.py` when
+`enable_prefix_caching`), decode-only steps (`cuda_graphs.py`, a CUDA graph per
+bucket unless `enforce_eager=True`) and `sampling.py`. Names follow vLLM's.
+Cost per step: one forward pass over Σ tokens planned, plus bookkeeping linear
+in the running sequences; KV memory is blocks in use · block_size · KV bytes per token.
 
 Outputs are the caller's copies and `SamplingParams` are frozen. A finished
-request is reported once, then forgotten, as in vLLM.
-
-A step is all or nothing. If `step()` raises anywhere (in the forward pass,
-Ctrl-C, NaN logits), the prefix cache takes back every hash the step gave; each
-unfinished request either still runs with its KV intact and redoes the step's
-tokens, or waits at the front of the queue holding no block, to be recomputed;
-a finished or aborted one is reported by the next step that returns (the rules
-are in `rollback.py`). Non-finite logits abort only their own requests
-(NonFiniteLogitsError names them). None vanishes; the invariants hold after.
+request is reported once, then forgotten, as in vLLM. A step is all or nothing:
+if `step()` raises anywhere (the forward pass, Ctrl-C, NaN logits), the prefix
+cache takes back every hash the step gave; each unfinished request either still
+runs with its KV intact and redoes the step's tokens, or waits at the front of
+the queue holding no block, to be recomputed; a finished or aborted one is
+reported by the next step that returns (`rollback.py`). Non-finite logits abort
+only their own requests (NonFiniteLogitsError names them). None vanishes.
 
 One engine, one thread: a call from a second thread while one runs raises; one
-thread owns the engine, others hand it requests through a queue (`engine_rules.py`).
+thread owns the engine, others hand it requests through a queue (`request_checks.py`).
 
 Invariants held by the tests: every request's greedy tokens, and their logits,
 are those of `kv_cache.generate` run on it alone, whatever the batch, arrivals,
@@ -71,11 +66,10 @@ from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
 
 class LLMEngine:
     """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
-    step it, and hand it requests through a queue.Queue (the pattern is in `engine_rules.py`)."""
+    step it, and hand it requests through a queue.Queue (the pattern is in `request_checks.py`)."""
 
-    # What the latest step did (its rows, preemptions, free blocks, duration), while `record_timeline` or
-    # `record_steps` is on: one small record per step, replaced by the next. The server's live page sets
-    # record_steps and reads it after each step; without either, a step builds no record at all.
+    # What the latest step did (rows, preemptions, free blocks, duration) while `record_timeline` or
+    # `record_steps` (the live page's) is on; without either, a step builds no record at all.
     last_step: StepStats | None = None
     record_steps: bool = False
 
@@ -90,10 +84,9 @@ class LLMEngine:
         self.model = model.eval()
         self.config = model.config
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
-        # self.memory: how the pool was sized (budget, activation peak, graph bytes)
         self.cache_config = cache_config or CacheConfig()
-        num_blocks, self.memory = size_pool(model, self.scheduler_config, self.cache_config, use_graphs)
+        use_graphs = model.device.type == "cuda" and not enforce_eager  # enforce_eager means nothing on the CPU
+        num_blocks, self.memory = size_pool(model, self.scheduler_config, self.cache_config, use_graphs)  # and how
         blocks = PrefixCachingBlockManager if self.cache_config.enable_prefix_caching else BlockManager
         self.block_manager = blocks(num_blocks, self.cache_config.block_size)
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
@@ -135,10 +128,8 @@ class LLMEngine:
     @one_thread
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; it joins the running batch at a coming step. Returns its id.
-
-        `arrival_time` is in `time.perf_counter()` seconds (the clock of every metric), at most now; by default
-        now."""
+        """Queue a request; it joins the running batch at a coming step. Returns its id. `arrival_time` is in
+        `time.perf_counter()` seconds (the clock of every metric), at most now; by default now."""
         seq = self._new_sequence(prompt_token_ids, params, request_id, arrival_time)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
