@@ -25,7 +25,7 @@ from serving_support import NAME, free_port, model, on_engine, start, tokenizer,
 from minillm.bench.serve import RequestResult, benchmark, meets, parse_goodput, summarize  # noqa: E402
 from minillm.kv_cache import generate  # noqa: E402
 from minillm.sampling_params import SamplingParams  # noqa: E402
-from minillm.bench.workloads import Request as BenchRequest, Workload as workload, arrivals  # noqa: E402
+from minillm.bench.workloads import Request, Workload, arrivals  # noqa: E402
 from minillm.serving.text_stream import TextStream  # noqa: E402
 
 def greedy_text(model, tokenizer, prompt, max_tokens):
@@ -174,8 +174,8 @@ def test_text_stream_holds_back_a_split_character_and_a_possible_stop():
 
 
 def test_bench_serve_reports_percentiles_and_goodput(model, tokenizer):
-    pairs = workload("lognormal", 12, 512, 128, prompt_median=16, output_median=8)
-    requests = [BenchRequest(p, o, t) for (p, o), t in zip(pairs, arrivals(12, 40.0))]
+    pairs = Workload("lognormal", 12, 512, 128, prompt_median=16, output_median=8)
+    requests = [Request(p, o, t) for (p, o), t in zip(pairs, arrivals(12, 40.0))]
     with start(model, tokenizer) as server:
         results, duration = asyncio.run(benchmark(server.url, requests, show_progress=False))
     assert all(r.success for r in results) and [r.output_tokens for r in results] == [o for _, o in pairs]

@@ -36,7 +36,7 @@ from serving_support import NAME, model, start, tokenizer  # noqa: F401
 from test_server_chat import CHATML
 
 from minillm.bench.serve import benchmark, summarize
-from minillm.bench.workloads import BenchRequest
+from minillm.bench import workloads
 from minillm.serving.chat_template import ChatTemplate
 
 
@@ -149,7 +149,7 @@ def test_minillm_bench_serve_reads_a_vllm_server():
             assert thread.is_alive()
             time.sleep(0.01)
         host, port = server.servers[0].sockets[0].getsockname()[:2]
-        requests = [BenchRequest(p, o, 0.0) for p, o in zip(random_prompts(4, [5, 9], vocab_size=50257), [3, 5, 8, 2])]
+        requests = [workloads.Request(p, o, 0.0) for p, o in zip(random_prompts(4, [5, 9], vocab_size=50257), [3, 5, 8, 2])]
         results, duration = asyncio.run(benchmark(f"http://{host}:{port}", requests, show_progress=False))
     finally:
         server.should_exit = True
