@@ -8,7 +8,6 @@ grants them.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

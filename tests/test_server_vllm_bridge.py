@@ -28,7 +28,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
