@@ -24,8 +24,6 @@ import time
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import Depends, FastAPI, HTTPException, Request
 
 from models import context_model
 
@@ -35,7 +33,6 @@ from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.api_server import make_serving
 from minillm.serving.launch import BackgroundServer
-from minillm.serving.live import feed_router, page_router
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -180,30 +177,16 @@ def test_the_page_shows_chunked_prefill_beside_decodes_and_the_blocks_two_reques
 
 
 def test_behind_an_api_key_the_page_reads_the_feed_with_the_key_from_its_address():
-    """The feed is guarded like the other /v1 routes (here by a dependency, as the server's --api-key does); the
-    page is static and open, and reads the feed with the key given after `#key=` (an EventSource cannot send a
+    """The feed is guarded like the other /v1 routes, by the server's own --api-key; the page is static, holds no
+    data and stays open, and reads the feed with the key given after `#key=` (an EventSource cannot send a
     header, so the page then reads the stream with fetch)."""
-    def api_key(request: Request) -> None:
-        if request.headers.get("authorization") != "Bearer sk-live":
-            raise HTTPException(401, "a valid API key is required")
-
     engine = LLMEngine(context_model(),
                        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True),
                        cache_config=CacheConfig(num_gpu_blocks_override=32))
-    fe = make_serving(engine, load_tokenizer("tiny"), "tiny")
-    app = FastAPI()
-    app.include_router(feed_router(fe.live), dependencies=[Depends(api_key)])
-    app.include_router(page_router())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the HTTP server did not start"
-            threading.Event().wait(0.01)
-        url = "http://127.0.0.1:%d" % server.servers[0].sockets[0].getsockname()[1]
+    with BackgroundServer(make_serving(engine, load_tokenizer("tiny"), "tiny"), api_key="sk-live") as server:
+        url = server.url
         assert httpx.get(url + "/v1/engine/events", timeout=10).status_code == 401
+        assert httpx.get(url + "/live", timeout=10).status_code == 200
         with sync_playwright() as playwright:
             browser = open_browser(playwright)
             page = browser.new_page()
@@ -213,10 +196,6 @@ def test_behind_an_api_key_the_page_reads_the_feed_with_the_key_from_its_address
             page.goto(url + "/live#key=sk-live")
             page.reload()  # a new fragment alone does not reload the page
             page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=TIMEOUT_MS)
-            fe.loop.call(lambda e: e.add_request(list(range(1, 20)), None)).result(timeout=30)
+            server.serving.loop.call(lambda e: e.add_request(list(range(1, 20)), None)).result(timeout=30)
             wait_for_step(page, "prefill 19")
             browser.close()
-    finally:
-        server.should_exit = True
-        thread.join()
-        fe.loop.stop()

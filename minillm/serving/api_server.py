@@ -70,7 +70,7 @@ class ServerConfig:
     port: int = 0
     shutdown_timeout: float = 5.0    # seconds running requests get after SIGINT/SIGTERM; then they are aborted
     timeout_keep_alive: float = 5.0  # a connection with no request in progress is closed after this many seconds
-    api_key: str | None = field(default=None, repr=False)  # every route but /health and /metrics needs it
+    api_key: str | None = field(default=None, repr=False)  # every route but OPEN_PATHS needs it
     enable_docs: bool = False        # /docs and /openapi.json
 
     def __post_init__(self):
@@ -86,12 +86,13 @@ class ServerConfig:
                    args.api_key or os.environ.get("MINILLM_API_KEY") or None, args.enable_fastapi_docs)
 
 
-OPEN_PATHS = ("/health", "/metrics")  # what a load balancer and Prometheus read: open even with an API key
+OPEN_PATHS = ("/health", "/metrics", "/live")  # a load balancer's, Prometheus' and the live page's static file:
+# open even with an API key (the page holds no data; the feed it reads, /v1/engine/events, needs the key)
 
 
 class Gate:
-    """ASGI middleware that answers before any route. With an API key, a request to any path but /health
-    and /metrics without `Authorization: Bearer <key>` gets 401. While the server drains for shutdown,
+    """ASGI middleware that answers before any route. With an API key, a request to any path but OPEN_PATHS
+    without `Authorization: Bearer <key>` gets 401. While the server drains for shutdown,
     every request but /metrics gets 503 with Retry-After, and its connection is closed after it."""
 
     def __init__(self, app, serving: OpenAIServing, api_key: str | None):

@@ -59,7 +59,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection with no request in progress this many seconds after it opened "
                              "or after its last response")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        help="require 'Authorization: Bearer KEY' on every path but /health, /metrics and /live "
                              "(default: $MINILLM_API_KEY; neither: no key needed)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template for /v1/chat/completions (GPT-2 has none: without it, 400)")
