@@ -42,8 +42,8 @@ import time
 
 import torch
 
-from ..checkpoints.load import load_model, resolve_device, resolve_dtype
-from ..cli import add_model_arguments
+from ..checkpoints.load import add_model_arguments, load_model
+from ..device import resolve_device, resolve_dtype
 from ..engine import LLMEngine
 from ..kv_pool import CacheConfig
 from ..sampling_params import SamplingParams
