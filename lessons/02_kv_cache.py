@@ -188,7 +188,7 @@ def judge_claim(lesson, s: dict, f: dict, m: dict):
     return verdict
 
 
-def plot(lesson, s: dict, m: dict, verdict) -> None:
+def plot(lesson, s: dict, m: dict, verdict) -> int:
     N, rounds, speedup = s["new_tokens"], m["rounds"], verdict.checks[1].values
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
     axes[0].plot(m["positions"], [t * 1e3 for t in m["naive_s"]], ".-", label="naive (recompute all)")
@@ -205,6 +205,7 @@ def plot(lesson, s: dict, m: dict, verdict) -> None:
     axes[1].legend(fontsize=8, loc="upper left")
     plot_checks(axes[2], verdict)
     save_plot(lesson, fig, verdict)
+    return mid + 1  # the round the middle panel draws, counted from 1: a figure of the JSON too
 
 
 def main(argv=None) -> dict:
@@ -214,11 +215,12 @@ def main(argv=None) -> dict:
     f = predict_work(lesson, s)
     m = measure(lesson, s, f)
     verdict = judge_claim(lesson, s, f, m)
-    plot(lesson, s, m, verdict)
+    median_round = plot(lesson, s, m, verdict)
     pairs, differ = m["pairs"], sum(x != y for x, y in m["pairs"])
     figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "positions": m["positions"],
                "naive_latency_s": m["naive_s"], "cached_latency_s": m["cached_s"], "naive_total_s": m["naive_total"],
                "cached_total_s": m["cached_total"], "speedup_per_round": verdict.checks[1].values,
+               "median_round": median_round,
                "steps_at": list(s["steps_at"]), "step_growth_per_round": verdict.checks[2].values,
                "step_medians_s": {k: m["steps"].median(k) for k in m["steps"].names},
                "naive_flops": sum(f["naive"]), "cached_flops": sum(f["cached"]),
