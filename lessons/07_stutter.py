@@ -197,7 +197,7 @@ def judge_claim(lesson, s: dict, B: int, modes: dict, rounds, runs: dict):
     return verdict
 
 
-def plot(lesson, B: int, modes: dict, runs: dict, verdict) -> None:
+def plot(lesson, B: int, modes: dict, runs: dict, verdict) -> int:
     base, chosen, checks = runs["unchunked"], runs[f"chunked {B}"], verdict.checks
     stall = checks[0].values
     k = sorted(range(len(stall)), key=stall.__getitem__)[(len(stall) - 1) // 2]  # the round of the median stall ratio
@@ -235,6 +235,7 @@ def plot(lesson, B: int, modes: dict, runs: dict, verdict) -> None:
     ax.legend(fontsize=8, loc="upper right")
     axes[1, 0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
     save_plot(lesson, fig, verdict)
+    return k + 1  # the round the panels draw, counted from 1: a figure of the JSON too
 
 
 def main(argv=None) -> dict:
@@ -247,9 +248,9 @@ def main(argv=None) -> dict:
     predict_stall(lesson, s, B)
     rounds, runs = measure(lesson, s, B, modes)
     verdict = judge_claim(lesson, s, B, modes, rounds, runs)
-    plot(lesson, B, modes, runs, verdict)
+    median_round = plot(lesson, B, modes, runs, verdict)
     setup = {**s, "chunk_budget": B, "modes": {m: {"chunked": c, "budget": b} for m, (c, b) in modes.items()}}
-    figures = {"setup": setup, "runs": runs}
+    figures = {"setup": setup, "runs": runs, "median_round": median_round}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 
