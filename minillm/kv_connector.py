@@ -203,8 +203,8 @@ class KVProducer:
             self.layers_saved = layer + 1
 
     def wait_for_save(self, outputs: list[RequestOutput] | None) -> None:
-        """After a step: send each completed prompt's first token (all −1 if the step raised: `outputs` None),
-        and wait until every send of the step is done. A step that raised mid-forward still sends the layers
+        """After a step: send each completed prompt's first token (all −1 if the step raised: `outputs` None,
+        and those requests are aborted here too), and wait until every send of the step is done. A step that raised mid-forward still sends the layers
         it did not reach, so that the receiver's next header lands in its header."""
         if not self.step_requests:
             return
@@ -213,6 +213,9 @@ class KVProducer:
         first = {o.request_id: o.output_token_ids[0] for o in outputs or [] if o.output_token_ids}
         by_key = {key: rid for key, rid in self.keys.values()}
         tokens = [first.get(by_key[r.key], FAILED) for r in self.step_requests]
+        for r, token in zip(self.step_requests, tokens):
+            if token == FAILED:  # it fails on both sides: here too, or the engine would redo its prompt
+                self.engine.abort_request(by_key[r.key])
         self.works.append(dist.isend(torch.tensor(tokens, dtype=torch.int64, device=self.device), self.peer))
         for work in self.works:
             work.wait()
@@ -379,6 +382,11 @@ class KVConsumer:
             self.transfers.remove(transfer)
             outputs += self._start(transfer)
         return outputs
+
+    @property
+    def waiting_for_room(self) -> bool:
+        """A header is still unanswered: call `start_load_kv` again once a step has freed blocks."""
+        return bool(self._unanswered)
 
     def wait_for_layer_load(self, layer: int, timeout: float | None = None) -> bool:
         """Block until `layer` of every transfer begun so far has landed (False if `timeout` passed first)."""

@@ -107,7 +107,8 @@ def _serve(role, engine, connector, inbox, outbox) -> None:
     while True:
         commands = []
         try:
-            commands.append(inbox.get(block=not engine.has_unfinished_requests()))
+            idle = not engine.has_unfinished_requests() and not (role == "decode" and connector.waiting_for_room)
+            commands.append(inbox.get(block=idle))
             while True:
                 commands.append(inbox.get_nowait())
         except queue.Empty:
@@ -131,10 +132,10 @@ def _serve(role, engine, connector, inbox, outbox) -> None:
                 outbox.put(("failed", role, f"{type(e).__name__}: {e}"))
                 continue
             if role == "prefill":
-                connector.wait_for_save(stepped)
                 done = [(o.request_id, o.metrics.token_times[0]) for o in stepped if o.metrics.token_times]
                 if done:
                     outbox.put(("prefilled", done))
+                connector.wait_for_save(stepped)
                 stepped = [o for o in stepped if o.finish_reason == FINISH_ABORT]  # the rest go on elsewhere
             outputs += stepped
         if outputs:
@@ -287,6 +288,8 @@ class Workers:
         if kind == "rejected":
             _, request_id, message = item
             self.failures[request_id] = message
+            for inbox in self._inboxes.values():  # the other worker may hold it: drop it there too
+                inbox.put(("abort", request_id))
             metrics = self._unfinished.pop(request_id, None)
             return [RequestOutput(request_id, (), [], True, FINISH_ABORT, metrics)] if metrics else []
         if kind == "failed":

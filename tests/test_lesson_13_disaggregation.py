@@ -1,0 +1,150 @@
+"""Disaggregated prefill (minillm/kv_connector.py): a request prefilled on one worker and decoded on another gets
+exactly the tokens one engine gives it, every byte counted, and no block is left behind on either side, whether
+the request finishes, is aborted while its KV is on the way, can never fit, or its prefill step fails.
+
+The workers are real processes joined by torch.distributed over gloo, as the lesson and the server run them:
+if this machine cannot start two processes or a gloo group, these tests fail and say so.
+"""
+import functools
+
+import pytest
+import torch
+
+from minillm import PRESETS
+from minillm.engine import LLMEngine
+from minillm.kv_connector import kv_bytes_per_token
+from minillm.sampling_params import SamplingParams
+from minillm.scheduler import SchedulerConfig
+from minillm.serving.disaggregated import WorkerConfig, Workers
+
+from disagg_models import POISON_TOKENS, failing_model
+from models import context_model, random_prompts
+
+CFG = PRESETS["tiny"]
+BS = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+FACTORY = functools.partial(context_model, CFG)
+
+
+def run_all(workers: Workers, prompts, params=GREEDY, timeout=120) -> dict[str, object]:
+    ids = [workers.add_request(p, params) for p in prompts]
+    done = {}
+    while workers.has_unfinished_requests():
+        for out in workers.step(timeout):
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def colocated(prompts, params=GREEDY, budget=256):
+    engine = LLMEngine(context_model(CFG), SchedulerConfig(budget, 8), block_size=BS, num_blocks=64)
+    return engine.generate(prompts, params)
+
+
+def assert_no_block_held(workers: Workers) -> None:
+    for role, s in workers.stats().items():
+        assert s["free_blocks"] == s["num_blocks"], f"{role} worker leaked blocks: {s}"
+        assert s["running"] == s["waiting"] == s.get("in_flight", 0) == s.get("expected", 0) == 0, (role, s)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A prefill worker that chunks prompts at 32 tokens, and a decode worker, on cores 0 and 1."""
+    prefill = WorkerConfig(SchedulerConfig(32, 8), block_size=BS, num_blocks=64, cores=[0])
+    decode = WorkerConfig(SchedulerConfig(256, 8), block_size=BS, num_blocks=64, cores=[1])
+    with Workers.disaggregated(FACTORY, CFG, prefill, decode) as workers:
+        yield workers
+
+
+def test_the_test_model_tells_contexts_apart():
+    """Two prompts with the same last token must continue differently, or equal tokens would prove nothing."""
+    a, b = [5, 9, 100, 7], [300, 2, 41, 7]
+    out = colocated([a, b])
+    assert out[0].output_token_ids != out[1].output_token_ids
+
+
+def test_tokens_are_the_colocated_engines_at_and_off_block_boundaries(pair):
+    lengths = [BS, 2 * BS, BS + 5, 7, 1, 3 * BS - 1, 50]  # on a boundary, inside a block, chunked at 32
+    prompts = [random_prompts(1, [n], CFG.vocab_size, seed=n)[0] for n in lengths]
+    before = pair.stats()
+    got = run_all(pair, prompts)
+    want = colocated(prompts)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert all(o.finish_reason == "length" for o in got)
+    after = pair.stats()
+    moved = sum(lengths) * kv_bytes_per_token(CFG, torch.float32)  # 2 · n_layer · n_embd · 4 bytes per token
+    assert after["prefill"]["bytes_sent"] - before["prefill"]["bytes_sent"] == moved
+    assert after["decode"]["bytes_received"] - before["decode"]["bytes_received"] == moved
+    assert_no_block_held(pair)
+
+
+def test_requests_arriving_while_others_decode_get_the_same_tokens(pair):
+    prompts = random_prompts(6, [5, 16, 33, 40], CFG.vocab_size, seed=3)
+    ids, done = [], {}
+    for p in prompts:  # one at a time: each joins a decode batch already running
+        ids.append(pair.add_request(p, GREEDY))
+        for out in pair.step(60):
+            done[out.request_id] = out
+    while pair.has_unfinished_requests():
+        for out in pair.step(60):
+            done[out.request_id] = out
+    assert [done[i].output_token_ids for i in ids] == [o.output_token_ids for o in colocated(prompts)]
+    assert_no_block_held(pair)
+
+
+@pytest.fixture(scope="module")
+def small_decode_pool():
+    """A decode pool of 5 blocks (80 tokens): one long request fills it, and the next one's KV must wait."""
+    prefill = WorkerConfig(SchedulerConfig(256, 8), block_size=BS, num_blocks=64, cores=[0])
+    decode = WorkerConfig(SchedulerConfig(256, 8), block_size=BS, num_blocks=5, cores=[1])
+    with Workers.disaggregated(functools.partial(failing_model), CFG, prefill, decode) as workers:
+        yield workers
+
+
+def test_a_request_aborted_while_its_kv_waits_for_room_frees_both_sides(small_decode_pool):
+    """The long request holds 3 of the 5 blocks and grows to 5; the second needs 3, so once prefilled its KV
+    waits on the wire for room, and is aborted there."""
+    w = small_decode_pool
+    long = w.add_request(random_prompts(1, [40], CFG.vocab_size, seed=1)[0], SamplingParams(max_tokens=38,
+                                                                                          temperature=0))
+    waiting = w.add_request(random_prompts(1, [40], CFG.vocab_size, seed=2)[0], GREEDY)
+    done = {}
+    while waiting not in w.prefilled_at:
+        done |= {out.request_id: out for out in w.step(60)}
+    assert w.abort_request(waiting)
+    while w.has_unfinished_requests():
+        done |= {out.request_id: out for out in w.step(60)}
+    assert done[long].finish_reason == "length" and len(done[long].output_token_ids) == 38
+    assert done[waiting].finish_reason == "abort" and done[waiting].output_token_ids == []
+    assert_no_block_held(w)
+
+
+def test_a_prompt_the_decode_pool_can_never_hold_fails_and_frees_both_sides(small_decode_pool):
+    w = small_decode_pool
+    [out] = run_all(w, [random_prompts(1, [70], CFG.vocab_size, seed=4)[0]], SamplingParams(max_tokens=20))
+    assert out.finish_reason == "abort"
+    assert "can never hold" in w.failures[out.request_id]
+    assert_no_block_held(w)
+
+
+def test_a_prefill_step_that_fails_mid_forward_fails_its_request_on_both_sides_only(small_decode_pool):
+    w = small_decode_pool
+    prompts = [random_prompts(1, [POISON_TOKENS], CFG.vocab_size, seed=5)[0],
+               random_prompts(1, [21], CFG.vocab_size, seed=6)[0]]
+    poisoned = w.add_request(prompts[0], GREEDY)
+    done = {}
+    while w.has_unfinished_requests():
+        for out in w.step(60):
+            done[out.request_id] = out
+    assert done[poisoned].finish_reason == "abort"
+    assert "prefill step failed" in w.failures[poisoned] and "poisoned" in w.failures["prefill worker"]
+    [after] = run_all(w, prompts[1:])  # the stream stays in step: the next transfer lands where it should
+    assert after.output_token_ids == colocated(prompts[1:])[0].output_token_ids
+    assert_no_block_held(w)
+
+
+def test_workers_with_different_block_sizes_refuse_to_pair():
+    prefill = WorkerConfig(block_size=16, num_blocks=8, cores=[0])
+    decode = WorkerConfig(block_size=8, num_blocks=16, cores=[1])
+    with pytest.raises(RuntimeError, match=r"KV pools differ: \(block_size.*\(16, .*\(8, "):
+        Workers.disaggregated(FACTORY, CFG, prefill, decode)
