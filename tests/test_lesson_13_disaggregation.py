@@ -148,3 +148,47 @@ def test_workers_with_different_block_sizes_refuse_to_pair():
     decode = WorkerConfig(block_size=8, num_blocks=16, cores=[1])
     with pytest.raises(RuntimeError, match=r"KV pools differ: \(block_size.*\(16, .*\(8, "):
         Workers.disaggregated(FACTORY, CFG, prefill, decode)
+
+
+@pytest.mark.slow
+def test_the_lesson_runs_quick_and_every_figure_it_prints_is_in_its_json(tmp_path):
+    import json
+
+    from lesson_checks import assert_lesson_results
+    from lessons_support import load_lesson
+    lesson = load_lesson("13_disaggregation")
+    lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "13_disaggregation.json").read_text())
+    assert_lesson_results(doc)
+    assert (tmp_path / "13_disaggregation.png").stat().st_size > 0
+    fig = doc["figures"]
+    assert fig["kv_bytes_per_token"] == 2 * CFG.n_layer * CFG.n_embd * 4
+    assert all(r["bytes_sent"] == fig["bytes_moved_per_round"] for r in fig["runs"]["disaggregated"])
+    for workers in fig["workers_after"].values():
+        for role, s in workers.items():
+            assert s["free_blocks"] == s["num_blocks"], (role, s)
+    bytes_check = doc["verdict"]["checks"][-1]
+    assert bytes_check["outcome"] == "HOLDS" and not bytes_check["timed"]
+
+
+def test_serve_disaggregated_streams_the_colocated_tokens_through_the_openai_client():
+    """The front end of `serve --disaggregate`: prompts go to the prefill worker, tokens stream from the decode
+    worker, over the same OpenAI API as one engine."""
+    import openai
+
+    from minillm.checkpoints.tokenizer import load_tokenizer
+    from minillm.serving.api_server import BackgroundServer, make_frontend
+    tokenizer = load_tokenizer("tiny")
+    prompt = random_prompts(1, [BS + 3], CFG.vocab_size, seed=9)[0]
+    [want] = colocated([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    prefill = WorkerConfig(SchedulerConfig(256, 8), block_size=BS, num_blocks=64, cores=[0])
+    decode = WorkerConfig(SchedulerConfig(256, 8), block_size=BS, num_blocks=64, cores=[1])
+    with Workers.disaggregated(FACTORY, CFG, prefill, decode) as workers:
+        workers.step_timeout = 0.005
+        with BackgroundServer(make_frontend(workers, tokenizer, "tiny")) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == tokenizer.decode(want.output_token_ids)
+        assert_no_block_held(workers)

@@ -53,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a slot in the batch; past it, 429 with Retry-After")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds running requests get to finish after SIGINT/SIGTERM; the rest are aborted")
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="prefill and decode on two worker processes, each on its own half of the cores, the KV "
+                             "moved between them over torch.distributed (minillm/kv_connector.py, lesson 13)")
     parser.add_argument("--request-log", default=None,
                         help="append the engine's record of each finished request to this file as JSON lines "
                              "(arrival and token times in time.perf_counter seconds; lesson 12 reads it)")

@@ -199,6 +199,7 @@ class Workers:
         self.failures: dict[str, str] = {}         # request_id → why it failed in a worker
         self._next_key = 0
         self._closed = False
+        self.step_timeout = START_TIMEOUT_S
         blocks = {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(blocks) < len(roles):
@@ -264,8 +265,11 @@ class Workers:
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished or self._ready)
 
-    def step(self, timeout: float = START_TIMEOUT_S) -> list[RequestOutput]:
-        """The outputs the workers made since the last call; waits for at least one while requests are unfinished."""
+    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+        """The outputs the workers made since the last call; while requests are unfinished, waits for at least
+        one, up to `timeout` seconds (by default `step_timeout`: long for a driver, short for a server's thread,
+        which must get back to its inbox)."""
+        timeout = self.step_timeout if timeout is None else timeout
         outputs, self._ready = self._ready, []
         wait = timeout if self._unfinished and not outputs else 0.0
         deadline = time.monotonic() + wait
@@ -369,3 +373,23 @@ class Workers:
             self.close()
         except Exception:  # noqa: BLE001  (torch or multiprocessing already torn down at exit)
             pass
+
+
+def serve_disaggregated(args, config, device: str) -> Workers:
+    """`serve --disaggregate`: the server's engine flags for both workers, each on its own half of the cores."""
+    import functools
+
+    from ..bench.disagg import build_model
+    if args.enable_prefix_caching:
+        raise ValueError("--disaggregate with --enable-prefix-caching: a decode worker cannot hash blocks whose KV "
+                         "arrives from elsewhere; drop one of the two flags")
+    first, second = split_cores()
+    sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.enable_chunked_prefill)
+    blocks = args.num_gpu_blocks_override
+    gpu = device.startswith("cuda")
+    workers = Workers.disaggregated(
+        functools.partial(build_model, args.model, device, args.dtype), config,
+        WorkerConfig(sched, args.block_size, blocks, "cuda:0" if gpu else device, first),
+        WorkerConfig(sched, args.block_size, blocks, "cuda:1" if gpu else device, second))
+    workers.step_timeout = 0.005  # the server's engine thread takes its inbox between steps
+    return workers
