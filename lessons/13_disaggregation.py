@@ -73,11 +73,12 @@ def start_workers(args, config, device: str) -> dict[str, Workers]:
     sched = SchedulerConfig(2048, 16)  # the engine's default budget: a long prompt shares one step with the decodes
     blocks = 256  # 4,096 tokens of KV per worker: room for every request of a round at once
     gpu = device.startswith("cuda")
-    return {"colocated, 1 thread": Workers.colocated(factory, config, WorkerConfig(sched, num_blocks=blocks, device=device, cores=both)),
-            "colocated, 2 threads": Workers.colocated(factory, config, WorkerConfig(sched, num_blocks=blocks, device=device,
-                                                                                     cores=both, threads=2)),
+    coloc = functools.partial(WorkerConfig, sched, num_blocks=blocks, device=device, cores=both)
+    return {"colocated, 1 thread": Workers.colocated(factory, config, coloc()),
+            "colocated, 2 threads": Workers.colocated(factory, config, coloc(threads=2)),
             "disaggregated": Workers.disaggregated(
-                factory, config, WorkerConfig(sched, num_blocks=blocks, device="cuda:0" if gpu else device, cores=first),
+                factory, config, WorkerConfig(sched, num_blocks=blocks, device="cuda:0" if gpu else device,
+                                              cores=first),
                 WorkerConfig(sched, num_blocks=blocks, device="cuda:1" if gpu else device, cores=second))}
 
 

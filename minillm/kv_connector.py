@@ -41,7 +41,11 @@ and its worker half:
 
     start_load_kv()                      answer the headers that arrived (allocate, then let the receives land
                                          straight into the pool), and start the requests whose KV has landed
-    wait_for_layer_load(layer)           block until that layer of every transfer begun has landed
+
+vLLM's `wait_for_layer_load(layer)`, which a layer's attention calls when a
+connector loads KV in the very step that reads it, has no counterpart here: a
+request joins the decode batch only once all its layers have landed, so a
+running stream never waits for another request's transfer.
 
 On the prefill side (`KVProducer`), worker half only, called from inside the
 forward pass through the cache seam (the model hands each layer's (q, k, v) to
@@ -204,8 +208,9 @@ class KVProducer:
 
     def wait_for_save(self, outputs: list[RequestOutput] | None) -> None:
         """After a step: send each completed prompt's first token (all −1 if the step raised: `outputs` None,
-        and those requests are aborted here too), and wait until every send of the step is done. A step that raised mid-forward still sends the layers
-        it did not reach, so that the receiver's next header lands in its header."""
+        and those requests are aborted here too), and wait until every send of the step is done. A step that
+        raised mid-forward still sends the layers it did not reach, so that the receiver's next header lands in
+        its header."""
         if not self.step_requests:
             return
         for layer in range(self.layers_saved, self.config.n_layer):  # pad: their content is discarded
@@ -282,7 +287,6 @@ class Transfer:
     """One header's worth of requests, received in order by the receiver thread."""
     requests: list[Incoming]
     ready: threading.Event = field(default_factory=threading.Event)  # set once every view is known
-    layers: list[threading.Event] = field(default_factory=list)      # set as each layer lands
     landed_at: float | None = None
 
 
@@ -312,7 +316,6 @@ class KVConsumer:
         self._headers: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self._landed: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self._unanswered: list[Transfer] = []
-        self.transfers: list[Transfer] = []            # begun and not yet landed, oldest first
         self.bytes_received = 0
         self.failures: dict[str, str] = {}            # request_id → why it failed here, for the worker to report
         self.error: BaseException | None = None
@@ -372,14 +375,13 @@ class KVConsumer:
             except queue.Empty:
                 break
         while self._unanswered and self._answer(self._unanswered[0]):
-            self.transfers.append(self._unanswered.pop(0))
+            self._unanswered.pop(0)
         outputs = []
         while True:
             try:
                 transfer = self._landed.get_nowait()
             except queue.Empty:
                 break
-            self.transfers.remove(transfer)
             outputs += self._start(transfer)
         return outputs
 
@@ -387,10 +389,6 @@ class KVConsumer:
     def waiting_for_room(self) -> bool:
         """A header is still unanswered: call `start_load_kv` again once a step has freed blocks."""
         return bool(self._unanswered)
-
-    def wait_for_layer_load(self, layer: int, timeout: float | None = None) -> bool:
-        """Block until `layer` of every transfer begun so far has landed (False if `timeout` passed first)."""
-        return all(t.layers[layer].wait(timeout) for t in list(self.transfers))
 
     def _answer(self, transfer: Transfer) -> bool:
         """Give each request of a header its views. False, answering none, while the pool has not the room."""
@@ -454,8 +452,7 @@ class KVConsumer:
                 if count == CLOSING:
                     return
                 pairs = header[1:1 + 2 * count].view(count, 2).tolist()
-                transfer = Transfer([Incoming(k, n) for k, n in pairs],
-                                    layers=[threading.Event() for _ in range(c.n_layer)])
+                transfer = Transfer([Incoming(k, n) for k, n in pairs])
                 self._headers.put(transfer)
                 self.notify()
                 transfer.ready.wait()
@@ -463,7 +460,6 @@ class KVConsumer:
                     for r in transfer.requests:
                         for view in r.views[layer]:
                             dist.recv(view, self.peer)
-                    transfer.layers[layer].set()
                 trailer = torch.zeros(count, dtype=torch.int64, device=device)
                 dist.recv(trailer, self.peer)
                 for r, token in zip(transfer.requests, trailer.tolist()):

@@ -1,4 +1,4 @@
-"""Workers in processes of their own: one colocated engine, or a prefill worker and a decode worker joined by a KV connector.
+"""Engines in worker processes: one colocated engine, or a prefill and a decode worker joined by a KV connector.
 
     workers = Workers.disaggregated(factory)    # prefill on core 0, decode on core 1, KV over torch.distributed
     workers = Workers.colocated(factory, threads=2)   # one engine on every core: the baseline
@@ -43,6 +43,9 @@ from ..scheduler import SchedulerConfig
 from ..sequence import RequestMetrics, RequestOutput
 
 START_TIMEOUT_S = 300  # a worker must have built its model and joined the group by then (imports on a busy machine)
+# Every receive of the group waits this long at most, and the decode worker's receiver waits for the next header as
+# long as the server is idle: a week, not gloo's default of 30 minutes. A worker that dies is noticed by the router.
+GROUP_TIMEOUT = timedelta(days=7)
 
 
 @dataclass
@@ -93,7 +96,7 @@ def _worker(role: str, factory: Callable, cfg: WorkerConfig, init_method: str | 
             from .. import kv_connector as kv
             dist.init_process_group(kv.backend_for(cfg.device), init_method=init_method,
                                     rank=kv.PREFILL_RANK if role == "prefill" else kv.DECODE_RANK, world_size=2,
-                                    timeout=timedelta(seconds=START_TIMEOUT_S))
+                                    timeout=GROUP_TIMEOUT)
             connector = (kv.KVProducer(engine) if role == "prefill"
                          else kv.KVConsumer(engine, notify=lambda: inbox.put(("kv",))))
         outbox.put(("ready", role, engine.block_manager.num_blocks))
