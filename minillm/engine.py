@@ -30,6 +30,11 @@ the queue holding no block, to be recomputed; a finished or aborted one is
 reported by the next step that returns (`rollback.py`). Non-finite logits abort
 only their own requests (NonFiniteLogitsError names them). None vanishes.
 
+A prompt prefilled on another worker (disaggregated prefill, `kv_connector.py`)
+enters through two calls: `allocate_remote_prefill` holds blocks for its KV
+outside the scheduler, and `start_remote_decode` puts it in the running batch
+at its first token once that KV has landed; `abort_request` frees it either way.
+
 One engine, one thread: a call from a second thread while one runs raises; one
 thread owns the engine, others hand it requests through a queue (`request_checks.py`).
 
@@ -61,7 +66,7 @@ from .device import to_device
 from .sampling import NonFiniteLogitsError, make_generator, sample
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
+from .sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus, StepStats
 
 
 class LLMEngine:
@@ -98,6 +103,7 @@ class LLMEngine:
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline
         self._unreported: list[Sequence] = []  # finished (aborted, or in a step that raised), not yet reported
+        self._remote: dict[str, Sequence] = {}  # holding blocks for a prompt's KV computed elsewhere (kv_connector.py)
         self._next_id = 0
 
     @one_thread
@@ -160,9 +166,10 @@ class LLMEngine:
         Returns False, and does nothing, for an id the engine does not hold: one already finished (a
         finished request is forgotten once its output is returned), aborted, or never added.
         """
-        seq = self.requests.get(request_id)
+        seq = self.requests.get(request_id) or self._remote.pop(request_id, None)
         if seq is None or seq.is_finished:
             return False
+        self.requests[request_id] = seq  # a remote one too: reported, then forgotten, like any other
         self.scheduler.remove(seq)
         seq.finish(FINISH_ABORT, time.perf_counter())
         self._unreported.append(seq)
@@ -177,12 +184,67 @@ class LLMEngine:
         """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
         exactly the running sequences, and each running sequence's table covers its computed tokens. Cheap
         enough for tests to call after every step."""
-        self.block_manager.check_invariants(self.scheduler.running)
+        self.block_manager.check_invariants(self.scheduler.running + list(self._remote.values()))
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
         return getattr(self.block_manager, "hit_rate", 0.0)  # 0 without prefix caching
+
+    # ---- a prompt prefilled elsewhere (disaggregated prefill, kv_connector.py) ---------------
+
+    @one_thread
+    def allocate_remote_prefill(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                                request_id: str | None = None, arrival_time: float | None = None) -> list[int] | None:
+        """Hold blocks for a request whose prompt's keys and values another worker computes and sends; returns
+        the block table that KV is to be written through, or None while the pool has not the room (ask again
+        after a step has freed some). The request waits outside the scheduler, holding its blocks, until
+        `start_remote_decode`; `abort_request` frees them. A request that could never fit is refused
+        (ValueError), as `add_request` refuses it."""
+        if request_id is not None and request_id in self._remote:
+            raise ValueError(f"request_id {request_id!r} already waits for its KV here; pick a new id")
+        if isinstance(self.block_manager, PrefixCachingBlockManager):
+            raise ValueError("a prompt whose KV comes from elsewhere cannot join the prefix cache here (its blocks "
+                             "would be hashed before their KV lands); build the decode engine with "
+                             "enable_prefix_caching=False")
+        seq = self._new_sequence(prompt_token_ids, params, request_id, arrival_time)
+        num_prompt = len(seq.prompt_token_ids)
+        if not self.block_manager.can_append(seq, num_prompt):
+            return None
+        self.block_manager.append_slots(seq, num_prompt)
+        self._remote[seq.request_id] = seq
+        return list(self.block_manager.block_tables[seq.seq_id])
+
+    @one_thread
+    def start_remote_decode(self, request_id: str, first_token: int, first_token_time: float | None = None
+                            ) -> RequestOutput:
+        """The prompt's KV of a request held by `allocate_remote_prefill` is in its blocks now, and `first_token`
+        is what the worker that prefilled it sampled: the request joins the running batch, decoding, and its
+        first token counts as made at `first_token_time` (by default now). Returns its output so far, finished
+        already if that token ended it."""
+        seq = self._remote.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} holds no blocks for a remote prefill here; hold them with "
+                             "allocate_remote_prefill first")
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < self.config.vocab_size:
+            raise ValueError(f"first_token={first_token!r} of request {request_id!r} is no token id of this "
+                             f"model's vocabulary (0 to {self.config.vocab_size - 1}); the two workers must "
+                             "serve the same model")
+        del self._remote[request_id]
+        now = time.perf_counter()
+        seq.num_computed_tokens, seq.num_cached_tokens = len(seq.prompt_token_ids), 0  # none from a prefix cache
+        seq.metrics.first_scheduled_time = now
+        seq.output_token_ids.append(first_token)
+        seq.metrics.token_times.append(now if first_token_time is None else first_token_time)
+        seq.status = SequenceStatus.RUNNING
+        self.requests[request_id] = seq
+        self.scheduler.running.append(seq)
+        reason = seq.end_reason(self.config.eos_token_id, self.config.n_ctx)
+        if reason:
+            self.scheduler.remove(seq)
+            seq.finish(reason, now)
+        return self._report(seq)
 
     # ---- one step -----------------------------------------------------------
 

@@ -13,7 +13,7 @@ def test_run_all_discovers_numbered_lessons_in_order(tmp_path):
     stems = [p.stem for p in run_all.discover()]
     assert stems == ["01_phase_split", "02_kv_cache", "03_kv_memory", "04_memory_bound_decode", "05_fragmentation",
                      "06_paging_cost", "07_stutter", "08_budget_sweep", "09_launch_overhead", "10_prompt_caching",
-                     "11_speculative_decoding", "12_goodput"]
+                     "11_speculative_decoding", "12_goodput", "13_disaggregation"]
     for name in ("07_later.py", "05_new.py", "common.py", "run_all.py", "notes.py", "5_bad.py"):
         (tmp_path / name).write_text("")
     assert [p.name for p in run_all.discover(tmp_path)] == ["05_new.py", "07_later.py"]

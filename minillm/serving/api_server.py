@@ -181,8 +181,9 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
     async def detokenize(request: Request):
         return serving.detokenize(await read_body(request, DetokenizeRequest))
 
-    app.include_router(feed_router(serving.live))  # GET /v1/engine/events
-    app.include_router(page_router())              # GET /live
+    if serving.live is not None:  # an engine in this process: its steps can be watched
+        app.include_router(feed_router(serving.live))  # GET /v1/engine/events
+        app.include_router(page_router())              # GET /live
     return app
 
 
@@ -203,5 +204,7 @@ def make_serving(engine: LLMEngine, tokenizer, model_name: str, max_queue: int =
             on_finished(out)
 
     loop.on_finished = finished  # before any request: none can arrive until the serving object is returned
-    serving.live = make_live(engine, loop, model_name)  # the step recorder behind /live
+    # The step recorder behind /live watches an engine in this process; workers in others (`serve --disaggregate`)
+    # step where it cannot see, so that server has no live page.
+    serving.live = make_live(engine, loop, model_name) if isinstance(engine, LLMEngine) else None
     return serving

@@ -168,15 +168,19 @@ def run(args) -> int:
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
-    engine = LLMEngine(model,
-                       SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                       max_num_seqs=args.max_num_seqs,
-                                       enable_chunked_prefill=args.enable_chunked_prefill),
-                       cache_config=CacheConfig(block_size=args.block_size,
-                                                num_gpu_blocks_override=args.num_gpu_blocks_override,
-                                                gpu_memory_utilization=args.gpu_memory_utilization,
-                                                enable_prefix_caching=args.enable_prefix_caching),
-                       enforce_eager=args.enforce_eager, record_timeline=False)
+    if args.disaggregate:
+        from .disaggregated import serve_disaggregated
+        engine = serve_disaggregated(args, model.config, str(device))
+    else:
+        engine = LLMEngine(model,
+                           SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                           max_num_seqs=args.max_num_seqs,
+                                           enable_chunked_prefill=args.enable_chunked_prefill),
+                           cache_config=CacheConfig(block_size=args.block_size,
+                                                    num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                                    gpu_memory_utilization=args.gpu_memory_utilization,
+                                                    enable_prefix_caching=args.enable_prefix_caching),
+                           enforce_eager=args.enforce_eager, record_timeline=False)
     log_file = open(args.request_log, "a") if args.request_log else None
 
     def write_record(out: RequestOutput) -> None:
@@ -197,7 +201,8 @@ def run(args) -> int:
     print(f"serving {name} ({model.weights_source}) on {device} at http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
           f"chunked prefill {'on' if args.enable_chunked_prefill else 'off'}, prefix caching "
-          f"{'on' if args.enable_prefix_caching else 'off'}, {engine.block_manager.num_blocks} KV blocks); "
+          f"{'on' if args.enable_prefix_caching else 'off'}, {engine.block_manager.num_blocks} KV blocks"
+          f"{', prefill and decode on separate workers' if getattr(args, 'disaggregate', False) else ''}); "
           "Ctrl-C stops", flush=True)
     try:
         server.run()
