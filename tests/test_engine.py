@@ -86,10 +86,16 @@ def test_a_pool_small_enough_to_force_preemption(model, chunked):
     assert [outs[i].output_token_ids for i in range(8)] == reference(model, prompts)
 
 
+@pytest.mark.parametrize("lm_head_copy", [False, True])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_engine_logits_equal_the_contiguous_cache(model, chunked, monkeypatch):
+def test_engine_logits_equal_the_contiguous_cache(model, chunked, lm_head_copy, monkeypatch):
     """On logits, not only tokens: every row the engine samples from, under preemption and chunking, equals the
-    logits that a full recompute of the same sequence gives (fp32: 1e-4)."""
+    logits that a full recompute of the same sequence gives (fp32: 1e-4), in each layout of the LM head the
+    loader can choose, against a recompute through the tied weight itself."""
+    reference_model = model
+    if lm_head_copy:
+        model = context_model()
+        model.use_lm_head_copy()
     seen = []
     real_sample = engine_module.sample
 
@@ -111,7 +117,7 @@ def test_engine_logits_equal_the_contiguous_cache(model, chunked, monkeypatch):
             prompt, output = by_request[id(p)]
             j = position[id(p)]
             position[id(p)] += 1
-            full = model(torch.tensor([prompt + output[:j]]))[0, -1]
+            full = reference_model(torch.tensor([prompt + output[:j]]))[0, -1]
             torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
     assert all(position[id(p)] == len(o.output_token_ids) for p, o in zip(params, outs))
 

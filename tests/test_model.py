@@ -94,6 +94,22 @@ def test_logits_only_at_chosen_positions(model):
     torch.testing.assert_close(chosen, full[:, -1])
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_the_lm_head_copy_scores_as_the_tied_weight_does(dtype, tol):
+    """The [C, V] copy the loader keeps on a CPU gives wte's logits, at every row and at chosen rows, in fp32
+    (rounding only: the same products, summed in another order) and in bf16 (its 8-bit mantissa)."""
+    tied, copied = context_model().to(dtype), context_model().to(dtype)
+    copied.use_lm_head_copy()
+    assert copied.lm_head_t.shape == (CFG.n_embd, CFG.vocab_size) and copied.lm_head_t.is_contiguous()
+    assert tied.lm_head_layout != copied.lm_head_layout
+    x = ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), tied(x), atol=tol, rtol=tol)
+        rows = torch.tensor([3, 17])
+        torch.testing.assert_close(copied(x, logits_indices=rows), tied(x, logits_indices=rows), atol=tol, rtol=tol)
+    assert "lm_head_t" not in copied.state_dict(), "the copy is derived from wte, never saved"
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-2), (torch.bfloat16, 5e-2)])
 def test_half_precision_runs_and_agrees(model, dtype, tol):
     x = ids(1, 16)
