@@ -41,10 +41,10 @@ from __future__ import annotations
 import statistics
 
 import matplotlib
-import torch
 
 from common import (make_parser, ms, plot_roofline, plt, predict, print_table, run, save_plot, si, start, ticks_at,
                     write_results)
+import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
 from minillm.bench.verdict import Check, interleave, judge, print_verdict
 
 from minillm.bench.cost import decode_cost
