@@ -110,6 +110,25 @@ def test_the_lm_head_copy_scores_as_the_tied_weight_does(dtype, tol):
     assert "lm_head_t" not in copied.state_dict(), "the copy is derived from wte, never saved"
 
 
+def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several_rows():
+    """oneDNN-packed copies of the block projections (fp32, the loader's choice on a CPU) give the logits of W as
+    stored, for prefills, ragged rows and single tokens; a packed copy that disagrees with W changes only what
+    several rows compute, so the copy is what those steps read, and one row reads W."""
+    plain, packed = context_model(), context_model()
+    packed.pack_linears()
+    assert packed.linears_layout != plain.linears_layout
+    x, one = ids(2, 9), ids(1, 1, seed=1)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
+        fc = packed.h[0].mlp.c_fc
+        fc.packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(fc.weight.t()).contiguous(), 16)
+        assert not torch.allclose(packed(x), plain(x), atol=1e-3)
+        torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
+    packed.pack_linears(False)
+    assert all(m.packed is None for m in packed.modules() if hasattr(m, "packed"))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-2), (torch.bfloat16, 5e-2)])
 def test_half_precision_runs_and_agrees(model, dtype, tol):
     x = ids(1, 16)

@@ -76,7 +76,7 @@ def sweep(model, batches, context_len: int, ceilings: Ceilings, rounds: int = 5,
                      "times_batch1": statistics.median(ratios), "times_batch1_range": [min(ratios), max(ratios)],
                      "roofline_times_batch1": max(memory, compute) / rows[0]["roofline_s"] if rows else 1.0})
     return {"context_len": context_len, "rounds": rounds, "rows": rows, "lm_head_layout": model.lm_head_layout,
-            "block_linears": "F.linear over each W as stored [in, out] (torch's BLAS)",
+            "block_linears": model.linears_layout,
             "dtype": str(model.dtype).removeprefix("torch.")}
 
 
