@@ -36,19 +36,21 @@ Prefill needs the next-token distribution only at each sequence's last
 position, so `forward(..., logits_indices=idx)` applies `ln_f` and the head to
 those rows of the flattened (B·T) batch and nothing else.
 
-The LM head's layout, chosen once the weights are in
------------------------------------------------------
+Weight layouts for a CPU, chosen once the weights are in
+--------------------------------------------------------
 The head is tied to `wte`, stored [V, C] so that embedding a token reads one
-row. Scoring reads that matrix as `F.linear(h, wte)`, h·wteᵀ, which a CPU's
-BLAS streams more slowly than the same product over a row-major [C, V] matrix
-(`h @ W`): on a 2-core AVX2 EPYC, 16.6 ms against 11.5 ms at batch 1, and
-140 ms against 105 ms at batch 16 (`python -m minillm bench` times the step in
-the layout it runs). `use_lm_head_copy()` keeps such a contiguous [C, V] copy
-beside `wte` (a buffer, so `.to()` moves it, never saved): V·C·bytes more memory
-(154 MB for gpt2 in fp32), no more bytes read per step, since a step reads the
-copy and only B rows of `wte`. The copy is made from the weights as they are
-when it is called, so whoever loads or changes weights calls it afterwards
-(`checkpoints.load` does); `lm_head_layout` names the layout in use.
+row. Scoring one row reads it as `F.linear(h, wte)`, h·wteᵀ, which MKL streams
+more slowly than the same product over a row-major [C, V] copy (`h @ W`): on a
+2-core AVX2 EPYC, one thread, 20.8 ms against 26.9. `use_lm_head_copy()` keeps
+that copy (a buffer, so `.to()` moves it; never saved). Several rows are a
+small matmul, which MKL runs far below its ceiling here; oneDNN over a copy
+reordered once into its blocked layout (`pack_linears`, for the head and
+every `Conv1D`) took 61 ms against 126 at batch 16. Each copy costs its
+matrix's bytes in memory (gpt2 fp32: 154 MB per head copy, 340 MB for the
+blocks), never more bytes read per step. Copies are made from the weights as
+they are, so whoever loads or changes weights makes them afterwards
+(`checkpoints.load.choose_layout` does); `lm_head_layout` and `linears_layout`
+name the layout in use.
 
 What it costs: about 2 FLOPs per weight per token (`config.py` has the exact
 count), and one read of every weight per forward pass, whatever T is.
@@ -142,6 +144,17 @@ def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
     return (keys <= query_positions[..., None]).unsqueeze(-3)
 
 
+def pack(weight_out_in: torch.Tensor) -> torch.Tensor:
+    """A copy of W [out, in] reordered once into oneDNN's blocked layout for matmuls of several rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.contiguous(), 16)
+
+
+def serves_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a packed copy computes this product: several rows, inference, on the CPU, in the copy's dtype."""
+    return (packed is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled()
+            and x.device.type == "cpu" and x.dtype == packed.dtype)
+
+
 class Conv1D(nn.Module):
     """y = x·W + b, with W stored [in_features, out_features] as GPT-2's checkpoints store it.
 
@@ -173,11 +186,10 @@ class Conv1D(nn.Module):
     @torch.no_grad()
     def pack(self, on: bool = True) -> None:
         """Reorder a copy of W, as it is now, into oneDNN's layout for matmuls of several rows (on), or drop it."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), 16) if on else None
+        self.packed = pack(self.weight.t()) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.packed is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled()
-                and x.device.type == "cpu" and x.dtype == self.packed.dtype):  # several rows, inference
+        if serves_packed(x, self.packed):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # linear computes x·Aᵀ + b; A = Wᵀ is a free view, so this is one addmm over W as stored, and one
         # op dispatched from Python where a reshape, an addmm and a view would be three.
@@ -243,6 +255,7 @@ class GPT2(nn.Module):
         # The LM head is tied to wte: the same matrix embeds a token and scores it. `lm_head_t`, when set,
         # is a contiguous [C, V] copy of it that the head reads instead (`use_lm_head_copy`).
         self.register_buffer("lm_head_t", None, persistent=False)
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN's packed copy of wte, for several rows
         if seed is not None and not any(p.is_meta for p in self.parameters()):
             self.init_weights(seed)
 
@@ -286,6 +299,8 @@ class GPT2(nn.Module):
         if logits_indices is not None:
             x = x.reshape(B * T, -1)[logits_indices]  # (N, C): only the rows we will sample from
         x = self.ln_f(x)
+        if serves_packed(x, self.lm_head_packed):  # several rows: oneDNN's packed copy (`pack_linears`)
+            return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
         return F.linear(x, self.wte.weight) if self.lm_head_t is None else x @ self.lm_head_t
 
     @torch.no_grad()
@@ -297,12 +312,14 @@ class GPT2(nn.Module):
 
     @torch.no_grad()
     def pack_linears(self, on: bool = True) -> None:
-        """Give every block projection a oneDNN-packed copy for steps of several rows (`Conv1D.pack`), or drop it.
+        """Give every block projection and the LM head a oneDNN-packed copy for steps of several rows
+        (`Conv1D.pack`; the head's: 61 ms against F.linear's 126 at batch 16), or drop them.
 
         Call it after the weights are final: the copies do not follow later changes."""
         for module in self.modules():
             if isinstance(module, Conv1D):
                 module.pack(on)
+        self.lm_head_packed = pack(self.wte.weight) if on else None
 
     @property
     def lm_head_layout(self) -> str:
@@ -311,7 +328,7 @@ class GPT2(nn.Module):
     @property
     def linears_layout(self) -> str:
         packed = self.h[0].mlp.c_fc.packed is not None
-        return ("W [in, out] via F.linear for one row, a oneDNN-packed copy for several" if packed
+        return ("W [in, out] via F.linear for one row, a oneDNN-packed copy for several (LM head too)" if packed
                 else "W [in, out] as stored, via F.linear")
 
     @property

@@ -125,7 +125,12 @@ def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several
         fc.packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(fc.weight.t()).contiguous(), 16)
         assert not torch.allclose(packed(x), plain(x), atol=1e-3)
         torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
+        packed.pack_linears()  # the head's packed copy likewise serves several rows only
+        packed.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(packed.wte.weight), 16)
+        assert not torch.allclose(packed(x), plain(x), atol=1e-3)
+        torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
     packed.pack_linears(False)
+    assert packed.lm_head_packed is None
     assert all(m.packed is None for m in packed.modules() if hasattr(m, "packed"))
 
 
