@@ -44,7 +44,10 @@ line, so the same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again (
 at the checked point); `shared` of 6 requests with a 96-token system prompt, 4 tokens of each
 request's own and 4-token answers (prompt ÷ answer = 25, as in the full run); the control of
 100-token prompts; turns of 32 then 8 tokens. The sweep, shared and control runs go in turns,
-caching off and on, three rounds (two with --quick); every ratio is taken within a round. On a
+caching off and on, five rounds (--quick too); every ratio is taken within a round. Five is the
+fewest rounds whose range holds the median of the rounds' ratios with ≥ 90% probability (1 − 2/2⁵
+= 94%): from two rounds, whose range holds it only half the time, a control within noise of its
+3% line came out HOLDS on a quiet machine and NOT SUPPORTED beside a busy core. On a
 CPU the model runs on one thread: on shared cores, a second thread would make each small step
 wait, and a round's runs would differ more than caching does.
 
@@ -79,6 +82,7 @@ TTFT_LINE = 5.0        # SGLang's "up to 5×", on the TTFT of a hit
 THROUGHPUT_LINE = 2.0  # the shared-prompt workload's throughput, on ÷ off
 CONTROL_LINE = 0.97    # nothing shared: within 3% of caching off
 BLOCK_SIZE = 16
+DECIDING_ROUNDS = 5    # the fewest rounds whose whole range is a ≥ 90% interval of their median (verdict.py)
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
@@ -88,10 +92,10 @@ def sizes(n_ctx: int, quick: bool) -> dict:
         return {"sweep": [max(3 * u, BLOCK_SIZE), 12 * u], "sweep_suffix": max(1, u // 2), "requests": 6,
                 "prefix": max(3 * u, 2 * BLOCK_SIZE), "suffix": max(1, u // 8), "answer": max(1, u // 8),
                 "control_requests": 2, "control_prompt": max(3 * u, 2 * BLOCK_SIZE) + max(1, u // 8),
-                "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": 2}
+                "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": DECIDING_ROUNDS}
     return {"sweep": [3 * u, 6 * u, 12 * u, 24 * u], "sweep_suffix": u, "requests": 8, "prefix": 24 * u, "suffix": u,
             "answer": u, "control_requests": 2, "control_prompt": 13 * u, "conversations": 2, "turns": 3,
-            "first": 4 * u, "user": 2 * u, "repeats": 3}
+            "first": 4 * u, "user": 2 * u, "repeats": DECIDING_ROUNDS}
 
 
 def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3) -> list[Conversation]:
