@@ -46,8 +46,8 @@ request's own and 4-token answers (prompt ÷ answer = 25, as in the full run); t
 100-token prompts; turns of 32 then 8 tokens. The sweep, shared and control runs go in turns,
 caching off and on, five rounds (--quick too); every ratio is taken within a round. Five is the
 fewest rounds whose range holds the median of the rounds' ratios with ≥ 90% probability (1 − 2/2⁵
-= 94%): from two rounds, whose range holds it only half the time, a control within noise of its
-3% line came out HOLDS on a quiet machine and NOT SUPPORTED beside a busy core. On a
+= 94%): two rounds, whose range holds it only half the time, let a line within the noise be
+decided either way, and this lesson's verdict came out differently quiet and beside a busy core. On a
 CPU the model runs on one thread: on shared cores, a second thread would make each small step
 wait, and a round's runs would differ more than caching does.
 
