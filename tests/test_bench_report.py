@@ -58,3 +58,18 @@ def test_sweep_batch_lists_always_hold_batch_1_and_refuse_nonsense():
     for bad in ("0,4", "a,b"):
         with pytest.raises(ValueError, match="--sweep"):
             parse_batches(bad)
+
+
+def test_the_busy_check_times_quiet_busy_and_one_thread_in_turns_and_restores_the_threads():
+    from minillm.bench import sweep
+    model = random_model(PRESETS["tiny"], "cpu", torch.float32)
+    before = torch.get_num_threads()
+    r = sweep.beside_busy_core(model, 4, context_len=8, rounds=2)
+    assert torch.get_num_threads() == before == r["threads"]
+    t = r["times_s"]
+    assert all(len(v) == 2 for v in t.values())
+    assert r["busy_over_quiet"] == [b / q for b, q in zip(t["busy"], t["quiet"])]
+    assert r["busy_over_one_thread"] == [b / o for b, o in zip(t["busy"], t["busy, 1 thread"])]
+    line = sweep.busy_report(r)
+    assert line.startswith("busy     batch-4 step beside a busy core (2 rounds")
+    assert f"{min(r['busy_over_quiet']):.2f}–{max(r['busy_over_quiet']):.2f}" in line

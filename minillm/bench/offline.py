@@ -51,7 +51,7 @@ from .cost import decode_cost, prefill_cost
 from ..device import available_memory
 from .roofline import achieved, measure_ceilings
 from .steps import time_decode, time_prefill
-from .sweep import DEFAULT_BATCHES, SWEEP_CONTEXT, parse_batches, sweep
+from .sweep import DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, busy_report, parse_batches, sweep
 from .sweep import report as sweep_report
 from .threads import apply_threads, choose_threads
 from .timing import environment, si, time_fn
@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes whose decode steps are timed in turns against the roofline ('' skips)")
     parser.add_argument("--sweep-context", type=int, default=SWEEP_CONTEXT,
                         help="cached tokens per sequence before each swept decode step")
+    parser.add_argument("--busy-check", action="store_true",
+                        help="also time the batch-16 step beside a core a Python loop keeps busy, in turns with quiet")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
 
@@ -275,6 +277,9 @@ def run(args: argparse.Namespace) -> int:
         say(f"bench: timing decode steps at batch {', '.join(map(str, batches))} in turns, {args.repeats} rounds …")
         result["sweep"] = sweep(model, batches, min(args.sweep_context, model.config.n_ctx - 1),
                                 measure_ceilings(device, dtype), rounds=args.repeats, warmup=args.warmup)
+    if args.busy_check:
+        say(f"bench: timing the batch-16 step quiet, beside a busy core, and there on one thread, {args.repeats} rounds …")
+        result["busy"] = beside_busy_core(model, 16, min(args.sweep_context, model.config.n_ctx - 1), args.repeats)
     result["threads"] = choice.as_dict()
     busy = choice.busy if choice.busy is not None else 0.0
     load_after = _loadavg()
@@ -289,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(report(result, device.type == "cuda")))
     if "sweep" in result:
         print("\n".join(sweep_report(result["sweep"])))
+    if "busy" in result:
+        print(busy_report(result["busy"]))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The decode step at several batch sizes, each against this device's roofline and against batch 1.
 
-    python -m minillm bench --model gpt2 --sweep 1,4,16,64 --sweep-context 128
+    python -m minillm bench --model gpt2 --sweep 1,4,16,64 --sweep-context 128 [--busy-check]
 
 Batching is what makes decode pay: a step of B sequences reads the weights
 once for B tokens. How much a step of B may cost is set by the roofline, in
@@ -21,6 +21,12 @@ median of the per-round ratios with their range.
 What is timed is `steps.decode_step`, the eager step over the contiguous cache
 (the engine's paged step adds a gather of each row's blocks), with the model
 in the layout the loader chose (`model.lm_head_layout`).
+
+`--busy-check` also times the batch-16 step beside a core kept busy by a
+Python loop this run starts and stops, in turns with the quiet step and with
+the same step on one thread (`beside_busy_core`): what a third runnable
+thread costs the thread policy (`threads.py`), and whether it ever loses to
+one thread.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ DEFAULT_BATCHES = (1, 4, 16, 64)
 SWEEP_CONTEXT = 128
 FLOOR_AIM = 1.3     # batch 1: a step within this factor of the weight-read floor
 BATCH16_AIM = 1.5   # a step of 16 within this factor of the step of 1
+BUSY_AIM = 1.5      # beside a core another process keeps busy, the batch-16 step within this factor of quiet
 
 
 def parse_batches(text: str) -> tuple[int, ...]:
@@ -78,6 +85,48 @@ def sweep(model, batches, context_len: int, ceilings: Ceilings, rounds: int = 5,
     return {"context_len": context_len, "rounds": rounds, "rows": rows, "lm_head_layout": model.lm_head_layout,
             "block_linears": model.linears_layout,
             "dtype": str(model.dtype).removeprefix("torch.")}
+
+
+def beside_busy_core(model, batch: int, context_len: int, rounds: int = 5) -> dict:
+    """The batch-`batch` step quiet, beside a busy core, and beside it on one thread, in turns, `rounds` times.
+
+    The busy core is a Python loop in a child process (`while True: pass`), started before and stopped after
+    each busy timing; the quiet timing comes first in every round. Judged per round: busy ÷ quiet (how much a
+    third runnable thread costs this thread policy) and busy ÷ busy on one thread (whether the chosen threads
+    ever lose to one)."""
+    import subprocess
+    import sys
+    import time
+
+    import torch
+    step, threads = decode_step(model, context_len, batch), torch.get_num_threads()
+    step()
+    times = {"quiet": [], "busy": [], "busy, 1 thread": []}
+    for _ in range(rounds):
+        times["quiet"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
+        loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.3)  # the loop is running before the step starts
+            times["busy"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
+            torch.set_num_threads(1)
+            times["busy, 1 thread"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
+        finally:
+            torch.set_num_threads(threads)
+            loop.kill()
+            loop.wait()
+    ratio = lambda a, b: [x / y for x, y in zip(times[a], times[b])]  # noqa: E731
+    return {"batch": batch, "threads": threads, "rounds": rounds, "times_s": times,
+            "busy_over_quiet": ratio("busy", "quiet"), "busy_over_one_thread": ratio("busy", "busy, 1 thread")}
+
+
+def busy_report(result: dict) -> str:
+    b, q = result["busy_over_quiet"], result["busy_over_one_thread"]
+    med = {k: statistics.median(v) * 1e3 for k, v in result["times_s"].items()}
+    return (f"busy     batch-{result['batch']} step beside a busy core ({result['rounds']} rounds in turns, "
+            f"{result['threads']} thread{'s' * (result['threads'] > 1)}): quiet {med['quiet']:.1f} ms, busy "
+            f"{med['busy']:.1f} ms = {statistics.median(b):.2f}× quiet [{min(b):.2f}–{max(b):.2f}] (aim ≤ "
+            f"{BUSY_AIM:g}×); on one thread beside it {med['busy, 1 thread']:.1f} ms: the chosen threads take "
+            f"{statistics.median(q):.2f}× [{min(q):.2f}–{max(q):.2f}] of that")
 
 
 def report(result: dict) -> list[str]:
