@@ -38,19 +38,15 @@ those rows of the flattened (B·T) batch and nothing else.
 
 Weight layouts for a CPU, chosen once the weights are in
 --------------------------------------------------------
-The head is tied to `wte`, stored [V, C] so that embedding a token reads one
-row. Scoring one row reads it as `F.linear(h, wte)`, h·wteᵀ, which MKL streams
-more slowly than the same product over a row-major [C, V] copy (`h @ W`): on a
-2-core AVX2 EPYC, one thread, 20.8 ms against 26.9. `use_lm_head_copy()` keeps
-that copy (a buffer, so `.to()` moves it; never saved). Several rows are a
-small matmul, which MKL runs far below its ceiling here; oneDNN over a copy
-reordered once into its blocked layout (`pack_linears`, for the head and
-every `Conv1D`) took 61 ms against 126 at batch 16. Each copy costs its
-matrix's bytes in memory (gpt2 fp32: 154 MB per head copy, 340 MB for the
-blocks), never more bytes read per step. Copies are made from the weights as
-they are, so whoever loads or changes weights makes them afterwards
-(`checkpoints.load.choose_layout` does); `lm_head_layout` and `linears_layout`
-name the layout in use.
+One row (a batch-1 decode) is a matrix-vector product that streams each weight
+once; MKL streams the tied head faster from a [C, V] copy of `wte` (`h @ W`,
+`use_lm_head_copy`) than as `F.linear(h, wte)`. Several rows are a small matmul,
+which MKL runs far below its ceiling on this AMD CPU; oneDNN over copies
+reordered once (`pack_linears`: the head and every `Conv1D`) takes about half
+the time. Each copy costs its matrix's bytes of memory, never bytes read per
+step, and is made from the weights as they are: whoever loads or changes them
+makes the copies afterwards (`checkpoints.load.choose_layout`).
+`lm_head_layout` and `linears_layout` name the layout in use.
 
 What it costs: about 2 FLOPs per weight per token (`config.py` has the exact
 count), and one read of every weight per forward pass, whatever T is.
@@ -144,8 +140,9 @@ def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
     return (keys <= query_positions[..., None]).unsqueeze(-3)
 
 
-def pack(weight_out_in: torch.Tensor) -> torch.Tensor:
-    """A copy of W [out, in] reordered once into oneDNN's blocked layout for matmuls of several rows."""
+def onednn_pack(weight_out_in: torch.Tensor) -> torch.Tensor:
+    """A copy of W [out, in] reordered once into oneDNN's blocked layout for matmuls of several rows (tuned for
+    16; what torch.compile's CPU weight prepacking makes)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.contiguous(), 16)
 
 
@@ -166,15 +163,10 @@ class Conv1D(nn.Module):
     faster depends on the library and the machine; time both with
     `timing.time_fn` before preferring one.
 
-
-    Packed for a CPU (`pack`): one row is a matrix-vector product, which MKL streams
-    at the bandwidth from W as stored; several rows are a small matmul, which MKL
-    runs far below the ceiling on a small M on this AMD CPU (12 layers of c_fc at
-    batch 16: 119 ms, one thread). oneDNN's linear over a copy of W reordered once
-    into its blocked layout (what torch.compile's CPU "freezing" does) took 65 ms
-    (27 against 56 at batch 4, 96 against 155 at 64), and 18 against 10 at batch 1.
-    So a packed projection keeps both: W for one row, the packed copy for more,
-    at the cost of a second copy of W (in·out·4 bytes; fp32 on a CPU only).
+    Packed for a CPU (`onednn_pack`, above): W serves one row, streamed at the
+    bandwidth; a oneDNN-packed copy serves several (on the 2-core EPYC, one
+    thread, 12 c_fc layers at batch 16: 65 ms against MKL's 119 over W), at the
+    cost of a second copy of W (in·out·4 bytes; fp32 on a CPU only).
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -186,7 +178,7 @@ class Conv1D(nn.Module):
     @torch.no_grad()
     def pack(self, on: bool = True) -> None:
         """Reorder a copy of W, as it is now, into oneDNN's layout for matmuls of several rows (on), or drop it."""
-        self.packed = pack(self.weight.t()) if on else None
+        self.packed = onednn_pack(self.weight.t()) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if serves_packed(x, self.packed):
@@ -319,7 +311,7 @@ class GPT2(nn.Module):
         for module in self.modules():
             if isinstance(module, Conv1D):
                 module.pack(on)
-        self.lm_head_packed = pack(self.wte.weight) if on else None
+        self.lm_head_packed = onednn_pack(self.wte.weight) if on else None
 
     @property
     def lm_head_layout(self) -> str:
