@@ -36,17 +36,10 @@ Prefill needs the next-token distribution only at each sequence's last
 position, so `forward(..., logits_indices=idx)` applies `ln_f` and the head to
 those rows of the flattened (B·T) batch and nothing else.
 
-Weight layouts for a CPU, chosen once the weights are in
---------------------------------------------------------
-One row (a batch-1 decode) is a matrix-vector product that streams each weight
-once; MKL streams the tied head faster from a [C, V] copy of `wte` (`h @ W`,
-`use_lm_head_copy`) than as `F.linear(h, wte)`. Several rows are a small matmul,
-which MKL runs far below its ceiling on this AMD CPU; oneDNN over copies
-reordered once (`pack_linears`: the head and every `Conv1D`) takes about half
-the time. Each copy costs its matrix's bytes of memory, never bytes read per
-step, and is made from the weights as they are: whoever loads or changes them
-makes the copies afterwards (`checkpoints.load.choose_layout`).
-`lm_head_layout` and `linears_layout` name the layout in use.
+Weight layouts for a CPU (`weight_layout.py`): once the weights are in, the
+loader may give the head a [C, V] copy of `wte` (`use_lm_head_copy`) and the
+head and every `Conv1D` oneDNN-packed copies for steps of several rows
+(`pack_linears`); `lm_head_layout` and `linears_layout` name what is in use.
 
 What it costs: about 2 FLOPs per weight per token (`config.py` has the exact
 count), and one read of every weight per forward pass, whatever T is.
@@ -66,6 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPT2Config
+from .weight_layout import deepcopy_repacking, onednn_pack, serves_packed
 
 
 class AttentionCache(Protocol):
@@ -140,18 +134,6 @@ def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
     return (keys <= query_positions[..., None]).unsqueeze(-3)
 
 
-def onednn_pack(weight_out_in: torch.Tensor) -> torch.Tensor:
-    """A copy of W [out, in] reordered once into oneDNN's blocked layout for matmuls of several rows (tuned for
-    16; what torch.compile's CPU weight prepacking makes)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.contiguous(), 16)
-
-
-def serves_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a packed copy computes this product: several rows, inference, on the CPU, in the copy's dtype."""
-    return (packed is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled()
-            and x.device.type == "cpu" and x.dtype == packed.dtype)
-
-
 class Conv1D(nn.Module):
     """y = x·W + b, with W stored [in_features, out_features] as GPT-2's checkpoints store it.
 
@@ -163,7 +145,7 @@ class Conv1D(nn.Module):
     faster depends on the library and the machine; time both with
     `timing.time_fn` before preferring one.
 
-    Packed for a CPU (`onednn_pack`, above): W serves one row, streamed at the
+    Packed for a CPU (`weight_layout.py`): W serves one row, streamed at the
     bandwidth; a oneDNN-packed copy serves several (on the 2-core EPYC, one
     thread, 12 c_fc layers at batch 16: 65 ms against MKL's 119 over W), at the
     cost of a second copy of W (in·out·4 bytes; fp32 on a CPU only).
@@ -174,6 +156,9 @@ class Conv1D(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features).normal_(std=0.02))  # GPT-2's init
         self.bias = nn.Parameter(torch.zeros(out_features))
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of W (`pack`); never saved, never moved
+
+    def __deepcopy__(self, memo):
+        return deepcopy_repacking(self, memo, "packed", lambda twin: onednn_pack(twin.weight.detach().t()))
 
     @torch.no_grad()
     def pack(self, on: bool = True) -> None:
@@ -301,6 +286,9 @@ class GPT2(nn.Module):
 
         Call it after the weights are final: the copy does not follow later changes to wte."""
         self.lm_head_t = self.wte.weight.detach().t().contiguous() if on else None
+
+    def __deepcopy__(self, memo):
+        return deepcopy_repacking(self, memo, "lm_head_packed", lambda twin: onednn_pack(twin.wte.weight.detach()))
 
     @torch.no_grad()
     def pack_linears(self, on: bool = True) -> None:

@@ -134,6 +134,21 @@ def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several
     assert all(m.packed is None for m in packed.modules() if hasattr(m, "packed"))
 
 
+def test_a_deep_copy_of_a_packed_model_makes_its_own_copies_from_its_own_weights():
+    import copy
+    from minillm.checkpoints.load import choose_layout
+    model = choose_layout(context_model())
+    twin = copy.deepcopy(model)   # oneDNN's opaque copies cannot be copied: the twin packs its own
+    assert twin.lm_head_packed is not model.lm_head_packed and twin.h[0].attn.c_attn.packed is not None
+    x = ids(2, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
+        twin.h[0].mlp.c_fc.weight.mul_(2)
+        twin.pack_linears()      # the twin's weights changed: its copies follow once made again
+        assert not torch.allclose(twin(x), model(x), atol=1e-3)
+        torch.testing.assert_close(model(x), context_model()(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-2), (torch.bfloat16, 5e-2)])
 def test_half_precision_runs_and_agrees(model, dtype, tol):
     x = ids(1, 16)
