@@ -54,8 +54,8 @@ import contextlib
 import dataclasses
 import statistics
 
-import torch
 from common import make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
+import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
 from minillm.bench.verdict import Check, interleave, judge, print_verdict
 
 from minillm.config import PRESETS

@@ -44,7 +44,11 @@ line, so the same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again (
 at the checked point); `shared` of 6 requests with a 96-token system prompt, 4 tokens of each
 request's own and 4-token answers (prompt ÷ answer = 25, as in the full run); the control of
 100-token prompts; turns of 32 then 8 tokens. The sweep, shared and control runs go in turns,
-caching off and on, three rounds (two with --quick); every ratio is taken within a round. On a
+caching off and on, five rounds (--quick too), the sweep's apart from the workloads' so that rounds
+one line still needs do not re-run the other; every ratio is taken within a round. Five is the
+fewest rounds whose range holds the median of the rounds' ratios with ≥ 90% probability (1 − 2/2⁵
+= 94%): two rounds, whose range holds it only half the time, let a line within the noise be
+decided either way, and this lesson's verdict came out differently quiet and beside a busy core. On a
 CPU the model runs on one thread: on shared cores, a second thread would make each small step
 wait, and a round's runs would differ more than caching does.
 
@@ -79,6 +83,7 @@ TTFT_LINE = 5.0        # SGLang's "up to 5×", on the TTFT of a hit
 THROUGHPUT_LINE = 2.0  # the shared-prompt workload's throughput, on ÷ off
 CONTROL_LINE = 0.97    # nothing shared: within 3% of caching off
 BLOCK_SIZE = 16
+DECIDING_ROUNDS = 5    # the fewest rounds whose whole range is a ≥ 90% interval of their median (verdict.py)
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
@@ -88,10 +93,10 @@ def sizes(n_ctx: int, quick: bool) -> dict:
         return {"sweep": [max(3 * u, BLOCK_SIZE), 12 * u], "sweep_suffix": max(1, u // 2), "requests": 6,
                 "prefix": max(3 * u, 2 * BLOCK_SIZE), "suffix": max(1, u // 8), "answer": max(1, u // 8),
                 "control_requests": 2, "control_prompt": max(3 * u, 2 * BLOCK_SIZE) + max(1, u // 8),
-                "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": 2}
+                "conversations": 2, "turns": 2, "first": u, "user": max(1, u // 4), "repeats": DECIDING_ROUNDS}
     return {"sweep": [3 * u, 6 * u, 12 * u, 24 * u], "sweep_suffix": u, "requests": 8, "prefix": 24 * u, "suffix": u,
             "answer": u, "control_requests": 2, "control_prompt": 13 * u, "conversations": 2, "turns": 3,
-            "first": 4 * u, "user": 2 * u, "repeats": 3}
+            "first": 4 * u, "user": 2 * u, "repeats": DECIDING_ROUNDS}
 
 
 def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3) -> list[Conversation]:
@@ -182,11 +187,20 @@ def predict_gains(lesson, s: dict) -> dict:
     return pb
 
 
-def checks_of(r, s: dict) -> list[Check]:
+def speedups(r) -> list[float]:
+    """The checked hit's TTFT off ÷ on, one per round of the sweep."""
     off, on = ([run["records"][-1]["ttft_s"] for run in r.results(f"sweep {c}")] for c in ("off", "on"))
-    gain = {w: [b["throughput"] / a["throughput"] for a, b in zip(r.results(f"{w} off"), r.results(f"{w} on"))]
-            for w in ("shared", "control")}
-    return make_checks(s, [a / b for a, b in zip(off, on)], gain["shared"], gain["control"])
+    return [a / b for a, b in zip(off, on)]
+
+
+def gains(r, w: str) -> list[float]:
+    """Throughput on ÷ off of workload `w`, one per round."""
+    return [b["throughput"] / a["throughput"] for a, b in zip(r.results(f"{w} off"), r.results(f"{w} on"))]
+
+
+def checks_of(sweep, loads, s: dict) -> list[Check]:
+    """The three checks, from the sweep's rounds and the throughput workloads' rounds (timed apart: see measure)."""
+    return make_checks(s, speedups(sweep), gains(loads, "shared"), gains(loads, "control"))
 
 
 def measure(lesson, s: dict):
@@ -204,9 +218,17 @@ def measure(lesson, s: dict):
            for name, convs in served.items()}
     with one_thread() if lesson.device.type == "cpu" else contextlib.nullcontext():
         runner(model, no_sharing_workload(2, 32, 2, cfg.vocab_size), True)()  # the first passes allocate: unshown
-        rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device, desc="caching off and on, in turns",
-                            until=settled(lambda r: checks_of(r, s)))
-        runs = {name: rounds.results(name) for name in fns}
+        # The sweep and the throughput workloads go in rounds of their own, each adding rounds only while its own
+        # checks straddle their lines: the control's 3% line may need more rounds than the TTFT's, and need not
+        # re-run the sweep's uncached prefills for them.
+        sweep = interleave({n: f for n, f in fns.items() if n.startswith("sweep")}, s["repeats"], warmup=0,
+                           device=lesson.device, desc="TTFT sweep, caching off and on, in turns",
+                           until=settled(lambda r: make_checks(s, speedups(r), [THROUGHPUT_LINE], [1.0])[:1]))
+        rounds = interleave({n: f for n, f in fns.items() if not n.startswith("sweep")}, s["repeats"], warmup=0,
+                            device=lesson.device, desc="workloads, caching off and on, in turns",
+                            until=settled(lambda r: make_checks(s, [TTFT_LINE], gains(r, "shared"),
+                                                                gains(r, "control"))[1:]))
+        runs = {name: r.results(name) for r in (sweep, rounds) for name in r.names}
         for c in ("off", "on"):  # shown, not judged: one run each way
             runs[f"turns {c}"] = [runner(model, work["turns"], c == "on")()]
     med = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
@@ -228,16 +250,16 @@ def measure(lesson, s: dict):
                 [[p, s["sweep_suffix"], ms(ttft["off"][i]), ms(ttft["on"][i]),
                   f"{ttft['off'][i] / ttft['on'][i]:.1f}×",
                   runs["sweep on"][0]["records"][i + 1]["cached_tokens"]] for i, p in enumerate(s["sweep"])],
-                "one request at a time, after one that filled the cache (medians of the rounds):")
-    return {"rounds": rounds, "runs": runs, "sweep_rows": sweep_rows, "ttft": ttft}
+                f"one request at a time, after one that filled the cache (medians of {sweep.count} rounds):")
+    return {"rounds": rounds, "sweep_rounds": sweep, "runs": runs, "sweep_rows": sweep_rows, "ttft": ttft}
 
 
 def judge_claim(lesson, s: dict, m: dict):
     """The three checks, each with its reading of the numbers; the throughput bound measured round by round."""
-    runs, checks = m["runs"], checks_of(m["rounds"], s)
+    runs, checks = m["runs"], checks_of(m["sweep_rounds"], m["rounds"], s)
     verdict = judge(f"prefix caching cuts a hit's TTFT at least {TTFT_LINE:g}× (SGLang: up to 5×), at least doubles "
                     "the throughput of requests sharing a system prompt, and costs under 3% when nothing is shared",
-                    checks, lesson.load(), [m["rounds"]])
+                    checks, lesson.load(), [m["sweep_rounds"], m["rounds"]])
     bounds = [throughput_bound(off, on) for off, on in zip(runs["shared off"], runs["shared on"])]
     bound = {k: statistics.median(b[k] for b in bounds) for k in bounds[0]}
     for check, why in zip(checks, explain(checks, bound, s, m["ttft"])):  # one reading per line, printed either way
@@ -264,7 +286,7 @@ def plot(lesson, s: dict, m: dict, pb: dict, bound: dict, verdict) -> float:
     ax.set(xlabel=f"shared-prefix length S (tokens; each request adds {s['sweep_suffix']} of its own)",
            ylabel="TTFT (ms), one request at a time", ylim=(0, None), xlim=(0, None),
            title=f"TTFT of a hit ({checks[0].median:.2f}× lower at S = {s['sweep'][-1]})\n"
-                 f"(medians of {count} rounds; bars: range)")
+                 f"(medians of {m['sweep_rounds'].count} rounds; bars: range)")
     ticks_at(ax, [0] + s["sweep"])
     ax = axes[1]
     names = ["shared", "turns", "control"]

@@ -35,9 +35,9 @@ import time
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, si, start, ticks_at, write_results
+import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
 from drafts import choose_draft
 from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
 

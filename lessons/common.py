@@ -35,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
+import minillm  # noqa: E402,F401  (before torch: importing it sets OpenMP's wait policy, bench/threads.py)
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only, never a window: lessons run headless and in tests
@@ -101,6 +102,11 @@ def quiet_load_model(name: str, device, dtype):
     return random_model(PRESETS[preset], device, dtype)
 
 
+def weights_layout(model) -> str:
+    """How the loader laid the weights out for this device: the kernel path every step the lesson times takes."""
+    return f"LM head {model.lm_head_layout}; block projections {model.linears_layout}"
+
+
 def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     """Resolve device and dtype, load the model, read the machine's load, and measure the device's ceilings."""
     threads = apply_threads(choose_threads(getattr(args, "threads", None)))  # before our own work loads the CPU
@@ -115,6 +121,7 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     print(f"== {name} ==  model {args.model} ({model.weights_source}), {device}, {str(dtype).removeprefix('torch.')}"
           f"{', quick' if args.quick else ''}")
     print(f"threads: {threads.reason}")
+    print(f"kernels: {weights_layout(model)}")
     if ceil is not None:
         line = (f"measured ceilings: matmul {si(ceil.matmul_flops, 'FLOP/s')}, copy bandwidth "
                 f"{si(ceil.bandwidth, 'B/s')}, ridge {ceil.ridge:.1f} FLOP/B")
@@ -208,6 +215,7 @@ def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
         "quick": lesson.args.quick,
         "model": lesson.args.model,
         "weights_source": lesson.model.weights_source,
+        "layout": weights_layout(lesson.model),
         "environment": environment(lesson.device, lesson.dtype),
         "threads": lesson.threads.as_dict() if lesson.threads else None,
         "predictions": lesson.predictions,

@@ -17,10 +17,12 @@ from minillm.model import GPT2
 
 
 def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
-    """The target's first n_layer blocks, its embeddings, ln_f and tied head: a draft sharing (not copying) them."""
+    """The target's first n_layer blocks, its embeddings, ln_f and tied head (in the layout the loader chose for the
+    target): a draft sharing (not copying) them."""
     with torch.device("meta"):
         draft = GPT2(target.config.with_(n_layer=n_layer), seed=None)
     draft.wte, draft.wpe, draft.ln_f = target.wte, target.wpe, target.ln_f
+    draft.lm_head_t, draft.lm_head_packed = target.lm_head_t, target.lm_head_packed  # the loader's layout, shared
     draft.h = torch.nn.ModuleList(target.h[:n_layer])
     draft.weights_source = f"the target's first {n_layer} of {target.config.n_layer} blocks"
     return draft.eval()

@@ -1,4 +1,9 @@
 """minillm: a teaching-grade LLM inference engine. One module per serving idea; see README.md."""
+import os
+import sys
+
+if "torch" not in sys.modules:  # OpenMP reads its policy once, as torch loads it: threads sleep at a barrier,
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # never spin for a core another process holds (bench/threads.py)
 from .config import PRESETS, GPT2Config
 from .model import GPT2
 from .sampling_params import SamplingParams

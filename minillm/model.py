@@ -36,6 +36,11 @@ Prefill needs the next-token distribution only at each sequence's last
 position, so `forward(..., logits_indices=idx)` applies `ln_f` and the head to
 those rows of the flattened (B·T) batch and nothing else.
 
+Weight layouts for a CPU (`weight_layout.py`): once the weights are in, the
+loader may give the head a [C, V] copy of `wte` (`use_lm_head_copy`) and the
+head and every `Conv1D` oneDNN-packed copies for steps of several rows
+(`pack_linears`); `lm_head_layout` and `linears_layout` name what is in use.
+
 What it costs: about 2 FLOPs per weight per token (`config.py` has the exact
 count), and one read of every weight per forward pass, whatever T is.
 
@@ -54,6 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPT2Config
+from .weight_layout import deepcopy_repacking, onednn_pack, serves_packed
 
 
 class AttentionCache(Protocol):
@@ -138,14 +144,30 @@ class Conv1D(nn.Module):
     loading is a copy, never a transpose. Which layout a CPU's BLAS streams
     faster depends on the library and the machine; time both with
     `timing.time_fn` before preferring one.
+
+    Packed for a CPU (`weight_layout.py`): W serves one row, streamed at the
+    bandwidth; a oneDNN-packed copy serves several (on the 2-core EPYC, one
+    thread, 12 c_fc layers at batch 16: 65 ms against MKL's 119 over W), at the
+    cost of a second copy of W (in·out·4 bytes; fp32 on a CPU only).
     """
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features).normal_(std=0.02))  # GPT-2's init
         self.bias = nn.Parameter(torch.zeros(out_features))
+        self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of W (`pack`); never saved, never moved
+
+    def __deepcopy__(self, memo):
+        return deepcopy_repacking(self, memo, "packed", lambda twin: onednn_pack(twin.weight.detach().t()))
+
+    @torch.no_grad()
+    def pack(self, on: bool = True) -> None:
+        """Reorder a copy of W, as it is now, into oneDNN's layout for matmuls of several rows (on), or drop it."""
+        self.packed = onednn_pack(self.weight.t()) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if serves_packed(x, self.packed):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # linear computes x·Aᵀ + b; A = Wᵀ is a free view, so this is one addmm over W as stored, and one
         # op dispatched from Python where a reshape, an addmm and a view would be three.
         return F.linear(x, self.weight.t(), self.bias)
@@ -207,7 +229,10 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        # The LM head is tied to wte: the same matrix embeds a token and scores it.
+        # The LM head is tied to wte: the same matrix embeds a token and scores it. `lm_head_t`, when set,
+        # is a contiguous [C, V] copy of it that the head reads instead (`use_lm_head_copy`).
+        self.register_buffer("lm_head_t", None, persistent=False)
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN's packed copy of wte, for several rows
         if seed is not None and not any(p.is_meta for p in self.parameters()):
             self.init_weights(seed)
 
@@ -250,7 +275,41 @@ class GPT2(nn.Module):
             x = block(x, cache)
         if logits_indices is not None:
             x = x.reshape(B * T, -1)[logits_indices]  # (N, C): only the rows we will sample from
-        return F.linear(self.ln_f(x), self.wte.weight)
+        x = self.ln_f(x)
+        if serves_packed(x, self.lm_head_packed):  # several rows: oneDNN's packed copy (`pack_linears`)
+            return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
+        return F.linear(x, self.wte.weight) if self.lm_head_t is None else x @ self.lm_head_t
+
+    @torch.no_grad()
+    def use_lm_head_copy(self, on: bool = True) -> None:
+        """Score tokens through a contiguous [C, V] copy of wte made now (on), or through wte itself (off).
+
+        Call it after the weights are final: the copy does not follow later changes to wte."""
+        self.lm_head_t = self.wte.weight.detach().t().contiguous() if on else None
+
+    def __deepcopy__(self, memo):
+        return deepcopy_repacking(self, memo, "lm_head_packed", lambda twin: onednn_pack(twin.wte.weight.detach()))
+
+    @torch.no_grad()
+    def pack_linears(self, on: bool = True) -> None:
+        """Give every block projection and the LM head a oneDNN-packed copy for steps of several rows
+        (`Conv1D.pack`; the head's: 61 ms against F.linear's 126 at batch 16), or drop them.
+
+        Call it after the weights are final: the copies do not follow later changes."""
+        for module in self.modules():
+            if isinstance(module, Conv1D):
+                module.pack(on)
+        self.lm_head_packed = onednn_pack(self.wte.weight) if on else None
+
+    @property
+    def lm_head_layout(self) -> str:
+        return "tied wte [V, C] via F.linear" if self.lm_head_t is None else "a [C, V] copy of wte via x @ W"
+
+    @property
+    def linears_layout(self) -> str:
+        packed = self.h[0].mlp.c_fc.packed is not None
+        return ("W [in, out] via F.linear for one row, a oneDNN-packed copy for several (LM head too)" if packed
+                else "W [in, out] as stored, via F.linear")
 
     @property
     def device(self) -> torch.device:

@@ -1,4 +1,5 @@
 """bench's report: the load and the thread choice first, and its aims against ceilings it measured."""
+import pytest
 import torch
 
 from minillm import PRESETS
@@ -25,3 +26,50 @@ def test_bench_reports_its_threads_load_and_aims_against_named_measured_ceilings
             for part in line.split("(")[1:]:
                 if "% of bw" in part and int(part.split("%")[0]) > 100:
                     assert "faster than the copy" in part
+
+
+def test_the_sweep_times_each_batch_in_turns_against_its_own_roofline_and_batch_1():
+    from minillm.bench import sweep
+    from minillm.bench.cost import decode_cost
+    from minillm.bench.roofline import measure_ceilings
+    model = random_model(PRESETS["tiny"], "cpu", torch.float32)
+    ceilings = measure_ceilings("cpu", torch.float32, quick=True)
+    r = sweep.sweep(model, (1, 4, 16), context_len=8, ceilings=ceilings, rounds=3)
+    assert [row["batch"] for row in r["rows"]] == [1, 4, 16] and r["lm_head_layout"] == model.lm_head_layout
+    for row in r["rows"]:
+        cost = decode_cost(model.config, 8, row["batch"], torch.float32)
+        assert len(row["times_s"]) == 3
+        assert row["weight_read_floor_s"] == cost.weight_bytes / ceilings.bandwidth
+        assert row["roofline_s"] == max(cost.bytes / ceilings.bandwidth, cost.flops / ceilings.matmul_flops)
+        ratios = [t / t1 for t, t1 in zip(row["times_s"], r["rows"][0]["times_s"])]
+        assert row["times_batch1_range"] == [min(ratios), max(ratios)]
+        assert min(ratios) <= row["times_batch1"] <= max(ratios)
+        assert row["roofline_times_batch1"] == row["roofline_s"] / r["rows"][0]["roofline_s"]
+    assert r["rows"][0]["times_batch1"] == 1.0
+    lines = sweep.report(r)
+    assert "LM head: " + model.lm_head_layout in lines[0] and len(lines) == 5
+    assert lines[3].startswith("  batch  16:") and f"{r['rows'][2]['times_batch1']:.2f}× batch 1" in lines[3]
+    assert "batch 16 within 1.5× batch 1: this run" in lines[-1]
+
+
+def test_sweep_batch_lists_always_hold_batch_1_and_refuse_nonsense():
+    from minillm.bench.sweep import parse_batches
+    assert parse_batches("16,4,4") == (1, 4, 16) and parse_batches("") == ()
+    for bad in ("0,4", "a,b"):
+        with pytest.raises(ValueError, match="--sweep"):
+            parse_batches(bad)
+
+
+def test_the_busy_check_times_quiet_busy_and_one_thread_in_turns_and_restores_the_threads():
+    from minillm.bench import sweep
+    model = random_model(PRESETS["tiny"], "cpu", torch.float32)
+    before = torch.get_num_threads()
+    r = sweep.beside_busy_core(model, 4, context_len=8, rounds=2)
+    assert torch.get_num_threads() == before == r["threads"]
+    t = r["times_s"]
+    assert all(len(v) == 2 for v in t.values())
+    assert r["busy_over_quiet"] == [b / q for b, q in zip(t["busy"], t["quiet"])]
+    assert r["busy_over_one_thread"] == [b / o for b, o in zip(t["busy"], t["busy, 1 thread"])]
+    line = sweep.busy_report(r)
+    assert line.startswith("busy     batch-4 step beside a busy core (2 rounds")
+    assert f"{min(r['busy_over_quiet']):.2f}–{max(r['busy_over_quiet']):.2f}" in line

@@ -21,12 +21,14 @@ class RecordingModel:
     def __init__(self, config=CFG):
         self.config, self.device, self.dtype = config, torch.device("cpu"), torch.float32
         self.calls: list[list[int]] = []
+        self.logit_rows: list[list[int] | None] = []  # the rows of each call that got logits
 
     def eval(self):
         return self
 
     def __call__(self, input_ids, positions, cache=None, logits_indices=None):
         self.calls.append(positions[0].tolist())
+        self.logit_rows.append(None if logits_indices is None else logits_indices.tolist())  # None: every row
         nxt = (input_ids[0, logits_indices] + 1) % self.config.vocab_size
         return torch.nn.functional.one_hot(nxt, self.config.vocab_size).float()
 
@@ -51,6 +53,22 @@ def test_a_seven_token_prompt_with_budget_three_runs_as_chunks_of_3_3_1():
     engine.add_request(list(range(7)), params(2))
     drain(engine)
     assert fake.calls == [[0, 1, 2], [3, 4, 5], [6], [7]], "3 + 3 + 1 prompt tokens, then one decode"
+    assert fake.logit_rows == [[], [], [0], None], "logits only where a row samples: none for a chunk mid-prompt"
+
+
+def test_logits_only_for_the_rows_that_sample_in_a_mixed_step():
+    """Decodes first, then a chunk that ends its prompt and one that does not: one logits row per decode and
+    for the finished prompt's last token, none for the chunk that stops mid-prompt."""
+    fake = RecordingModel()
+    engine = LLMEngine(fake, SchedulerConfig(max_num_batched_tokens=9, max_num_seqs=4, enable_chunked_prefill=True),
+                       cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=32))
+    engine.add_request([1, 2], params(5))
+    engine.step()                                # the 2-token prompt, whole: its last row samples
+    engine.add_request([3] * 4, params(2))
+    engine.add_request([4] * 20, params(2))
+    engine.step()                                # 1 decode + 4 (a whole prompt) + 4 of 20 (mid-prompt)
+    assert fake.calls[-1] == [2, 0, 1, 2, 3, 0, 1, 2, 3]
+    assert fake.logit_rows == [[1], [0, 4]]
 
 
 def test_budget_and_max_num_seqs_are_never_exceeded():

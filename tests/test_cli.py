@@ -163,6 +163,8 @@ def test_generate_warms_up_before_it_times(capsys, tmp_path, monkeypatch):
     (("--context-len", "-5"), "--context-len -5 must be at least 0"),
     (("--batch", "0"), "--batch 0 must be at least 1"),
     (("--warmup", "-1"), "--warmup -1 must be at least 0"),
+    (("--sweep", "0,16"), "--sweep '0,16': every batch size must be at least 1"),
+    (("--sweep-context", "-1"), "--sweep-context -1 must be at least 0"),
 ])
 def test_bench_rejects_bad_numbers_before_loading_anything(capsys, args, message):
     code = cli.main(["bench", "--model", "tiny", "--device", "cpu", *args])

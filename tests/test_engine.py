@@ -21,6 +21,7 @@ from minillm.kv_pool import CacheConfig
 from minillm.sampling import NonFiniteLogitsError
 from minillm.scheduler import SchedulerConfig
 from minillm.sequence import Sequence
+from minillm.checkpoints.load import choose_layout
 from models import context_model, random_prompts
 
 CFG = PRESETS["tiny"]
@@ -86,10 +87,15 @@ def test_a_pool_small_enough_to_force_preemption(model, chunked):
     assert [outs[i].output_token_ids for i in range(8)] == reference(model, prompts)
 
 
+@pytest.mark.parametrize("cpu_layout", [False, True])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_engine_logits_equal_the_contiguous_cache(model, chunked, monkeypatch):
+def test_engine_logits_equal_the_contiguous_cache(model, chunked, cpu_layout, monkeypatch):
     """On logits, not only tokens: every row the engine samples from, under preemption and chunking, equals the
-    logits that a full recompute of the same sequence gives (fp32: 1e-4)."""
+    logits that a full recompute of the same sequence gives (fp32: 1e-4), in each layout the loader can choose
+    (on a CPU: the LM head's [C, V] copy, packed projections), against a recompute through the weights as stored."""
+    reference_model = model
+    if cpu_layout:
+        model = choose_layout(context_model())
     seen = []
     real_sample = engine_module.sample
 
@@ -111,7 +117,7 @@ def test_engine_logits_equal_the_contiguous_cache(model, chunked, monkeypatch):
             prompt, output = by_request[id(p)]
             j = position[id(p)]
             position[id(p)] += 1
-            full = model(torch.tensor([prompt + output[:j]]))[0, -1]
+            full = reference_model(torch.tensor([prompt + output[:j]]))[0, -1]
             torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
     assert all(position[id(p)] == len(o.output_token_ids) for p, o in zip(params, outs))
 

@@ -150,3 +150,14 @@ def test_a_student_copy_without_prefix_match_stops_lesson_10_with_one_line(tmp_p
     copy, stubbed = copy_up_to(9, tmp_path / "student")
     assert "prefix-match" in [ex.id for ex in stubbed]
     assert_stops_at_a_stub(run_lesson(copy, 10, tmp_path / "out"), [ex for ex in stubbed if ex.id == "prefix-match"])
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_line_is_judged_from_rounds_whose_range_is_a_90_percent_interval(quick):
+    """A decisive verdict from two rounds rests on a range that holds their median half the time, and lesson 10's
+    verdict differed between a quiet run and one beside a busy core. The lesson asks for the fewest rounds whose
+    whole range is an interval of at least the verdict's confidence."""
+    from minillm.bench.verdict import CONFIDENCE, median_interval
+    n = lesson.sizes(PRESETS["gpt2"].n_ctx, quick)["repeats"]
+    assert median_interval(list(range(n)))[2] >= CONFIDENCE
+    assert median_interval(list(range(n - 1)))[2] < CONFIDENCE, "no more rounds than that takes"

@@ -58,6 +58,14 @@ def test_the_shallow_draft_shares_the_targets_weights_and_runs_its_first_blocks(
     assert not torch.allclose(one(ids), target(ids), atol=1e-2)   # a context model: the later blocks matter
 
 
+def test_the_shallow_draft_reads_its_head_in_the_targets_layout():
+    from minillm.checkpoints.load import choose_layout
+    target = choose_layout(context_model())
+    draft = drafts.shallow_draft(target, 1)
+    assert draft.lm_head_layout == target.lm_head_layout and draft.lm_head_t is target.lm_head_t
+    assert draft.lm_head_packed is target.lm_head_packed and draft.linears_layout == target.linears_layout
+
+
 def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):
     prompt = lesson.quoting_prompt(target, passage=10, quoted=6, seed=4)
     text, quoted = prompt[:10], prompt[10:16]

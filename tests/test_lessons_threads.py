@@ -71,3 +71,21 @@ def test_a_lesson_prints_and_saves_its_thread_choice(tmp_path, capsys):
     assert doc["threads"]["threads"] == 1 and doc["threads"]["method"] == "asked for"
     assert "threads: 1 thread, as asked (--threads)" in capsys.readouterr().out
     assert "--threads 1" in doc["command"]
+
+
+@pytest.mark.parametrize("first, env, policy", [("minillm", None, "PASSIVE"), ("torch, minillm", None, None),
+                                                ("minillm", "ACTIVE", "ACTIVE")])
+def test_importing_minillm_sets_the_openmp_wait_policy_only_before_torch_loads(first, env, policy):
+    """OpenMP reads OMP_WAIT_POLICY once, as torch loads it: minillm sets PASSIVE only while that is still ahead,
+    never over a policy the user chose, and every thread choice names the policy it runs under."""
+    code = (f"import os, {first}\nfrom minillm.bench import threads\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), '|', threads.choose_threads(1).reason)")
+    environ = {k: v for k, v in threads.os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env:
+        environ["OMP_WAIT_POLICY"] = env
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True).stdout
+    value, reason = out.strip().split(" | ")
+    assert value == str(policy)
+    assert reason.endswith({"PASSIVE": "sleep at barriers (OMP_WAIT_POLICY=PASSIVE), not pinned",
+                            "ACTIVE": "spin at barriers (OMP_WAIT_POLICY=ACTIVE), not pinned",
+                            None: "(OMP_WAIT_POLICY unset: the runtime's default), not pinned"}[policy])

@@ -94,6 +94,61 @@ def test_logits_only_at_chosen_positions(model):
     torch.testing.assert_close(chosen, full[:, -1])
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_the_lm_head_copy_scores_as_the_tied_weight_does(dtype, tol):
+    """The [C, V] copy the loader keeps on a CPU gives wte's logits, at every row and at chosen rows, in fp32
+    (rounding only: the same products, summed in another order) and in bf16 (its 8-bit mantissa)."""
+    tied, copied = context_model().to(dtype), context_model().to(dtype)
+    copied.use_lm_head_copy()
+    assert copied.lm_head_t.shape == (CFG.n_embd, CFG.vocab_size) and copied.lm_head_t.is_contiguous()
+    assert tied.lm_head_layout != copied.lm_head_layout
+    x = ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), tied(x), atol=tol, rtol=tol)
+        rows = torch.tensor([3, 17])
+        torch.testing.assert_close(copied(x, logits_indices=rows), tied(x, logits_indices=rows), atol=tol, rtol=tol)
+    assert "lm_head_t" not in copied.state_dict(), "the copy is derived from wte, never saved"
+
+
+def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several_rows():
+    """oneDNN-packed copies of the block projections (fp32, the loader's choice on a CPU) give the logits of W as
+    stored, for prefills, ragged rows and single tokens; a packed copy that disagrees with W changes only what
+    several rows compute, so the copy is what those steps read, and one row reads W."""
+    plain, packed = context_model(), context_model()
+    packed.pack_linears()
+    assert packed.linears_layout != plain.linears_layout
+    x, one = ids(2, 9), ids(1, 1, seed=1)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
+        fc = packed.h[0].mlp.c_fc
+        fc.packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(fc.weight.t()).contiguous(), 16)
+        assert not torch.allclose(packed(x), plain(x), atol=1e-3)
+        torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
+        packed.pack_linears()  # the head's packed copy likewise serves several rows only
+        packed.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(packed.wte.weight), 16)
+        assert not torch.allclose(packed(x), plain(x), atol=1e-3)
+        torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
+    packed.pack_linears(False)
+    assert packed.lm_head_packed is None
+    assert all(m.packed is None for m in packed.modules() if hasattr(m, "packed"))
+
+
+def test_a_deep_copy_of_a_packed_model_makes_its_own_copies_from_its_own_weights():
+    import copy
+    from minillm.checkpoints.load import choose_layout
+    model = choose_layout(context_model())
+    twin = copy.deepcopy(model)   # oneDNN's opaque copies cannot be copied: the twin packs its own
+    assert twin.lm_head_packed is not model.lm_head_packed and twin.h[0].attn.c_attn.packed is not None
+    x = ids(2, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
+        twin.h[0].mlp.c_fc.weight.mul_(2)
+        twin.pack_linears()      # the twin's weights changed: its copies follow once made again
+        assert not torch.allclose(twin(x), model(x), atol=1e-3)
+        torch.testing.assert_close(model(x), context_model()(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-2), (torch.bfloat16, 5e-2)])
 def test_half_precision_runs_and_agrees(model, dtype, tol):
     x = ids(1, 16)

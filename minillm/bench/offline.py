@@ -51,6 +51,8 @@ from .cost import decode_cost, prefill_cost
 from ..device import available_memory
 from .roofline import achieved, measure_ceilings
 from .steps import time_decode, time_prefill
+from .sweep import DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, busy_report, parse_batches, sweep
+from .sweep import report as sweep_report
 from .threads import apply_threads, choose_threads
 from .timing import environment, si, time_fn
 from ..checkpoints.load import add_model_arguments, load_model
@@ -75,13 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: the cores free as bench starts)")
+    parser.add_argument("--sweep", default=",".join(map(str, DEFAULT_BATCHES)),
+                        help="batch sizes whose decode steps are timed in turns against the roofline ('' skips)")
+    parser.add_argument("--sweep-context", type=int, default=SWEEP_CONTEXT,
+                        help="cached tokens per sequence before each swept decode step")
+    parser.add_argument("--busy-check", action="store_true",
+                        help="also time the batch-16 step beside a core a Python loop keeps busy, in turns with quiet")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every number on the command line in its range, before anything is loaded or measured."""
     for flag, low in (("batch", 1), ("prompt_len", 1), ("repeats", 1), ("warmup", 0), ("context_len", 0),
-                      ("threads", 1)):
+                      ("threads", 1), ("sweep_context", 0)):
         value = getattr(args, flag)
         if value is not None and value < low:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least {low}")
@@ -248,6 +256,7 @@ def say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
+    batches = parse_batches(args.sweep)  # a bad list fails before anything loads
     check_output_path("--json", args.json)
     choice = apply_threads(choose_threads(args.threads))  # the free cores, or --threads
     load_before = _loadavg()
@@ -264,6 +273,13 @@ def run(args: argparse.Namespace) -> int:
             "a long time (tens of minutes for gpt2). For figures that mean something here, use --dtype fp32.")
     result = bench(model, args.prompt_len, context, args.batch, args.warmup, args.repeats,
                    progress=lambda message: say(f"bench: {message} …"))
+    if batches:
+        say(f"bench: timing decode steps at batch {', '.join(map(str, batches))} in turns, {args.repeats} rounds …")
+        result["sweep"] = sweep(model, batches, min(args.sweep_context, model.config.n_ctx - 1),
+                                measure_ceilings(device, dtype), rounds=args.repeats, warmup=args.warmup)
+    if args.busy_check:
+        say(f"bench: timing the batch-16 step quiet, beside a busy core, and there on one thread, {args.repeats} rounds …")
+        result["busy"] = beside_busy_core(model, 16, min(args.sweep_context, model.config.n_ctx - 1), args.repeats)
     result["threads"] = choice.as_dict()
     busy = choice.busy if choice.busy is not None else 0.0
     load_after = _loadavg()
@@ -276,6 +292,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench    {args.model} ({model.weights_source}) on {env['device_name']}, {env['dtype']}, "
           f"torch {env['torch']}")
     print("\n".join(report(result, device.type == "cuda")))
+    if "sweep" in result:
+        print("\n".join(sweep_report(result["sweep"])))
+    if "busy" in result:
+        print(busy_report(result["busy"]))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

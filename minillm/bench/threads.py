@@ -7,6 +7,21 @@ core with a busy process holds every other thread back. On a 2-core machine
 with one core kept busy by another program, lesson 07's trace took 16.1 s on
 two threads and 2.3 s on one (1.2 s on two threads when the machine was quiet).
 
+And a thread that finishes its share early must not spin: by default the
+OpenMP runtime torch uses (GNU libgomp) keeps a waiting thread busy-polling
+its barrier for a while before it sleeps, and on a core shared with another
+process that spinning takes the very time slices the slow thread needs. With
+`OMP_WAIT_POLICY=PASSIVE` waiting threads sleep at once. On the 2-core EPYC,
+other engineers' jobs holding a load average of 3 to 6, a gpt2 decode step of
+16 sequences took 1,768 ms on two spinning threads, 590 ms on two passive ones
+(and 3,672 against 850 ms with a busy loop added). The runtime reads the
+policy once, as it loads with torch, and torch has no setter, so importing
+`minillm` sets it (unless torch was imported first, or the variable is
+already set); child processes inherit it. `wait_policy()` says which policy
+this process runs under, and every report prints it with the thread count.
+Threads are not pinned to cores: the kernel moves a thread off a core that
+another process takes, which pinning would forbid.
+
 So lessons and `bench` count the cores that are free before they start:
 
     free = (CPUs this process may run on) − (CPU time others used in a short window ÷ the window),   at least 1
@@ -37,9 +52,24 @@ class ThreadChoice:
     busy: float | None         # cores' worth of CPU time other processes used in the window; None: not measured
     method: str                # "/proc/stat", "load average", "asked for" or "unknown"
     window_s: float
+    wait_policy: str = ""      # OMP_WAIT_POLICY as the OpenMP runtime read it (`wait_policy()`)
+
+    def __post_init__(self):
+        self.wait_policy = self.wait_policy or wait_policy()
+        self.reason = f"{self.reason}; OpenMP threads {self.wait_policy}, not pinned"
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def wait_policy() -> str:
+    """How this process's OpenMP threads wait at a barrier: what OMP_WAIT_POLICY held as torch loaded."""
+    value = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    if value == "PASSIVE":
+        return "sleep at barriers (OMP_WAIT_POLICY=PASSIVE)"
+    if value == "ACTIVE":
+        return "spin at barriers (OMP_WAIT_POLICY=ACTIVE)"
+    return "spin, then sleep, at barriers (OMP_WAIT_POLICY unset: the runtime's default)"
 
 
 def affinity_cpus() -> list[int]:

@@ -165,6 +165,8 @@ def run(args) -> int:
     from ..device import resolve_device, resolve_dtype
     config = ServerConfig.from_args(args)  # its checks first: a bad flag costs no model load
     chat_template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
+    from ..bench.threads import apply_threads, choose_threads
+    threads = apply_threads(choose_threads(getattr(args, "threads", None)))  # the free cores, as bench and lessons
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
@@ -202,7 +204,8 @@ def run(args) -> int:
           f"(max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
           f"chunked prefill {'on' if args.enable_chunked_prefill else 'off'}, prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}, {engine.block_manager.num_blocks} KV blocks"
-          f"{', prefill and decode on separate workers' if getattr(args, 'disaggregate', False) else ''}); "
+          f"{', prefill and decode on separate workers' if args.disaggregate else ''}; "
+          f"torch threads: {threads.reason}, {model.lm_head_layout}); "
           "Ctrl-C stops", flush=True)
     try:
         server.run()
