@@ -58,6 +58,7 @@ from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
 from .rollback import recover
 from .device import to_device
+from .logprobs import prompt_rows, record_prompt_logprobs, sample_logprobs
 from .sampling import NonFiniteLogitsError, make_generator, sample
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -216,8 +217,10 @@ class LLMEngine:
                      for c in plan.chunks) if record else ()
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
-        for seq, token in sampled:
+        for seq, token, logprobs in sampled:
             seq.output_token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
             seq.metrics.token_times.append(now)
             reason = seq.end_reason(self.config.eos_token_id, self.config.n_ctx)
             if reason:
@@ -229,10 +232,11 @@ class LLMEngine:
                                        rows, tuple(seq.request_id for seq in plan.preempted), len(sampled))
             if self.record_timeline:
                 self.timeline.append(self.last_step)
-        return [seq for seq, _ in sampled]
+        return [seq for seq, _, _ in sampled]
 
-    def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Run the plan as one forward pass; returns (sequence, new token) for those that sample."""
+    def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int, object]]:
+        """Run the plan as one forward pass; returns (sequence, new token, its TokenLogprobs or None) for those
+        that sample."""
         now = time.perf_counter()
         for chunk in plan.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
@@ -244,7 +248,8 @@ class LLMEngine:
         else:
             logits, samplers = self._execute_eager(plan)
         try:
-            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers],
+                            [(s.prompt_token_ids, s.output_token_ids) for s in samplers], self.config.eos_token_id)
         except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
             bad = [samplers[i].request_id for i in e.rows]
             for request_id in bad:
@@ -253,13 +258,14 @@ class LLMEngine:
                                                "them") from None
         for chunk in plan.chunks:  # their keys and values are in the cache now, and every token was sampled
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        return list(zip(samplers, tokens))
+        return list(zip(samplers, tokens, sample_logprobs(logits, samplers, tokens)))
 
     def _execute_eager(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """A step with prefill chunks: one ragged forward pass over the flattened batch, shaped for this step."""
-        ids, segments, sample_rows, samplers = [], [], [], []
+        ids, segments, sample_rows, samplers, scored = [], [], [], [], []
         for chunk in plan.chunks:
             seq, n, start = chunk.seq, chunk.num_tokens, chunk.seq.num_computed_tokens
+            scored += [(row, seq, pos) for row, pos in prompt_rows(seq, start, n, len(ids))]  # prompt_logprobs
             # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
             ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
             segments.append(Segment(seq.seq_id, start, n, chunk.is_decode))
@@ -269,15 +275,19 @@ class LLMEngine:
         device = self.model.device
         meta = self.cache.prepare(segments)
         logits = self.model(to_device([ids], device), meta.positions, cache=self.cache,
-                            logits_indices=to_device(sample_rows, device))
-        return logits, samplers
+                            logits_indices=to_device(sample_rows + [row for row, _, _ in scored], device))
+        if scored:  # rows beyond the samplers' hold the prompt positions some requests score
+            record_prompt_logprobs([(seq, pos) for _, seq, pos in scored], logits[len(sample_rows):])
+        return logits[:len(sample_rows)], samplers
 
     def _report(self, seq: Sequence) -> RequestOutput:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
         if seq.is_finished:
             del self.requests[seq.request_id]
+        copy = (lambda xs: None if xs is None else list(xs))  # of frozen TokenLogprobs: sharing them is safe
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens)
+                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens,
+                             copy(seq.output_logprobs), copy(seq.prompt_logprobs))
 
     # ---- convenience --------------------------------------------------------
 

@@ -76,6 +76,15 @@ class RequestMetrics:
         return replace(self, token_times=list(self.token_times))
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability under the model, and the `k` most likely tokens' at its position
+    (`top`: (token id, logprob), most likely first). Frozen: outputs share them with the engine safely."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(eq=False)  # a request is an entity: equal only to itself, so `in` and `remove` compare identity
 class Sequence:
     request_id: str
@@ -90,6 +99,16 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     seq_id: int = field(default_factory=lambda: next(_ids))  # the cache's key for this sequence
+    # Asked for by params.logprobs / params.prompt_logprobs (else None): one entry per output token, and per
+    # prompt position (None at position 0, which has no context); filled position by position (logprobs.py).
+    output_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def token_ids(self) -> list[int]:
@@ -139,6 +158,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, when params.prompt_logprobs
 
 
 @dataclass
