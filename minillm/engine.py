@@ -248,8 +248,10 @@ class LLMEngine:
         else:
             logits, samplers = self._execute_eager(plan)
         try:
-            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers],
-                            [(s.prompt_token_ids, s.output_token_ids) for s in samplers], self.config.eos_token_id)
+            history = {} if not any(s.params.reads_history for s in samplers) else dict(  # penalties, min_tokens
+                histories=[(s.prompt_token_ids, s.output_token_ids) for s in samplers],
+                eos_token_id=self.config.eos_token_id)
+            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers], **history)
         except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
             bad = [samplers[i].request_id for i in e.rows]
             for request_id in bad:
