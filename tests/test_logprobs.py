@@ -83,3 +83,25 @@ def test_a_preempted_request_records_each_prompt_position_once(model):
     assert sum(o.num_preemptions for o in outs) > 0, "the pool should be small enough to preempt"
     for out in outs:
         check(model, out, 1)
+
+
+def test_only_requests_that_ask_pay_for_prompt_rows(model):
+    """The LM head runs at every prompt position only for a request with prompt_logprobs; the others' prefill
+    chunks still ask the model for their sampling row alone."""
+    eng = engine(model)
+    rows = []
+    forward = eng.model.forward
+
+    def recording(*args, logits_indices=None, **kw):
+        rows.append(None if logits_indices is None else len(logits_indices))
+        return forward(*args, logits_indices=logits_indices, **kw)
+    eng.model.forward = recording
+    try:
+        prompts = random_prompts(2, [20], seed=6)
+        eng.generate(prompts, SamplingParams(max_tokens=2, logprobs=5))  # logprobs of samples: no extra rows
+        assert rows[0] == 2
+        rows.clear()
+        eng.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=0)])
+        assert rows[0] == 2 + 19  # two sampling rows, and the 19 positions the second prompt scores
+    finally:
+        del eng.model.forward
