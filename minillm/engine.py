@@ -9,8 +9,10 @@ of the whole batch waiting for its longest member. One step, data flowing one wa
     cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping, block
                                 tables, built once (decodes only: in buffers allocated once)
     model(ids, positions)     → one forward pass over the flattened ragged batch, logits
-                                only at the rows that will sample
-    sample, update, record    → new tokens, finished requests free their blocks, times, and
+                                only at the rows that will sample (and at the prompt rows a
+                                request with prompt_logprobs scores: `logprobs.py`)
+    sample, update, record    → new tokens (penalties first: `penalties.py`), their logprobs if
+                                asked, finished requests free their blocks, times, and
                                 (`record_steps`) `last_step`: its rows, prefill chunk or decode
 
 The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`
@@ -286,10 +288,9 @@ class LLMEngine:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
         if seq.is_finished:
             del self.requests[seq.request_id]
-        copy = (lambda xs: None if xs is None else list(xs))  # of frozen TokenLogprobs: sharing them is safe
+        lps = [None if xs is None else list(xs) for xs in (seq.output_logprobs, seq.prompt_logprobs)]  # frozen items
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens,
-                             copy(seq.output_logprobs), copy(seq.prompt_logprobs))
+                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens, *lps)
 
     # ---- convenience --------------------------------------------------------
 

@@ -43,8 +43,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     if not rows:
         return logits
     if histories is None or len(histories) != len(params):
-        raise ValueError("penalties and min_tokens read each row's tokens so far; pass histories, one "
-                         "(prompt_token_ids, output_token_ids) per row")
+        raise ValueError("penalties and min_tokens read each row's tokens so far, which this caller did not pass "
+                         "(histories: one (prompt_token_ids, output_token_ids) per row); LLMEngine applies them, "
+                         "the single-sequence decoders (naive_decode, kv_cache, speculative) do not")
     V, device = logits.shape[-1], logits.device
     index = to_device(rows, device, torch.long)
     x = logits[index].float()  # (M, V): a copy, the raw logits stay as they are

@@ -23,6 +23,10 @@ The fields carry vLLM's names, so what you learn here carries over:
                   context): this computes logits at every prompt position, and
                   such a request takes nothing from the prefix cache
 
+Penalties, min_tokens and log-probabilities are the engine's (`LLMEngine`):
+the single-sequence decoders (naive_decode, kv_cache, speculative) return
+tokens only and refuse penalties rather than ignore them.
+
 Log-probabilities are the model's own (vLLM's default `logprobs_mode`,
 "raw_logprobs"): log_softmax of the logits before penalties, temperature,
 top-k or top-p, so they score text the same whatever the request samples with.

@@ -226,6 +226,9 @@ class SpeculativeDecoder:
                  num_speculative_tokens: int):
         cfg = target.config
         self.prompt = check_prompt(cfg, prompt_token_ids, params.max_tokens)
+        if params.reads_history:
+            raise ValueError("penalties and min_tokens change the target's distribution token by token, and this "
+                             "decoder verifies guesses against the plain one; run such a request on LLMEngine")
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an integer ≥ 1 (the "

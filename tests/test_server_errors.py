@@ -79,6 +79,7 @@ CLIENT_FAULTS = [  # (what the client sends, status, the openai exception, param
      "frequency_penalty=-3 must be in [-2, 2]"),
     (dict(extra={"min_tokens": 9}), 400, openai.BadRequestError, "min_tokens", "at most max_tokens"),
     (dict(extra={"logit_bias": {"1": 5}}), 400, openai.BadRequestError, "logit_bias", "logit_bias is not supported"),
+    (dict(extra={"prompt_logprobs": 1}), 400, openai.BadRequestError, "prompt_logprobs", "echo: true and logprobs"),
     (dict(stop=[999]), 400, openai.BadRequestError, "stop", "stop token id 999"),
     (dict(stop=[-1]), 400, openai.BadRequestError, "stop", "stop token id=-1 must be ≥ 0"),
     (dict(stop=[5], extra={"stop_token_ids": [998]}), 400, openai.BadRequestError, "stop_token_ids",

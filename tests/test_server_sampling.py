@@ -128,6 +128,8 @@ def test_chat_logprobs_in_the_chat_shape(model, tokenizer):
         events = [e for e in streamed if e.choices and e.choices[0].logprobs]
         bad = httpx.post(server.url + "/v1/chat/completions",
                          json={"messages": MESSAGES, "top_logprobs": 2}).json()
+        too_many = httpx.post(server.url + "/v1/chat/completions",
+                              json={"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}).json()
     prompt = tokenizer.encode(ChatTemplate(CHATML).render(MESSAGES, True))
     gen = generate(model, [prompt], SamplingParams(temperature=0, max_tokens=5))[0]
     ref = full_logprobs(model, prompt + gen)
@@ -140,6 +142,8 @@ def test_chat_logprobs_in_the_chat_shape(model, tokenizer):
     assert [len(e.choices[0].logprobs.content) for e in events] == [1] * 5
     assert all(e.choices[0].logprobs.content[0].top_logprobs == [] for e in events)
     assert bad["error"]["param"] == "top_logprobs" and "needs logprobs=true" in bad["error"]["message"]
+    assert too_many["error"]["param"] == "top_logprobs" and "top_logprobs=21 must be in [0, 20]" in \
+        too_many["error"]["message"]
 
 
 def test_a_raw_body_shows_the_legacy_logprobs_fields(model, tokenizer):

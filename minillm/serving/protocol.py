@@ -13,7 +13,7 @@ chat: `logprobs: true` and `top_logprobs: k`), `echo` (the prompt, and with
 and `"yes"` is not a bool.
 
 `n` must be 1, and the fields this engine cannot honour (`best_of` > 1,
-`logit_bias`, `suffix`) are refused, not ignored: a client gets what it asked
+`logit_bias`, `suffix`, vLLM's `prompt_logprobs`) are refused, not ignored: a client gets what it asked
 for, or a 400 that says why. Unknown fields are ignored, as vLLM ignores them.
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict | None = None  # refused when set, never silently ignored
+    logit_bias: dict | None = None  # refused when set, never silently ignored, as is:
+    prompt_logprobs: int | None = None  # vLLM's own field; `echo` with `logprobs` scores the prompt here
 
 
 class CompletionRequest(SamplingFields):
@@ -194,4 +195,7 @@ def unsupported(body: SamplingFields) -> tuple[str, str] | None:
         return "suffix is not supported (GPT-2 has no fill-in-the-middle)", "suffix"
     if body.logit_bias:
         return "logit_bias is not supported; leave it out", "logit_bias"
+    if body.prompt_logprobs is not None:
+        return ("prompt_logprobs is not supported by this server's API; to score the prompt send /v1/completions "
+                "with echo: true and logprobs: k (OpenAI's shape, the first token's logprob null)", "prompt_logprobs")
     return None
