@@ -17,7 +17,8 @@ The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`
 under a `SchedulerConfig`), the pool (`block_manager.py`, `paged_attention.py`,
 sized by `kv_pool.py` from a `CacheConfig`; `prefix_caching.py` when
 `enable_prefix_caching`), decode-only steps (`cuda_graphs.py`, a CUDA graph per
-bucket unless `enforce_eager=True`) and `sampling.py`. Names follow vLLM's.
+bucket unless `enforce_eager=True`), `sampling.py`, and the n samples of one request
+(`parallel_sampling.py`: one prefill, shared blocks, copy-on-write). Names follow vLLM's.
 Cost per step: one forward pass over Σ tokens planned, plus bookkeeping linear
 in the running sequences; KV memory is blocks in use · block_size · KV bytes per token.
 
@@ -58,10 +59,13 @@ from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
 from .rollback import recover
 from .device import to_device
+from .parallel_sampling import check_shared_blocks, fan_out, group_output, sample_params, start_samples
 from .sampling import NonFiniteLogitsError, make_generator, sample
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, StepStats
+
+__all__ = ["LLMEngine", "CompletionOutput", "RequestOutput"]
 
 
 class LLMEngine:
@@ -94,7 +98,7 @@ class LLMEngine:
                                     "graph" if use_graphs else "eager")
         policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
         self.scheduler = policy(self.scheduler_config, self.block_manager)
-        self.requests: dict[str, Sequence] = {}  # unfinished, or finished and not yet reported
+        self.requests: dict[str, Sequence] = {}  # sample 0 of each request unfinished, or finished and unreported
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline
         self._unreported: list[Sequence] = []  # finished (aborted, or in a step that raised), not yet reported
@@ -136,7 +140,8 @@ class LLMEngine:
         return seq.request_id
 
     def _new_sequence(self, prompt_token_ids, params, request_id, arrival_time) -> Sequence:
-        """A checked request, not yet queued: every argument is refused here, naming the value and the fix."""
+        """A checked request, not yet queued: every argument is refused here, naming the value and the fix.
+        Its sample 0, which holds the others (`samples`) until its prompt is computed."""
         if self.cache is None:
             raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
         now = time.perf_counter()
@@ -147,24 +152,28 @@ class LLMEngine:
                 self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1  # never reused, though the request it named is forgotten once finished
-        seq = Sequence(request_id, prompt_token_ids, params,
-                       RequestMetrics(now if arrival_time is None else float(arrival_time)),
-                       make_generator(params, self.model.device))
-        check_fits(seq, self.block_manager, self.scheduler_config)
+        arrival = now if arrival_time is None else float(arrival_time)
+        seq, *others = [Sequence(request_id, prompt_token_ids, sp, RequestMetrics(arrival),
+                                 make_generator(sp, self.model.device), index=j)
+                        for j, sp in enumerate(sample_params(params))]
+        seq.samples = others
+        check_fits(seq, self.block_manager, self.scheduler_config, params.n)
         return seq
 
     @one_thread
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort").
+        """Stop a request now, every sample of it, and free its blocks; the next `step()` reports it ("abort").
 
         Returns False, and does nothing, for an id the engine does not hold: one already finished (a
         finished request is forgotten once its output is returned), aborted, or never added.
         """
-        seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        seq, now = self.requests.get(request_id), time.perf_counter()
+        if seq is None or all(s.is_finished for s in (seq, *seq.samples)):
             return False
-        self.scheduler.remove(seq)
-        seq.finish(FINISH_ABORT, time.perf_counter())
+        for s in (seq, *seq.samples):
+            if not s.is_finished:
+                self.scheduler.remove(s)
+                s.finish(FINISH_ABORT, now)
         self._unreported.append(seq)
         return True
 
@@ -175,9 +184,10 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
-        exactly the running sequences, and each running sequence's table covers its computed tokens. Cheap
-        enough for tests to call after every step."""
+        exactly the running sequences, and each running sequence's table covers its computed tokens; a shared
+        block holds the same tokens in every table. Cheap enough for tests to call after every step."""
         self.block_manager.check_invariants(self.scheduler.running)
+        check_shared_blocks(self.block_manager, self.scheduler.running)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -202,7 +212,7 @@ class LLMEngine:
             recover(self)
             raise
         reported, self._unreported = self._unreported + stepped, []
-        return [self._report(s) for s in reported]
+        return [self._report(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in reported)]
 
     def _step(self, start: float) -> list[Sequence]:
         plan = self.scheduler.schedule()
@@ -210,12 +220,18 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
             return []
+        copies = self.block_manager.take_copies()
+        if copies:  # copy-on-write: a shared block's KV is copied before a sample writes into its copy
+            self.cache.copy_blocks(copies)
         sampled = self._execute(plan)
         record = self.record_timeline or self.record_steps
         rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
                      for c in plan.chunks) if record else ()
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
+        for seq, _ in sampled:
+            if seq.samples and not seq.output_token_ids:  # its prompt is computed: its samples fork from it
+                start_samples(seq, self.scheduler, self.block_manager)
         for seq, token in sampled:
             seq.output_token_ids.append(token)
             seq.metrics.token_times.append(now)
@@ -243,6 +259,9 @@ class LLMEngine:
             logits = self.decoder.run(segments, [s.output_token_ids[-1] for s in samplers])
         else:
             logits, samplers = self._execute_eager(plan)
+        rows, samplers = fan_out(samplers)
+        if len(rows) > logits.shape[0]:  # a prompt of n samples is done: each draws its first token from its logits
+            logits = logits[rows]
         try:
             tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
@@ -274,10 +293,10 @@ class LLMEngine:
 
     def _report(self, seq: Sequence) -> RequestOutput:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
-        if seq.is_finished:
+        out = group_output(seq)
+        if out.finished:
             del self.requests[seq.request_id]
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens)
+        return out
 
     # ---- convenience --------------------------------------------------------
 

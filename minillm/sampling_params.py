@@ -9,6 +9,8 @@ The fields carry vLLM's names, so what you learn here carries over:
     seed          a per-request random stream: the same seed gives the same text
     stop_token_ids, ignore_eos
                   generation ends at the end-of-text token, or any listed id
+    n, best_of    how many samples of the prompt to return, and to draw (best_of = n
+                  here); the prompt is prefilled once (`parallel_sampling.py`)
 
 Every field is checked when the params are made, and they are frozen, so a
 request's params cannot change while it runs. `finish_reason` is the one rule
@@ -38,6 +40,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         """Check every field, and keep it as a plain Python value; from here on the params are frozen."""
@@ -59,7 +63,16 @@ class SamplingParams:
             max_tokens=check_int("max_tokens", self.max_tokens, 1, hint=": a request generates at least one token"),
             seed=None if self.seed is None else check_int("seed", self.seed, 0, 2**64,
                                                           hint=", or None for an unseeded request"),
-            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops))
+            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops),
+            n=check_int("n", self.n, 1, hint=": the number of samples to return, 1 or more"))
+        n = checked["n"]
+        if self.best_of is not None and check_int("best_of", self.best_of, 1) != n:
+            raise ValueError(f"best_of={self.best_of} with n={n}: this engine returns every sample it draws, so "
+                             f"best_of must equal n (or be left out); ranking best_of > n samples needs their "
+                             f"cumulative logprobs. Ask for n={self.best_of} and keep the ones you like")
+        if checked["seed"] is not None and checked["seed"] + n > 2**64:
+            raise ValueError(f"seed={checked['seed']} with n={n}: sample j draws from seed + j, which must stay "
+                             f"below 2**64; pass a seed of at most {2**64 - n}")
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # the one way to set a field of a frozen dataclass
 

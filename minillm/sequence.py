@@ -90,6 +90,8 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     seq_id: int = field(default_factory=lambda: next(_ids))  # the cache's key for this sequence
+    index: int = 0  # which sample of its request (n > 1, `parallel_sampling.py`); 0 prefills the prompt
+    samples: list[Sequence] = field(default_factory=list)  # sample 0's: the request's other samples, by index
 
     @property
     def token_ids(self) -> list[int]:
@@ -129,16 +131,42 @@ class Sequence:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's: its index among the request's n, its tokens so far, why it ended."""
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
-    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
+    """One request's state after a step: the caller's own copy, sharing nothing the engine changes.
+
+    `outputs` holds its n samples by index (vLLM's shape); a request of one sample may be read through
+    `output_token_ids` and `finish_reason` too. `finished` once every sample has; `metrics` is the request's
+    clock as sample 0 saw it (every sample gets its first token in the same step), finished when the last did."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    output_token_ids: list[int]  # everything generated so far
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None
     metrics: RequestMetrics
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # of all its samples
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
+
+    def _only(self) -> CompletionOutput:
+        if len(self.outputs) != 1:
+            raise AttributeError(f"request {self.request_id} has {len(self.outputs)} samples (n > 1): read "
+                                 "outputs[i].token_ids and outputs[i].finish_reason")
+        return self.outputs[0]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Everything its one sample generated so far."""
+        return self._only().token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._only().finish_reason
 
 
 @dataclass
