@@ -7,8 +7,9 @@ a list of token ids), `max_tokens` (default 16; null: the rest of the context),
 null means the default. Types are strict (`errors.read_body` validates with
 strict=True): `true` is not the token id 1 and `"yes"` is not a bool.
 
-`n` must be 1, and the fields this engine cannot honour (`logprobs`, `echo`,
-`best_of` > 1, penalties, `logit_bias`, `suffix`) are refused, not ignored: a
+`n` samples come back as `n` choices, each with its `index` (`best_of`, if
+given, must equal `n`). The fields this engine cannot honour (`logprobs`,
+`echo`, penalties, `logit_bias`, `suffix`) are refused, not ignored: a
 client gets what it asked for, or a 400 that says why. Unknown fields are
 ignored, as vLLM ignores them.
 """
@@ -110,15 +111,19 @@ class CompletionShape:
     created: int
     id_prefix = "cmpl"
 
-    def opening(self, request_id: str) -> list[dict]:
+    def opening(self, request_id: str, n: int) -> list[dict]:
         return []  # a completion's first event is its first token's
 
-    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+    def _choice(self, index: int, text: str, reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
-    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
-        return self.chunk(request_id, text, reason)
+    def chunk(self, request_id: str, index: int, delta: str, reason: str | None) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [self._choice(index, delta, reason)]}
+
+    def whole(self, request_id: str, choices: list[tuple[str, str | None]]) -> dict:
+        """The answer not streamed: one choice per sample, (text, finish reason) by index."""
+        return {**self.chunk(request_id, 0, "", None), "choices": [self._choice(i, *c) for i, c in enumerate(choices)]}
 
 
 @dataclass
@@ -129,28 +134,24 @@ class ChatShape:
     created: int
     id_prefix = "chatcmpl"
 
-    def _chunk(self, request_id: str, delta: dict, reason: str | None) -> dict:
+    def _chunk(self, request_id: str, index: int, delta: dict, reason: str | None) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
 
-    def opening(self, request_id: str) -> list[dict]:
-        return [self._chunk(request_id, {"role": "assistant", "content": ""}, None)]
+    def opening(self, request_id: str, n: int) -> list[dict]:
+        return [self._chunk(request_id, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
 
-    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
-        return self._chunk(request_id, {"content": delta}, reason)
+    def chunk(self, request_id: str, index: int, delta: str, reason: str | None) -> dict:
+        return self._chunk(request_id, index, {"content": delta}, reason)
 
-    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
+    def whole(self, request_id: str, choices: list[tuple[str, str | None]]) -> dict:
         return {"id": request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": reason}]}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": reason} for i, (text, reason) in enumerate(choices)]}
 
 
 def unsupported(body: SamplingFields) -> tuple[str, str] | None:
     """(why, which field) for the first field set to what this engine cannot do, or None."""
-    if body.n != 1:
-        return f"n={body.n}: this server returns one completion per request (n=1); send {body.n} requests", "n"
-    if getattr(body, "best_of", None) not in (None, 1):
-        return f"best_of={body.best_of} is not supported; only best_of=1 (one sample, returned)", "best_of"
     if body.logprobs not in (None, False):
         return "logprobs are not supported by this server; leave the field out", "logprobs"
     if getattr(body, "echo", False):

@@ -8,8 +8,11 @@ holds the request and response types, this file does the work, and
          ◀── one RequestOutput per step ◀── engine thread
     RequestOutput ──TextStream──▶ the text each token added ──▶ an SSE event, or one JSON body at the end
 
-A request whose client is gone, or whose text hit a stop string, is aborted at
-once, so the engine frees its blocks.
+A request of `n` samples is one engine request (its prompt prefilled once, its
+blocks shared: `parallel_sampling.py`) and `n` choices, each with its own text
+stream; its usage counts every sample's tokens. A request whose client is gone,
+or whose every sample's text hit a stop string, is aborted at once, all its
+samples together, so the engine frees its blocks.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from ..engine import RequestOutput
+from ..engine import CompletionOutput
 from ..sampling_params import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .chat_template import ChatTemplate, ChatTemplateError
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
@@ -72,7 +75,8 @@ class OpenAIServing:
                                    ("top_k", body.top_k)) if v is not None}
         try:
             return SamplingParams(**given, max_tokens=max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
-                                  ignore_eos=body.ignore_eos), stop_strings
+                                  ignore_eos=body.ignore_eos, n=body.n, best_of=getattr(body, "best_of", None)), \
+                stop_strings
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), body)) from None
 
@@ -123,32 +127,36 @@ class OpenAIServing:
 
     # ---- the text, token by token ------------------------------------------------------------------
 
-    async def deltas(self, request_id: str, outputs: asyncio.Queue, text: TextStream):
-        """Yield (the text each token added, None, tokens so far), and last (its text, the finish reason, tokens).
+    async def deltas(self, request_id: str, outputs: asyncio.Queue, texts: list[TextStream]):
+        """Yield (sample index, the text each token added, None, its tokens so far), and last for each sample
+        (index, its text, its finish reason, its tokens); `texts` holds one stream per sample.
 
-        The request is aborted when this generator is left early: the client left (the handler was cancelled
-        while it awaited the next output), or a stop string ended the text. A step that failed raises
-        EngineFailed."""
-        done, generated = False, []
+        The request is aborted when this generator is left before the engine finished it: the client left (the
+        handler was cancelled while it awaited the next output), or stop strings ended every sample's text. A
+        step that failed raises EngineFailed."""
+        done, seen, finished = [False] * len(texts), [0] * len(texts), False
         try:
-            while not done:
+            while not all(done):
                 out = await outputs.get()
                 if isinstance(out, Failed):
-                    done = True  # the engine loop has aborted it already
+                    finished = True  # the engine loop has aborted it already
                     raise EngineFailed(out.message)
-                new, generated = out.output_token_ids[len(generated):], out.output_token_ids
-                for k in range(len(new)):
-                    last = out.finished and k == len(new) - 1
-                    delta = text.update(generated[:len(generated) - len(new) + k + 1], last)
-                    done = last or text.stopped
-                    yield delta, _reason(out, text) if done else None, len(generated) - len(new) + k + 1
-                    if done:
-                        break
-                if out.finished and not new:  # aborted before another token
-                    done = True
-                    yield text.update(generated, True), _reason(out, text), len(generated)
+                finished = out.finished
+                for sample in out.outputs:
+                    j, text, ids = sample.index, texts[sample.index], sample.token_ids
+                    first, seen[j] = seen[j] + 1, len(ids)
+                    for count in range(first, len(ids) + 1):
+                        if done[j]:
+                            break
+                        last = sample.finish_reason is not None and count == len(ids)
+                        delta = text.update(ids[:count], last)
+                        done[j] = last or text.stopped
+                        yield j, delta, _reason(sample, text) if done[j] else None, count
+                    if sample.finish_reason is not None and not done[j]:  # aborted before another token
+                        done[j] = True
+                        yield j, text.update(ids, True), _reason(sample, text), len(ids)
         finally:
-            if not done or text.stopped:
+            if not finished:
                 self.loop.abort(request_id)
 
     # ---- the endpoints ---------------------------------------------------------------------------
@@ -189,7 +197,8 @@ class OpenAIServing:
     async def respond(self, body: SamplingFields, prompt: list[int], arrival: float, shape):
         """Run the request; its answer as server-sent events (`stream: true`) or as one body at its end."""
         request_id, params, stops, outputs = await self.start(body, prompt, arrival, shape.id_prefix)
-        tokens = self.deltas(request_id, outputs, TextStream(self.tokenizer.decode, stops))
+        tokens = self.deltas(request_id, outputs, [TextStream(self.tokenizer.decode, stops) for _ in range(params.n)])
+        counts = [0] * params.n  # tokens of each sample
 
         def usage(num_generated: int) -> dict:
             return {"prompt_tokens": len(prompt), "completion_tokens": num_generated,
@@ -198,12 +207,11 @@ class OpenAIServing:
         if body.stream:
             async def events():
                 """One event per generated token, as the engine makes them, then the usage and [DONE]."""
-                n = 0
                 try:
-                    for event in shape.opening(request_id):
+                    for event in shape.opening(request_id, params.n):
                         yield format_sse_event(data_str=json.dumps(event))
-                    async for delta, reason, n in tokens:
-                        yield format_sse_event(data_str=json.dumps(shape.chunk(request_id, delta, reason)))
+                    async for j, delta, reason, counts[j] in tokens:
+                        yield format_sse_event(data_str=json.dumps(shape.chunk(request_id, j, delta, reason)))
                 except EngineFailed as e:
                     yield format_sse_event(data_str=json.dumps(error_body(500, str(e))))
                     return
@@ -211,20 +219,21 @@ class OpenAIServing:
                     await tokens.aclose()  # a client that left: abort now, not when the generator is collected
                 if body.stream_options and body.stream_options.include_usage:
                     yield format_sse_event(data_str=json.dumps(
-                        {**shape.chunk(request_id, "", None), "choices": [], "usage": usage(n)}))
+                        {**shape.chunk(request_id, 0, "", None), "choices": [], "usage": usage(sum(counts))}))
                 yield format_sse_event(data_str="[DONE]")
 
             return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
 
-        parts, reason, n = [], None, 0  # not streamed: one body at the end (a client that leaves cancels this)
-        try:
-            async for delta, reason, n in tokens:
-                parts.append(delta)
+        parts, reasons = [[] for _ in counts], [None] * params.n  # not streamed: one body at the end
+        try:  # (a client that leaves cancels this)
+            async for j, delta, reasons[j], counts[j] in tokens:
+                parts[j].append(delta)
         except EngineFailed as e:
             return error_response(500, str(e))
         finally:
             await tokens.aclose()
-        return {**shape.whole(request_id, "".join(parts), reason), "usage": usage(n)}
+        return {**shape.whole(request_id, [("".join(p), r) for p, r in zip(parts, reasons)]),
+                "usage": usage(sum(counts))}
 
 
 class EngineFailed(Exception):
@@ -254,5 +263,5 @@ async def cancelled_when_client_leaves(work, request: Request):
     return Response(status_code=499)
 
 
-def _reason(out: RequestOutput, text: TextStream) -> str:
+def _reason(out: CompletionOutput, text: TextStream) -> str:
     return FINISH_STOP if text.stopped else (out.finish_reason or FINISH_ABORT)
