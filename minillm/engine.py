@@ -37,9 +37,11 @@ thread owns the engine, others hand it requests through a queue (`request_checks
 Invariants held by the tests: every request's greedy tokens, and their logits,
 are those of `kv_cache.generate` run on it alone, whatever the batch, arrivals,
 block size, budget, preemptions, prefix hits or decode path (eager, padded, CUDA
-graph); after every step each block is free (or evictable) or held by exactly
-the running sequences' tables; when all have finished every block is free (or
-evictable) and the engine holds no request; over 2,000 requests the heap stays flat.
+graph), and each of n samples seeded s is its seed s + j run alone; after every
+step each block is free (or evictable) or held by exactly the running sequences'
+tables, and a block several tables hold holds the same tokens in each; when all
+have finished every block is free (or evictable) and the engine holds no
+request; over 2,000 requests the heap stays flat.
 """
 from __future__ import annotations
 
@@ -59,13 +61,11 @@ from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
 from .rollback import recover
 from .device import to_device
-from .parallel_sampling import check_shared_blocks, fan_out, group_output, sample_params, start_samples
+from .parallel_sampling import abort_samples, check_shared_blocks, fan_out, group_output, sample_params, start_samples
 from .sampling import NonFiniteLogitsError, make_generator, sample
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, StepStats
-
-__all__ = ["LLMEngine", "CompletionOutput", "RequestOutput"]
+from .sequence import RequestMetrics, RequestOutput, Sequence, StepStats
 
 
 class LLMEngine:
@@ -167,13 +167,9 @@ class LLMEngine:
         Returns False, and does nothing, for an id the engine does not hold: one already finished (a
         finished request is forgotten once its output is returned), aborted, or never added.
         """
-        seq, now = self.requests.get(request_id), time.perf_counter()
-        if seq is None or all(s.is_finished for s in (seq, *seq.samples)):
+        seq = self.requests.get(request_id)
+        if seq is None or not abort_samples(seq, self.scheduler, FINISH_ABORT, time.perf_counter()):
             return False
-        for s in (seq, *seq.samples):
-            if not s.is_finished:
-                self.scheduler.remove(s)
-                s.finish(FINISH_ABORT, now)
         self._unreported.append(seq)
         return True
 
@@ -220,9 +216,9 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
             return []
-        copies = self.block_manager.take_copies()
-        if copies:  # copy-on-write: a shared block's KV is copied before a sample writes into its copy
-            self.cache.copy_blocks(copies)
+        if self.block_manager.copies:  # copy-on-write: a shared block's KV, copied before a sample writes its own
+            self.cache.copy_blocks(self.block_manager.copies)
+            self.block_manager.take_copies()  # made: a step that fails from here on leaves them whole
         sampled = self._execute(plan)
         record = self.record_timeline or self.record_steps
         rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
@@ -259,9 +255,7 @@ class LLMEngine:
             logits = self.decoder.run(segments, [s.output_token_ids[-1] for s in samplers])
         else:
             logits, samplers = self._execute_eager(plan)
-        rows, samplers = fan_out(samplers)
-        if len(rows) > logits.shape[0]:  # a prompt of n samples is done: each draws its first token from its logits
-            logits = logits[rows]
+        logits, samplers = fan_out(logits, samplers)  # a prompt of n samples is done: each draws its first token
         try:
             tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step

@@ -42,8 +42,8 @@ batch at the fork (`max_num_seqs`) waits at the front of the queue with its
 first token, as a preempted one does. Aborting the request finishes all its
 samples and frees every block they hold; a sample that ends frees its own.
 
-Invariants held by the tests: each sample equals its seed run alone (greedy:
-token for token, with prefix caching, chunked prefill, preemption); a block
+Invariants held by the tests: each sample equals its seed run alone, with
+prefix caching, chunked prefill, preemption, and steps that fail; a block
 that several tables hold holds the same computed tokens in each, so no step
 writes a block another sequence reads (`check_shared_blocks`); when every
 request has finished, every block is free.
@@ -58,7 +58,10 @@ from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """The params of each of a request's n samples: one sample each, sample j seeded seed + j."""
+    """The params of each of a request's n samples: one sample each, sample j seeded seed + j (n = 1: the
+    request's own params, unchanged)."""
+    if params.n == 1:
+        return [params]
     return [replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + j)
             for j in range(params.n)]
 
@@ -86,15 +89,24 @@ def start_samples(leader: Sequence, scheduler, blocks: BlockManager) -> None:
     scheduler.waiting.extendleft(reversed(late))
 
 
-def fan_out(samplers: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-    """Which row of a step's logits each sample draws from: a sample 0 whose prompt is done draws for all the
-    samples of its request, each from its own stream; returns (rows, sequences), one per token to draw."""
+def fan_out(logits, samplers: list[Sequence]):
+    """The step's rows of logits (a tensor) and whose they are, one row per token to draw: a sample 0 whose prompt
+    is done draws for every sample of its request, its row repeated, each sample from its own stream."""
     rows, seqs = [], []
     for i, seq in enumerate(samplers):
         group = [seq, *seq.samples] if seq.samples and not seq.output_token_ids else [seq]
         rows += [i] * len(group)
         seqs += group
-    return rows, seqs
+    return (logits[rows] if len(seqs) > len(samplers) else logits), seqs
+
+
+def abort_samples(leader: Sequence, scheduler, reason: str, now: float) -> bool:
+    """Finish every sample of a request not yet finished, freeing its blocks; False if none was left to finish."""
+    left = [seq for seq in (leader, *leader.samples) if not seq.is_finished]
+    for seq in left:
+        scheduler.remove(seq)
+        seq.finish(reason, now)
+    return bool(left)
 
 
 def is_unstarted(seq: Sequence) -> bool:

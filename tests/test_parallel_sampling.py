@@ -178,3 +178,34 @@ def test_n_that_the_pool_or_the_batch_cannot_hold_is_refused(model):
     with pytest.raises(ValueError, match=r"n=5 samples run side by side, but max_num_seqs=4"):
         engine.add_request([1] * 2, SamplingParams(max_tokens=2, n=5))
     assert engine.requests == {} and SamplingParams(n=2, best_of=2).n == 2
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_step_that_fails_at_the_copy_leaves_each_sample_its_own_tokens(model, after):
+    """The first copy-on-write fails, before or after copying: the step is undone, and a sample whose copy was
+    never made is recomputed rather than served a block of zeros."""
+    prompt = random_prompts(1, [7], seed=12)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=8, n=3, ignore_eos=True)
+    engine, calls = engine_for(model), [0]
+    real = engine.cache.copy_blocks
+
+    def failing(copies):
+        calls[0] += 1
+        if calls[0] == 1 and not after:
+            raise RuntimeError("injected before the copy")
+        real(copies)
+        if calls[0] == 1:
+            raise RuntimeError("injected after the copy")
+
+    engine.cache.copy_blocks = failing
+    engine.add_request(prompt, params)
+    finals, failures = [], 0
+    while engine.has_unfinished_requests():
+        try:
+            finals += [out for out in engine.step() if out.finished]
+        except RuntimeError:
+            failures += 1
+        engine.check_invariants()
+    assert failures == 1 and calls[0] >= 1
+    assert [o.token_ids for o in finals[0].outputs] == alone(model, prompt, params)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

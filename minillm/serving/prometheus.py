@@ -42,7 +42,7 @@ class ServerMetrics:
         m = out.metrics
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        for c in out.outputs:  # one per sample, as vLLM counts the child requests of n > 1
+        for c in out.outputs:  # one per sample: each is a sequence the engine ran to its own end
             self.finished.labels(c.finish_reason).inc()
         if m.ttft is not None:
             self.ttft.observe(m.ttft)

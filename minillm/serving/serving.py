@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from ..engine import CompletionOutput
+from ..sequence import CompletionOutput
 from ..sampling_params import FINISH_ABORT, FINISH_STOP, SamplingParams
 from .chat_template import ChatTemplate, ChatTemplateError
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Failed, Rejected
