@@ -140,9 +140,10 @@ def kv_use(snapshots: list[dict], budget_tokens: int) -> dict:
             "peak_running": max(s["running"] for s in snapshots), "sustained_running": statistics.mean(saturated)}
 
 
-def sharing(lesson, trace: list, budget_tokens: int, cap: int | None) -> dict:
+def sharing(lesson, trace: list, budget_tokens: int, cap: int | None, real_model: bool) -> dict:
     """Predict from block arithmetic, then count: the shared prompts in a pool that holds them all, both ways
-    (each request's peak); then in the lesson's budget, both ways. `cap`: the most tokens a sample generates."""
+    (each request's peak); then in the lesson's budget, both ways (with `real_model`, through the lesson's model
+    too, timed). `cap`: the most tokens a sample generates."""
     n, bs = SAMPLES, BLOCK_SIZE
     shared = [replace(r, max_tokens=min(r.max_tokens, cap or r.max_tokens)) for r in trace[:SHARED_PROMPTS]]
     alone = []
@@ -154,15 +155,17 @@ def sharing(lesson, trace: list, budget_tokens: int, cap: int | None) -> dict:
                       "predicted_copies": n - 1 if P % bs and T > 1 else 0})
     g, sep = (sum(a[k] for a in alone) for k in ("predicted_grouped", "predicted_separate"))
     predict(lesson, f"{n} samples of each of {len(shared)} prompts ({sum(a['prompt_tokens'] for a in alone)} prompt "
-            f"tokens, {sum(a['output_tokens'] for a in alone)} output tokens each): sharing each prompt's ⌊P/{bs}⌋ "
+            f"tokens, {sum(a['output_tokens'] for a in alone)} output tokens a sample, in all): sharing each prompt's ⌊P/{bs}⌋ "
             f"full blocks, {g} blocks at their peaks instead of {sep}, {1 - g / sep:.0%} fewer, and "
             f"{sum(a['predicted_copies'] for a in alone)} copy-on-write copies ({n - 1} per prompt that ends inside "
             "a block)", "so in one budget, more samples run at once and the same tokens take fewer steps")
     narrow, ways = narrow_model(lesson.model), ("grouped", "separate")
+
+    def both(model, blocks: int) -> dict:
+        return {way: replay_samples(paged_engine(model, blocks, bs), shared, n, way == "grouped") for way in ways}
     with one_thread():
-        ample = {way: replay_samples(paged_engine(narrow, sep, bs), shared, n, way == "grouped") for way in ways}
-        together = {way: replay_samples(paged_engine(narrow, budget_tokens // bs, bs), shared, n, way == "grouped")
-                    for way in ways}
+        ample, together = both(narrow, sep), both(narrow, budget_tokens // bs)
+    real = both(lesson.model, budget_tokens // bs) if real_model else {}
     for i, a in enumerate(alone):
         a.update({way: ample[way]["request_peaks"][i] for way in ways})
     measured = {**{way: sum(a[way] for a in alone) for way in ways}, "copies": ample["grouped"]["copies"]}
@@ -173,7 +176,8 @@ def sharing(lesson, trace: list, budget_tokens: int, cap: int | None) -> dict:
                 f"{n} samples of {len(shared)} prompts: in a pool that holds them all, then in the lesson's "
                 f"{budget_tokens // bs}-block budget (narrow-model replay):")
     return {"samples": n, "output_cap": cap, "prompts": alone, "predicted": {"grouped": g, "separate": sep},
-            "measured": measured, "saving": 1 - measured["grouped"] / measured["separate"], "together": together}
+            "measured": measured, "saving": 1 - measured["grouped"] / measured["separate"], "together": together,
+            "served_by_model": real}
 
 
 def sizes(quick: bool) -> dict:
@@ -252,6 +256,11 @@ def judge_claim(lesson, m: dict, mean_len: float, share: dict):
                          f"{g['steps']} steps against {s['steps']} ({g['tokens_per_step']:.1f} against "
                          f"{s['tokens_per_step']:.1f} tokens per step, {g['preemptions']} against {s['preemptions']} "
                          f"preemptions, {g['prefill_tokens']} prefill tokens against {s['prefill_tokens']})")
+    if share["served_by_model"]:
+        rg, rs = share["served_by_model"]["grouped"], share["served_by_model"]["separate"]
+        verdict.notes.append(f"sharing, served by {lesson.args.model} in the same budget: {rg['throughput']:.1f} "
+                             f"tokens/s against {rs['throughput']:.1f} ({rg['throughput'] / rs['throughput']:.2f}×, "
+                             "one run each, not judged)")
     lo, hi = VLLM_CONTIGUOUS_WASTE
     where = "inside" if lo <= c["waste"] <= hi else ("below" if c["waste"] < lo else "above")
     verdict.notes.append(f"contiguous reservations waste {c['waste']:.1%} of their memory: {where} the 60–80% vLLM's "
@@ -318,7 +327,7 @@ def main(argv=None) -> dict:
           f"{si(budget_bytes, 'B')} for {args.model}\n")
     mean_len = predict_waste(lesson, stats)
     m = measure(lesson, sizes(args.quick), trace, budget_tokens, budget_bytes)
-    m["sharing"] = sharing(lesson, trace, budget_tokens, 16 if args.quick else None)
+    m["sharing"] = sharing(lesson, trace, budget_tokens, 16 if args.quick else None, not args.quick)
     verdict = judge_claim(lesson, m, mean_len, m["sharing"])
     plot(lesson, m, verdict)
     figures = {"trace": stats, "budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "reservation_tokens": M,

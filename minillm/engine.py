@@ -161,14 +161,16 @@ class LLMEngine:
         return seq
 
     @one_thread
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now, every sample of it, and free its blocks; the next `step()` reports it ("abort").
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Stop a request now, every sample of it (or only sample `index`, the others going on), and free its
+        blocks; the next `step()` reports it ("abort").
 
         Returns False, and does nothing, for an id the engine does not hold: one already finished (a
-        finished request is forgotten once its output is returned), aborted, or never added.
+        finished request is forgotten once its output is returned), aborted, or never added; and for one
+        sample of a request whose samples have not yet forked from its prompt.
         """
         seq = self.requests.get(request_id)
-        if seq is None or not abort_samples(seq, self.scheduler, FINISH_ABORT, time.perf_counter()):
+        if seq is None or not abort_samples(seq, self.scheduler, FINISH_ABORT, time.perf_counter(), index):
             return False
         self._unreported.append(seq)
         return True

@@ -40,7 +40,9 @@ since recompute would have broken their sharing; freeing the newest sample
 frees less, but never stalls a group.) A sample that finds no free place in the
 batch at the fork (`max_num_seqs`) waits at the front of the queue with its
 first token, as a preempted one does. Aborting the request finishes all its
-samples and frees every block they hold; a sample that ends frees its own.
+samples and frees every block they hold; a sample that ends frees its own, and
+so does one aborted alone once they have forked (`abort_request(id, index)`:
+the server's way to stop a sample whose text a stop string ended).
 
 Invariants held by the tests: each sample equals its seed run alone, with
 prefix caching, chunked prefill, preemption, and steps that fail; a block
@@ -100,9 +102,15 @@ def fan_out(logits, samplers: list[Sequence]):
     return (logits[rows] if len(seqs) > len(samplers) else logits), seqs
 
 
-def abort_samples(leader: Sequence, scheduler, reason: str, now: float) -> bool:
-    """Finish every sample of a request not yet finished, freeing its blocks; False if none was left to finish."""
-    left = [seq for seq in (leader, *leader.samples) if not seq.is_finished]
+def abort_samples(leader: Sequence, scheduler, reason: str, now: float, index: int | None = None) -> bool:
+    """Finish every sample of a request not yet finished (or only sample `index`, once the samples have forked),
+    freeing its blocks; False if none was left to finish."""
+    samples = [leader, *leader.samples]
+    if index is not None and not 0 <= index < len(samples):
+        raise ValueError(f"index={index!r}: request {leader.request_id} has samples 0 to {len(samples) - 1}")
+    if index is not None and not leader.output_token_ids:  # unforked: sample 0 computes the prompt for all
+        return False
+    left = [seq for seq in samples if not seq.is_finished and index in (None, seq.index)]
     for seq in left:
         scheduler.remove(seq)
         seq.finish(reason, now)

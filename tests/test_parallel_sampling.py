@@ -209,3 +209,25 @@ def test_a_step_that_fails_at_the_copy_leaves_each_sample_its_own_tokens(model, 
     assert failures == 1 and calls[0] >= 1
     assert [o.token_ids for o in finals[0].outputs] == alone(model, prompt, params)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_aborting_one_sample_leaves_the_others_their_tokens(model):
+    prompt = random_prompts(1, [9], seed=6)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=30, n=3, ignore_eos=True)
+    engine = engine_for(model)
+    rid = engine.add_request(prompt, params)
+    assert engine.abort_request(rid, 1) is False, "before the fork, sample 0 computes the prompt for them all"
+    engine.step()
+    assert engine.abort_request(rid, 1) is True and engine.abort_request(rid, 1) is False
+    with pytest.raises(ValueError, match=r"index=3: request .* has samples 0 to 2"):
+        engine.abort_request(rid, 3)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+        engine.check_invariants()
+    want = alone(model, prompt, params)
+    (out,) = finals
+    assert [o.finish_reason for o in out.outputs] == ["length", "abort", "length"]
+    assert [out.outputs[0].token_ids, out.outputs[2].token_ids] == [want[0], want[2]]
+    assert out.outputs[1].token_ids == want[1][:1]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

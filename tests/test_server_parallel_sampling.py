@@ -88,3 +88,18 @@ def test_a_client_that_leaves_aborts_every_sample(server):
     assert_no_block_leaked(server)
     after = metric(httpx.get(server.url + "/metrics").text, 'minillm:request_success_total{finished_reason="abort"}')
     assert after - before == 3  # every sample of the request was aborted, none ran to its end
+
+
+def test_a_stop_string_ends_its_own_sample_and_the_others_go_on(server):
+    client, prompt = client_for(server), random_prompts(1, [6], seed=4)[0]
+    free = client.completions.create(model=NAME, prompt=prompt, n=2, **{**SAMPLE, "max_tokens": 40})
+    first, second = (c.text for c in free.choices)
+    stop = next(first[i:i + 3] for i in range(4, len(first) - 3) if first[i:i + 3] not in second)
+    abort = 'minillm:request_success_total{finished_reason="abort"}'
+    before = metric(httpx.get(server.url + "/metrics").text, abort)
+    cut = client.completions.create(model=NAME, prompt=prompt, n=2, stop=[stop], **{**SAMPLE, "max_tokens": 40})
+    assert [(c.text, c.finish_reason) for c in cut.choices] == [(first[:first.index(stop)], "stop"),
+                                                                (second, "length")]
+    assert_no_block_leaked(server)
+    # the engine stopped the sample the stop string ended, and only that one, rather than run it to 40 tokens
+    assert metric(httpx.get(server.url + "/metrics").text, abort) - before == 1

@@ -185,11 +185,12 @@ def replay_samples(engine: LLMEngine, trace: list[Request], n: int, grouped: boo
         held.append(bm.num_blocks - bm.num_free_blocks)
         return plan
 
-    engine.scheduler.schedule, tokens = schedule, 0
+    engine.scheduler.schedule, tokens, began = schedule, 0, time.perf_counter()
     while engine.has_unfinished_requests():
         tokens += sum(sum(len(c.token_ids) for c in out.outputs) for out in engine.step() if out.finished)
-    steps = engine.timeline
+    steps, seconds = engine.timeline, time.perf_counter() - began
     return {"blocks_held": held, "request_peaks": peaks, "copies": bm.num_copies, "steps": len(steps),
-            "generated_tokens": tokens, "tokens_per_step": tokens / len(steps),
+            "generated_tokens": tokens, "tokens_per_step": tokens / len(steps), "seconds": seconds,
+            "throughput": tokens / seconds,
             "prefill_tokens": sum(x.num_prefill_tokens for x in steps),
             "preemptions": sum(x.num_preempted for x in steps)}

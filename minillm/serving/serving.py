@@ -10,9 +10,9 @@ holds the request and response types, this file does the work, and
 
 A request of `n` samples is one engine request (its prompt prefilled once, its
 blocks shared: `parallel_sampling.py`) and `n` choices, each with its own text
-stream; its usage counts every sample's tokens. A request whose client is gone,
-or whose every sample's text hit a stop string, is aborted at once, all its
-samples together, so the engine frees its blocks.
+stream; its usage counts every sample's tokens. A request whose client is gone
+is aborted at once, all its samples together, and a sample whose text hit a
+stop string alone, so the engine frees their blocks.
 """
 from __future__ import annotations
 
@@ -152,6 +152,8 @@ class OpenAIServing:
                         delta = text.update(ids[:count], last)
                         done[j] = last or text.stopped
                         yield j, delta, _reason(sample, text) if done[j] else None, count
+                        if text.stopped and not all(done):  # a stop string ended this one: the others go on
+                            self.loop.abort(request_id, j)
                     if sample.finish_reason is not None and not done[j]:  # aborted before another token
                         done[j] = True
                         yield j, text.update(ids, True), _reason(sample, text), len(ids)
