@@ -227,9 +227,11 @@ class LLMEngine:
                      for c in plan.chunks) if record else ()
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
+        num_rows = len(sampled)  # rows of logits sampled: the samples of a prompt just done share one
         for seq, _ in sampled:
             if seq.samples and not seq.output_token_ids:  # its prompt is computed: its samples fork from it
                 start_samples(seq, self.scheduler, self.block_manager)
+                num_rows -= len(seq.samples)
         for seq, token in sampled:
             seq.output_token_ids.append(token)
             seq.metrics.token_times.append(now)
@@ -240,7 +242,7 @@ class LLMEngine:
         if record:
             self.last_step = StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
                                        len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks,
-                                       rows, tuple(seq.request_id for seq in plan.preempted), len(sampled))
+                                       rows, tuple(seq.request_id for seq in plan.preempted), num_rows)
             if self.record_timeline:
                 self.timeline.append(self.last_step)
         return [seq for seq, _ in sampled]

@@ -16,6 +16,10 @@ A waiting sequence holds no KV. When it is admitted, num_computed_tokens
 starts at the leading tokens whose KV the pool already holds: 0, or with
 prefix caching the whole blocks another request left there.
 
+A request of n samples is n sequences under one request id: sample 0 computes
+the prompt and holds the others (`samples`) until they fork from it
+(`parallel_sampling.py`); from then on each is a sequence like any other.
+
 A step that feeds a sequence's last pending token yields logits for its next
 token; only then does the engine sample for it. That single rule keeps TTFT
 exact however a prompt is split across steps: the first token comes after the

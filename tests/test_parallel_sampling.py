@@ -231,3 +231,11 @@ def test_aborting_one_sample_leaves_the_others_their_tokens(model):
     assert [out.outputs[0].token_ids, out.outputs[2].token_ids] == [want[0], want[2]]
     assert out.outputs[1].token_ids == want[1][:1]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_timeline_counts_one_logits_row_for_a_prompt_of_n_samples(model):
+    engine = engine_for(model)
+    engine.add_request([5, 6, 7], SamplingParams(temperature=1.0, max_tokens=3, seed=0, n=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [s.num_sampled for s in engine.timeline] == [1, 4, 4]  # the prompt's last row, then one per sample
