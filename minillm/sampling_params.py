@@ -64,9 +64,10 @@ class SamplingParams:
             seed=None if self.seed is None else check_int("seed", self.seed, 0, 2**64,
                                                           hint=", or None for an unseeded request"),
             stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops),
-            n=check_int("n", self.n, 1, hint=": the number of samples to return, 1 or more"))
+            n=check_int("n", self.n, 1, hint=": the number of samples to return, 1 or more"),
+            best_of=None if self.best_of is None else check_int("best_of", self.best_of, 1))
         n = checked["n"]
-        if self.best_of is not None and check_int("best_of", self.best_of, 1) != n:
+        if checked["best_of"] not in (None, n):
             raise ValueError(f"best_of={self.best_of} with n={n}: this engine returns every sample it draws, so "
                              f"best_of must equal n (or be left out); ranking best_of > n samples needs their "
                              f"cumulative logprobs. Ask for n={self.best_of} and keep the ones you like")
@@ -79,6 +80,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def one_sample(params: SamplingParams, decoder: str) -> SamplingParams:
+    """The params of a decoder that returns one sample per prompt; n > 1 is refused, never ignored."""
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: {decoder} returns one sample per prompt; for n samples use LLMEngine "
+                         "(one prefill, shared blocks), or call it n times with seeds seed + j")
+    return params
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,

@@ -239,3 +239,15 @@ def test_the_timeline_counts_one_logits_row_for_a_prompt_of_n_samples(model):
     while engine.has_unfinished_requests():
         engine.step()
     assert [s.num_sampled for s in engine.timeline] == [1, 4, 4]  # the prompt's last row, then one per sample
+
+
+def test_decoders_of_one_sample_refuse_n_rather_than_ignore_it(model):
+    from minillm import naive_decode
+    from minillm.speculative import NgramProposer, generate as speculate
+    three = SamplingParams(temperature=1.0, max_tokens=3, n=3)
+    for call, name in ((lambda: kv_cache.generate(model, [[1, 2]], three), "kv_cache.generate"),
+                       (lambda: naive_decode.generate(model, [1, 2], three), "naive_decode.generate"),
+                       (lambda: speculate(model, NgramProposer(), [1, 2], three, num_speculative_tokens=2), "speculative decoding")):
+        with pytest.raises(ValueError, match=rf"n=3: {name} returns one sample per prompt; for n samples use "
+                                             "LLMEngine"):
+            call()
