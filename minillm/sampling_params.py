@@ -9,6 +9,8 @@ The fields carry vLLM's names, so what you learn here carries over:
     seed          a per-request random stream: the same seed gives the same text
     stop_token_ids, ignore_eos
                   generation ends at the end-of-text token, or any listed id
+    n, best_of    how many samples of the prompt to return, and to draw (best_of = n
+                  here); the prompt is prefilled once (`parallel_sampling.py`)
     min_tokens    until this many are generated, the end-of-text and stop ids are masked out
     presence_penalty, frequency_penalty
                   OpenAI's, in [-2, 2], on the tokens generated so far:
@@ -66,6 +68,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         """Check every field, and keep it as a plain Python value; from here on the params are frozen."""
@@ -91,7 +95,9 @@ class SamplingParams:
             presence_penalty=_penalty("presence_penalty", self.presence_penalty),
             frequency_penalty=_penalty("frequency_penalty", self.frequency_penalty),
             logprobs=_num_logprobs("logprobs", self.logprobs),
-            prompt_logprobs=_num_logprobs("prompt_logprobs", self.prompt_logprobs))
+            prompt_logprobs=_num_logprobs("prompt_logprobs", self.prompt_logprobs),
+            n=check_int("n", self.n, 1, hint=": the number of samples to return, 1 or more"),
+            best_of=None if self.best_of is None else check_int("best_of", self.best_of, 1))
         checked["min_tokens"] = check_int("min_tokens", self.min_tokens, 0, checked["max_tokens"] + 1,
                                           hint=" (at most max_tokens; 0 lets the end come at once)")
         r = check_real("repetition_penalty", self.repetition_penalty, " (1 is off)")
@@ -99,6 +105,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty={r:g} must be > 0: 1 is off, above 1 discourages repeats, "
                              "below 1 encourages them")
         checked["repetition_penalty"] = r
+        n = checked["n"]
+        if checked["best_of"] not in (None, n):
+            raise ValueError(f"best_of={self.best_of} with n={n}: this engine returns every sample it draws and "
+                             f"ranks none, so best_of must equal n (or be left out). Ask for n={self.best_of} with "
+                             f"logprobs and keep the ones you like (e.g. by the sum of their logprobs)")
+        if checked["seed"] is not None and checked["seed"] + n > 2**64:
+            raise ValueError(f"seed={checked['seed']} with n={n}: sample j draws from seed + j, which must stay "
+                             f"below 2**64; pass a seed of at most {2**64 - n}")
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # the one way to set a field of a frozen dataclass
 
@@ -125,6 +139,14 @@ def _num_logprobs(name: str, value) -> int | None:
         return None
     return check_int(name, value, 0, MAX_LOGPROBS + 1,
                      hint=f": how many top log-probabilities per token, at most {MAX_LOGPROBS} (None for none)")
+
+
+def one_sample(params: SamplingParams, decoder: str) -> SamplingParams:
+    """The params of a decoder that returns one sample per prompt; n > 1 is refused, never ignored."""
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: {decoder} returns one sample per prompt; for n samples use LLMEngine "
+                         "(one prefill, shared blocks), or call it n times with seeds seed + j")
+    return params
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,

@@ -1,17 +1,21 @@
-"""One choice of an answer: one prompt's request in the engine, turned into pieces of text and their tokens.
+"""The choices of an answer: each prompt's request in the engine, its samples turned into pieces of text.
 
 A completion body may hold a batch of prompts (a list of strings, or of token
-id lists); each becomes an engine request of its own and a choice of the one
-answer, its `index` its place in the batch (vLLM's rule is prompt_index · n +
-sample_index; here n = 1). Streamed, the choices' events interleave as their
-tokens come, each naming its index; whole, the answer lists them in order.
+id lists); each becomes an engine request of its own, of `n` samples (one
+prefill, shared blocks: `parallel_sampling.py`), and `n` choices of the one
+answer. Choice `prompt_index · n + sample_index` is sample j of prompt i, as
+vLLM numbers them. Streamed, the choices' events interleave as their tokens
+come, each naming its index; whole, the answer lists them in order.
 
-A piece is what one event carries: the text its token added (the echoed
-prompt's text too, before the first), and the (token id, TokenLogprobs)
-entries it covers, from which the endpoint writes its `logprobs`.
+A piece is what one event carries: the sample it belongs to, the text its token
+added (with `echo`, the prompt's text too before the first: every sample's
+choice carries the prompt, as vLLM's do), and the (token id, TokenLogprobs)
+entries it covers, from which the endpoint writes its `logprobs`. A sample's
+entries are its own; the prompt's are the request's, the same for each sample.
 
-A request whose client is gone, or whose text hit a stop string, is aborted at
-once (the generator's `finally`), so the engine frees its blocks.
+A request whose client is gone is aborted at once, all its samples (the
+generator's `finally`), and a sample whose text hit a stop string alone, so the
+engine frees their blocks.
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import RequestOutput
 from ..sampling_params import FINISH_ABORT, FINISH_STOP
+from ..sequence import CompletionOutput, RequestOutput
 from .engine_loop import Failed
 from .text_stream import TextStream
 
@@ -30,60 +34,78 @@ class EngineFailed(Exception):
 
 
 @dataclass
-class Choice:
-    """One prompt's request: where its outputs arrive, and what its text needs (stop strings, echo)."""
-    index: int
+class Prompt:
+    """One prompt's request: where its outputs arrive, what its text needs (stop strings, echo), and what each
+    of its n samples has sent so far."""
+    index: int  # its place in the batch
     request_id: str
     prompt: list[int]
     stops: list[str]
     outputs: asyncio.Queue
-    echo: str | None = None  # the prompt's text, sent before the completion's (`echo: true`)
-    num_generated: int = 0
-    entries: list = field(default_factory=list)  # every (token id, TokenLogprobs | None) sent so far
+    n: int = 1
+    echo: str | None = None  # the prompt's text, sent before each sample's completion (`echo: true`)
+    num_generated: list[int] = field(default_factory=list)  # per sample
+    entries: list[list] = field(default_factory=list)  # per sample: every (token id, TokenLogprobs | None) sent
+
+    def __post_init__(self):
+        self.num_generated = self.num_generated or [0] * self.n
+        self.entries = self.entries or [[] for _ in range(self.n)]
+
+    def choice_index(self, sample: int) -> int:
+        """The index of its sample `sample` among the answer's choices (vLLM's rule)."""
+        return self.index * self.n + sample
 
 
 @dataclass
 class Piece:
+    sample: int         # which of its prompt's n samples
     text: str
-    reason: str | None  # set on the choice's last piece
+    reason: str | None  # set on the sample's last piece
     entries: list       # (token id, TokenLogprobs | None) of the tokens this piece adds, the echoed prompt's first
 
 
-async def pieces(choice: Choice, decode: Callable[[list[int]], str], abort: Callable[[str], None]):
-    """Yield the choice's pieces, one per generated token, the last with its finish reason. A step that failed
-    raises EngineFailed. Leaving early (the client left, a stop string) aborts the request."""
-    text, done, generated, echo = TextStream(decode, choice.stops), False, [], choice.echo
+async def pieces(p: Prompt, decode: Callable[[list[int]], str], abort: Callable[..., None]):
+    """Yield the pieces of the prompt's samples, one per generated token, each sample's last with its finish
+    reason. A step that failed raises EngineFailed. Leaving before the engine finished the request (the client
+    left, stop strings ended every sample) aborts it; a stop string that ends one sample aborts that one alone."""
+    texts = [TextStream(decode, p.stops) for _ in range(p.n)]
+    done, seen, echo, finished = [False] * p.n, [0] * p.n, [p.echo] * p.n, False
     try:
-        while not done:
-            out = await choice.outputs.get()
+        while not all(done):
+            out = await p.outputs.get()
             if isinstance(out, Failed):
-                done = True  # the engine loop has aborted it already
+                finished = True  # the engine loop has aborted it already
                 raise EngineFailed(out.message)
-            new, generated = out.output_token_ids[len(generated):], out.output_token_ids
-            for k in range(len(new)):
-                n = len(generated) - len(new) + k + 1
-                last = out.finished and k == len(new) - 1
-                delta = text.update(generated[:n], last)
-                done = last or text.stopped
-                entries = [(generated[n - 1], out.logprobs[n - 1] if out.logprobs else None)]
-                if echo is not None:
-                    delta, entries, echo = echo + delta, _prompt_entries(choice.prompt, out) + entries, None
-                choice.num_generated = n
-                yield _piece(choice, delta, _reason(out, text) if done else None, entries)
-                if done:
-                    break
-            if out.finished and not new:  # aborted before another token
-                done = True
-                head, entries = ("", []) if echo is None else (echo, _prompt_entries(choice.prompt, out))
-                yield _piece(choice, head + text.update(generated, True), _reason(out, text), entries)
+            finished = out.finished
+            for sample in out.outputs:
+                j, text, ids = sample.index, texts[sample.index], sample.token_ids
+                first, seen[j] = seen[j] + 1, len(ids)
+                for count in range(first, len(ids) + 1):
+                    if done[j]:
+                        break
+                    last = sample.finish_reason is not None and count == len(ids)
+                    delta = text.update(ids[:count], last)
+                    done[j] = last or text.stopped
+                    entries = [(ids[count - 1], sample.logprobs[count - 1] if sample.logprobs else None)]
+                    if echo[j] is not None:
+                        delta, entries, echo[j] = echo[j] + delta, _prompt_entries(p.prompt, out) + entries, None
+                    p.num_generated[j] = count
+                    yield _piece(p, j, delta, _reason(sample, text) if done[j] else None, entries)
+                    if text.stopped and not all(done):  # a stop string ended this one: the others go on
+                        abort(p.request_id, j)
+                if sample.finish_reason is not None and not done[j]:  # aborted before another token
+                    done[j] = True
+                    head, entries = ("", []) if echo[j] is None else (echo[j], _prompt_entries(p.prompt, out))
+                    echo[j] = None
+                    yield _piece(p, j, head + text.update(ids, True), _reason(sample, text), entries)
     finally:
-        if not done or text.stopped:
-            abort(choice.request_id)
+        if not finished:
+            abort(p.request_id)
 
 
-def _piece(choice: Choice, text: str, reason: str | None, entries: list) -> Piece:
-    choice.entries += entries
-    return Piece(text, reason, entries)
+def _piece(p: Prompt, sample: int, text: str, reason: str | None, entries: list) -> Piece:
+    p.entries[sample] += entries
+    return Piece(sample, text, reason, entries)
 
 
 def _prompt_entries(prompt: list[int], out: RequestOutput) -> list:
@@ -92,12 +114,12 @@ def _prompt_entries(prompt: list[int], out: RequestOutput) -> list:
     return list(zip(prompt, lps))
 
 
-def _reason(out: RequestOutput, text: TextStream) -> str:
+def _reason(out: CompletionOutput, text: TextStream) -> str:
     return FINISH_STOP if text.stopped else (out.finish_reason or FINISH_ABORT)
 
 
 async def merged(streams: list):
-    """(choice number, piece) from several piece generators as each comes; each generator is closed (its
+    """(prompt number, piece) from several piece generators as each comes; each generator is closed (its
     request aborted if unfinished) when this one is left, or when one raises (which is raised here)."""
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -12,9 +12,11 @@ chat: `logprobs: true` and `top_logprobs: k`), `echo` (the prompt, and with
 (`errors.read_body` validates with strict=True): `true` is not the token id 1
 and `"yes"` is not a bool.
 
-`n` must be 1, and the fields this engine cannot honour (`best_of` > 1,
-`logit_bias`, `suffix`, vLLM's `prompt_logprobs`) are refused, not ignored: a client gets what it asked
-for, or a 400 that says why. Unknown fields are ignored, as vLLM ignores them.
+`n` samples of each prompt come back as `n` choices, choice `prompt_index · n +
+sample_index` (vLLM's rule); `best_of`, if given, must equal `n`. The fields
+this engine cannot honour (`best_of` > `n`, `logit_bias`, `suffix`, vLLM's
+`prompt_logprobs`) are refused, not ignored: a client gets what it asked for,
+or a 400 that says why. Unknown fields are ignored, as vLLM ignores them.
 """
 from __future__ import annotations
 
@@ -187,10 +189,6 @@ def chat_logprobs(entries: list, token_text) -> dict:
 
 def unsupported(body: SamplingFields) -> tuple[str, str] | None:
     """(why, which field) for the first field set to what this engine cannot do, or None."""
-    if body.n != 1:
-        return f"n={body.n}: this server returns one completion per request (n=1); send {body.n} requests", "n"
-    if getattr(body, "best_of", None) not in (None, 1):
-        return f"best_of={body.best_of} is not supported; only best_of=1 (one sample, returned)", "best_of"
     if getattr(body, "suffix", None) is not None:
         return "suffix is not supported (GPT-2 has no fill-in-the-middle)", "suffix"
     if body.logit_bias:

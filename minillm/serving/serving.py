@@ -8,10 +8,14 @@ holds the request and response types, this file does the work, and
          ◀── one RequestOutput per step ◀── engine thread
     RequestOutput ──choices.pieces──▶ the text each token added ──▶ an SSE event, or one JSON body at the end
 
-A batch of prompts is one engine request per prompt, and one choice each
-(`choices.py`); a prompt the engine refuses fails the whole body with a 400
-naming its index, and aborts the others. A request whose client is gone, or
-whose text hit a stop string, is aborted at once, so the engine frees its blocks.
+A batch of prompts is one engine request per prompt, each of `n` samples (its
+prompt prefilled once, its blocks shared: `parallel_sampling.py`), and `n`
+choices each, numbered prompt_index · n + sample_index (`choices.py`); usage
+counts each prompt's tokens once and every sample's. A prompt the engine
+refuses fails the whole body with a 400 naming its index, and aborts the
+others. A request whose client is gone is aborted at once, all its samples
+together, and a sample whose text hit a stop string alone, so the engine frees
+their blocks.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from .chat_template import ChatTemplate, ChatTemplateError
-from .choices import Choice, EngineFailed, merged, pieces
+from .choices import EngineFailed, Prompt, merged, pieces
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Rejected
 from .errors import APIError, error_body, error_response, param_of
 from .prometheus import ServerMetrics
@@ -76,7 +80,8 @@ class OpenAIServing:
                 given["prompt_logprobs"] = logprobs
         try:
             return SamplingParams(**given, max_tokens=max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
-                                  ignore_eos=body.ignore_eos), stop_strings
+                                  ignore_eos=body.ignore_eos, n=body.n, best_of=getattr(body, "best_of", None)), \
+                stop_strings
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), body)) from None
 
@@ -96,14 +101,14 @@ class OpenAIServing:
             raise APIError(400, str(e), "messages") from None
 
     async def start(self, body: SamplingFields, prompts: list[tuple[list[int], str | None]], arrival: float,
-                    response_id: str) -> list[Choice]:
+                    response_id: str) -> list[Prompt]:
         """Check the request, hand each prompt to the engine thread, and wait for its answer (Accepted or
         Rejected). A prompt refused fails the body, naming its index, and aborts those already accepted."""
         self.check_model(body.model)
         problem = unsupported(body)
         if problem:
             raise APIError(400, *problem)
-        choices: list[Choice] = []
+        choices: list[Prompt] = []
         try:
             for i, (prompt, text) in enumerate(prompts):
                 request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
@@ -121,7 +126,7 @@ class OpenAIServing:
         return choices
 
     async def _start_one(self, body: SamplingFields, prompt: list[int], arrival: float, request_id: str,
-                         index: int, text: str | None) -> Choice:
+                         index: int, text: str | None) -> Prompt:
         params, stops = self.params(body, len(prompt))
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -145,12 +150,12 @@ class OpenAIServing:
         echo = None
         if getattr(body, "echo", False):
             echo = text if text is not None else self.tokenizer.decode(prompt)
-        return Choice(index, request_id, prompt, stops, outputs, echo)
+        return Prompt(index, request_id, prompt, stops, outputs, params.n, echo)
 
     # ---- the endpoints ---------------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest):
-        """POST /v1/completions: one choice per prompt."""
+        """POST /v1/completions: n choices per prompt."""
         arrival = time.perf_counter()
         return await self.respond(body, self.prompts(body.prompt), arrival,
                                   CompletionShape(self.model_name, int(time.time())))
@@ -200,29 +205,30 @@ class OpenAIServing:
     async def respond(self, body: SamplingFields, prompts: list, arrival: float, shape):
         """Run the request; its answer as server-sent events (`stream: true`) or as one body at its end."""
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        choices = await self.start(body, prompts, arrival, response_id)
-        streams = [pieces(c, self.tokenizer.decode, self.loop.abort) for c in choices]
+        started = await self.start(body, prompts, arrival, response_id)
+        streams = [pieces(p, self.tokenizer.decode, self.loop.abort) for p in started]
         write = self.logprobs_writer(body, shape)
+        indices = [p.choice_index(j) for p in started for j in range(p.n)]  # every choice, in order
 
         def usage() -> dict:
-            p, n = sum(len(c.prompt) for c in choices), sum(c.num_generated for c in choices)
-            return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+            n_prompt, n = sum(len(p.prompt) for p in started), sum(sum(p.num_generated) for p in started)
+            return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
 
         if body.stream:
             async def events():
                 """One event per generated token of each choice, as the engine makes them, then the usage and
                 [DONE]."""
-                offsets = [0] * len(choices)
+                offsets = dict.fromkeys(indices, 0)
                 each = merged(streams)
                 try:
-                    for c in choices:
-                        for event in shape.opening(response_id, c.index):
+                    for index in indices:
+                        for event in shape.opening(response_id, index):
                             yield format_sse_event(data_str=json.dumps(event))
                     async for i, piece in each:
-                        logprobs = None
+                        index, logprobs = started[i].choice_index(piece.sample), None
                         if write is not None:
-                            logprobs, offsets[i] = write(piece.entries, offsets[i])
-                        event = shape.chunk(response_id, piece.text, piece.reason, choices[i].index, logprobs)
+                            logprobs, offsets[index] = write(piece.entries, offsets[index])
+                        event = shape.chunk(response_id, piece.text, piece.reason, index, logprobs)
                         yield format_sse_event(data_str=json.dumps(event))
                 except EngineFailed as e:
                     yield format_sse_event(data_str=json.dumps(error_body(500, str(e))))
@@ -239,19 +245,21 @@ class OpenAIServing:
             return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
 
         # Not streamed: one body at the end (a client that leaves cancels this, and `merged` aborts the rest).
-        texts, reasons = [[] for _ in choices], [None] * len(choices)
+        texts, reasons = {index: [] for index in indices}, dict.fromkeys(indices)
         each = merged(streams)
         try:
             async for i, piece in each:
-                texts[i].append(piece.text)
-                reasons[i] = piece.reason or reasons[i]
+                index = started[i].choice_index(piece.sample)
+                texts[index].append(piece.text)
+                reasons[index] = piece.reason or reasons[index]
         except EngineFailed as e:
             return error_response(500, str(e))
         finally:
             await each.aclose()
         return {**shape.whole(response_id, [
-            shape.choice("".join(t), r, c.index, None if write is None else write(c.entries, 0)[0])
-            for c, t, r in zip(choices, texts, reasons)]), "usage": usage()}
+            shape.choice("".join(texts[p.choice_index(j)]), reasons[p.choice_index(j)], p.choice_index(j),
+                         None if write is None else write(p.entries[j], 0)[0])
+            for p in started for j in range(p.n)]), "usage": usage()}
 
 
 def num_logprobs(body: SamplingFields) -> int | None:
