@@ -11,8 +11,9 @@ batches of prompts, and summing `choices[i].logprobs.token_logprobs[ctxlen:-1]`
 lm-eval is not a dependency (its install pulls about 50 packages: datasets,
 pandas, pyarrow, scipy, scikit-learn, nltk; 100 s here), so the first tests
 send exactly its requests and read the answers as it does (lm_eval 0.4.13,
-lm_eval/models/openai_completions.py and api_models.py); the last runs lm-eval
-itself where it is installed. Both check the log-likelihood against the sum of
+lm_eval/models/openai_completions.py and api_models.py); the last, marked
+slow, runs lm-eval itself and fails, naming `pip install "lm-eval[api]"`, where
+it is not installed. Both check the log-likelihood against the sum of
 log_softmax of the model's full forward pass.
 """
 from __future__ import annotations
@@ -95,10 +96,15 @@ def test_its_generate_until_requests_get_the_greedy_text(model, bpe_file):
     assert texts == [w.split("<|endoftext|>")[0] for w in wants]
 
 
+@pytest.mark.slow  # lm-eval is not a dependency: run with -m slow after `pip install "lm-eval[api]"`
 def test_lm_eval_itself_scores_and_generates_through_the_server(model, bpe_file, tmp_path):
     for module in ("lm_eval", "tenacity"):  # tenacity: what its API models need (the [api] extra)
-        pytest.importorskip(module, reason="lm-eval is not installed (pip install 'lm-eval[api]'); the tests above "
-                                           "send its requests without it")
+        try:
+            __import__(module)
+        except ImportError as e:
+            pytest.fail(f"this test runs lm-eval itself, and {module!r} is not importable ({e}): "
+                        "pip install \"lm-eval[api]\" and run it again (the two tests above send lm-eval's "
+                        "requests without it, in the normal suite)", pytrace=False)
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import PreTrainedTokenizerFast
