@@ -4,6 +4,7 @@ Every equivalence runs on a model whose next token depends on its context (tests
 read a block another sample wrote into would draw other tokens than its seed run alone.
 """
 import pytest
+import torch
 
 from minillm import SamplingParams, kv_cache
 from minillm.block_manager import BlockManager
@@ -251,3 +252,44 @@ def test_decoders_of_one_sample_refuse_n_rather_than_ignore_it(model):
         with pytest.raises(ValueError, match=rf"n=3: {name} returns one sample per prompt; for n samples use "
                                              "LLMEngine"):
             call()
+
+
+def full_logprobs(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("blocks, seqs", [(64, 8), (64, 2), (10, 4)],
+                         ids=["room", "batch-full", "preempted"])  # batch-full: samples wait for a place
+def test_each_sample_has_its_own_logprobs_and_the_prompt_its_own(model, blocks, seqs):
+    prompts = random_prompts(2, [7, 9], seed=4)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, n=2, logprobs=1,
+                            prompt_logprobs=1)
+    outs = drive(engine_for(model, blocks=blocks, seqs=seqs), {0: [(prompts[0], params)], 1: [(prompts[1], params)]})
+    assert (sum(o.num_preemptions for o in outs) > 0) == (blocks == 10)
+    for prompt, out in zip(prompts, outs):
+        assert [s.token_ids for s in out.outputs] == alone(model, prompt, params)
+        assert out.outputs[0].logprobs is not out.outputs[1].logprobs
+        for s in out.outputs:
+            ref = full_logprobs(model, prompt + s.token_ids)
+            assert [lp.token_id for lp in s.logprobs] == s.token_ids
+            for k, lp in enumerate(s.logprobs):
+                assert abs(lp.logprob - ref[len(prompt) + k - 1, lp.token_id].item()) < 1e-4
+                assert lp.top[0][0] == ref[len(prompt) + k - 1].argmax().item()
+        ref = full_logprobs(model, prompt)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            assert abs(out.prompt_logprobs[pos].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+
+
+def test_penalties_and_min_tokens_read_each_samples_own_tokens(model):
+    prompt = random_prompts(1, [9], seed=6)[0]
+    knobs = dict(temperature=1.0, seed=9, max_tokens=10, presence_penalty=1.5, frequency_penalty=1.0,
+                 repetition_penalty=1.3, min_tokens=4)
+    group = engine_for(model).generate([prompt], SamplingParams(**knobs, n=3))[0]
+    singles = [engine_for(model).generate([prompt], SamplingParams(**{**knobs, "seed": knobs["seed"] + j}))[0]
+               for j in range(3)]
+    assert [s.token_ids for s in group.outputs] == [s.output_token_ids for s in singles]
+    plain = [engine_for(model).generate([prompt], SamplingParams(temperature=1.0, seed=9 + j, max_tokens=10))[0]
+             for j in range(3)]
+    assert [s.token_ids for s in group.outputs] != [s.output_token_ids for s in plain]  # the penalties did act
