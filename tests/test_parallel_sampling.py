@@ -262,7 +262,7 @@ def full_logprobs(model, ids) -> torch.Tensor:
 @pytest.mark.parametrize("blocks, seqs", [(64, 8), (64, 2), (10, 4)],
                          ids=["room", "batch-full", "preempted"])  # batch-full: samples wait for a place
 def test_each_sample_has_its_own_logprobs_and_the_prompt_its_own(model, blocks, seqs):
-    prompts = random_prompts(2, [7, 9], seed=4)
+    prompts = [random_prompts(1, [k], seed=4)[0] for k in (7, 9)]
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, n=2, logprobs=1,
                             prompt_logprobs=1)
     outs = drive(engine_for(model, blocks=blocks, seqs=seqs), {0: [(prompts[0], params)], 1: [(prompts[1], params)]})

@@ -8,11 +8,16 @@ import asyncio
 import httpx
 import openai
 import pytest
+import torch
 
 from models import random_prompts
 from serving_support import NAME, assert_no_block_leaked, metric, model, start, tokenizer  # noqa: F401
 from test_server_chat import CHATML, MESSAGES
 
+from minillm import SamplingParams
+from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
+from minillm.scheduler import SchedulerConfig
 from minillm.serving.chat_template import ChatTemplate
 
 SAMPLE = dict(temperature=1.0, seed=21, max_tokens=10, extra_body={"ignore_eos": True})
@@ -22,6 +27,11 @@ SAMPLE = dict(temperature=1.0, seed=21, max_tokens=10, extra_body={"ignore_eos":
 def server(model, tokenizer):
     with start(model, tokenizer, chat_template=ChatTemplate(CHATML), block_size=4) as s:
         yield s
+
+
+def full_logprobs(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].float().log_softmax(-1)
 
 
 def client_for(server) -> openai.OpenAI:
@@ -103,3 +113,68 @@ def test_a_stop_string_ends_its_own_sample_and_the_others_go_on(server):
     assert_no_block_leaked(server)
     # the engine stopped the sample the stop string ended, and only that one, rather than run it to 40 tokens
     assert metric(httpx.get(server.url + "/metrics").text, abort) - before == 1
+
+
+def reference_samples(model, prompt: list[int], n: int, **knobs) -> list[list[int]]:
+    """Sample j's token ids: the n=1 request seeded seed + j, in an engine like the server's."""
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8),
+                       CacheConfig(num_gpu_blocks_override=128, block_size=4))
+    return [engine.generate([prompt], SamplingParams(**{**knobs, "seed": knobs["seed"] + j}))[0].output_token_ids
+            for j in range(n)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_samples_of_a_batch_of_prompts_with_logprobs(server, model, tokenizer, stream):
+    client, prompts = client_for(server), [random_prompts(1, [k], seed=8)[0] for k in (7, 9)]
+    kw = dict(model=NAME, prompt=prompts, n=2, logprobs=1, **SAMPLE)
+    texts, reasons, lps, usage = {}, {}, {}, None
+    if stream:
+        for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                reasons[c.index] = c.finish_reason or reasons.get(c.index)
+                got = lps.setdefault(c.index, {"tokens": [], "token_logprobs": [], "text_offset": []})
+                for key in got:
+                    got[key] += getattr(c.logprobs, key)
+            usage = chunk.usage or usage
+    else:
+        out = client.completions.create(**kw)
+        assert [c.index for c in out.choices] == [0, 1, 2, 3]
+        for c in out.choices:
+            texts[c.index], reasons[c.index] = c.text, c.finish_reason
+            lps[c.index] = {k: getattr(c.logprobs, k) for k in ("tokens", "token_logprobs", "text_offset")}
+        usage = out.usage
+    assert sorted(texts) == [0, 1, 2, 3] and set(reasons.values()) == {"length"}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (7 + 9, 4 * 10)  # each prompt counted once
+    for i, prompt in enumerate(prompts):
+        for j, ids in enumerate(reference_samples(model, prompt, 2, temperature=1.0, seed=SAMPLE["seed"],
+                                                  max_tokens=10, ignore_eos=True)):
+            index, ref = i * 2 + j, full_logprobs(model, prompt + ids)  # vLLM's prompt_index · n + sample_index
+            assert texts[index] == tokenizer.decode(ids)
+            assert lps[index]["tokens"] == [tokenizer.decode([t]) for t in ids]
+            assert lps[index]["text_offset"] == [len(tokenizer.decode(ids[:k])) for k in range(len(ids))]
+            want = [ref[len(prompt) + k - 1, t].item() for k, t in enumerate(ids)]
+            assert lps[index]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    assert_no_block_leaked(server)
+
+
+def test_echo_puts_the_prompt_in_each_samples_choice(server, tokenizer):
+    client, prompt = client_for(server), random_prompts(1, [6], seed=3)[0]
+    out = client.completions.create(model=NAME, prompt=prompt, n=2, echo=True, logprobs=0, **SAMPLE)
+    head = tokenizer.decode(prompt)
+    for c in out.choices:
+        assert c.text.startswith(head) and len(c.logprobs.tokens) == len(prompt) + 10
+        assert c.logprobs.token_logprobs[0] is None
+    assert out.choices[0].logprobs.token_logprobs[:6] == out.choices[1].logprobs.token_logprobs[:6]
+    assert_no_block_leaked(server)
+
+
+def test_penalties_apply_to_each_sample_as_to_its_seed_alone(server):
+    client, prompt = client_for(server), random_prompts(1, [9], seed=2)[0]
+    penalties = dict(presence_penalty=1.5, frequency_penalty=1.0)
+    whole = client.completions.create(model=NAME, prompt=prompt, n=2, **SAMPLE, **penalties)
+    singles = alone(client.completions.create, 2, model=NAME, prompt=prompt, **penalties)
+    assert [c.text for c in whole.choices] == [c.text for c in singles]
+    plain = alone(client.completions.create, 2, model=NAME, prompt=prompt)
+    assert [c.text for c in whole.choices] != [c.text for c in plain]  # the penalties did act
+    assert_no_block_leaked(server)
