@@ -29,9 +29,13 @@ only a sequence's last block is partly empty:
     blocks for n tokens  = ⌈n / block_size⌉
     waste per sequence   < block_size slots (block_size / 2 on average)
 
-Blocks are reference-counted, so that a block can be shared by sequences with
-a common prefix (`prefix_caching.py`, lesson 10); it returns to the free list
-when its last reference goes.
+Blocks are reference-counted, so that a block can be shared: by the samples of
+one prompt (`fork`, `parallel_sampling.py`) and by sequences with a common
+prefix (`prefix_caching.py`, lesson 10); it returns to the free list when its
+last reference goes. A sequence about to write into a block that another table
+also holds first gets a copy of its own (copy-on-write): `append_slots` swaps
+the block for a fresh one and queues (source, copy) in `copies`, which the
+engine copies in the pool before the step's forward pass writes.
 
 This file is pure bookkeeping: integers in, integers out, no tensors. The
 scheduler asks it for room (`can_append`, `append_slots`, `free`); where the
@@ -47,8 +51,9 @@ percent. Lesson 05 sweeps it.
 
 Invariants held by the tests: after every step each block is either free or
 referenced exactly as often as the block tables hold it, none lost and none
-counted twice; every sequence's table covers its cached tokens; when every
-sequence has finished or been aborted, every block is free.
+counted twice; every sequence's table covers its cached tokens; no step writes
+a block that another table holds; when every sequence has finished or been
+aborted, every block is free.
 """
 from __future__ import annotations
 
@@ -139,6 +144,8 @@ class BlockManager:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.copies: list[tuple[int, int]] = []  # (shared block, its copy) for the engine to copy, in order
+        self.num_copies = 0  # copy-on-write copies made so far
 
     @property
     def num_blocks(self) -> int:
@@ -158,9 +165,23 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def blocks_needed(self, seq: HoldsKV, num_new: int) -> int:
-        """New blocks `append_slots(seq, num_new)` would take."""
+        """New blocks `append_slots(seq, num_new)` would take: a copy of a shared block it writes, and more."""
         have = len(self.block_tables.get(seq.seq_id, ()))
-        return max(0, self.blocks_for(seq.num_computed_tokens + num_new) - have)
+        return max(0, self.blocks_for(seq.num_computed_tokens + num_new) - have) + (self._shared_tail(seq) is not None)
+
+    def _shared_tail(self, seq: HoldsKV) -> int | None:
+        """The index in `seq`'s table of the partly filled block its next token goes into, if another table holds
+        it too; else None. Only that block can be written while shared: a full block never changes again."""
+        table, i = self.block_tables.get(seq.seq_id, ()), seq.num_computed_tokens // self.block_size
+        return i if i < len(table) and self.allocator.ref_counts[table[i]] > 1 else None
+
+    def fork(self, parent: HoldsKV, child: HoldsKV) -> None:
+        """`child` starts from `parent`'s computed tokens: it holds the very same blocks, one more reference to
+        each, and no KV is copied until one of them writes into a block they share (`append_slots`)."""
+        table = self.block_tables[parent.seq_id]
+        for block in table:
+            self.allocator.ref_counts[block] += 1
+        self.block_tables[child.seq_id] = list(table)
 
     def can_append(self, seq: HoldsKV, num_new: int) -> bool:
         return self.blocks_needed(seq, num_new) <= self.num_free_blocks
@@ -171,8 +192,19 @@ class BlockManager:
         if needed > self.num_free_blocks:
             raise RuntimeError(f"sequence {seq.seq_id} needs {needed} blocks but {self.num_free_blocks} are free; "
                                "check can_append first")
-        table = self.block_tables.setdefault(seq.seq_id, [])
-        table.extend(self.allocator.allocate() for _ in range(needed))
+        shared, table = self._shared_tail(seq), self.block_tables.setdefault(seq.seq_id, [])
+        if shared is not None:  # copy-on-write: the new tokens go into a copy of the block, the others keep it
+            copy = self.allocator.allocate()
+            self.copies.append((table[shared], copy))
+            self.allocator.free(table[shared])
+            table[shared] = copy
+            self.num_copies += 1
+        table.extend(self.allocator.allocate() for _ in range(needed - (shared is not None)))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) blocks whose KV must be copied before the planned step writes."""
+        copies, self.copies = self.copies, []
+        return copies
 
     def free(self, seq: HoldsKV) -> None:
         """Return a finished, aborted or preempted sequence's blocks to the pool."""
@@ -185,8 +217,9 @@ class BlockManager:
 
     def rollback(self, seqs: list[HoldsKV]) -> list[HoldsKV]:
         """The step planned since the last commit failed; returns those of `seqs` that can no longer trust the
-        KV of their computed tokens. None here: a failed step wrote only slots past them."""
-        return []
+        KV of their computed tokens: those holding a copy not yet made. A failed step wrote only slots past them."""
+        uncopied = {dst for _, dst in self.take_copies()}
+        return [seq for seq in seqs if not uncopied.isdisjoint(self.block_tables.get(seq.seq_id, ()))]
 
     def forget_admission(self, seq: HoldsKV) -> bool:
         """A sequence first admitted by a failed step goes back to wait; nothing was counted for it here."""

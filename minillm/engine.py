@@ -9,15 +9,18 @@ of the whole batch waiting for its longest member. One step, data flowing one wa
     cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping, block
                                 tables, built once (decodes only: in buffers allocated once)
     model(ids, positions)     → one forward pass over the flattened ragged batch, logits
-                                only at the rows that will sample
-    sample, update, record    → new tokens, finished requests free their blocks, times, and
+                                only at the rows that will sample (and at the prompt rows a
+                                request with prompt_logprobs scores: `logprobs.py`)
+    sample, update, record    → new tokens (penalties first: `penalties.py`), their logprobs if
+                                asked, finished requests free their blocks, times, and
                                 (`record_steps`) `last_step`: its rows, prefill chunk or decode
 
 The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`
 under a `SchedulerConfig`), the pool (`block_manager.py`, `paged_attention.py`,
 sized by `kv_pool.py` from a `CacheConfig`; `prefix_caching.py` when
 `enable_prefix_caching`), decode-only steps (`cuda_graphs.py`, a CUDA graph per
-bucket unless `enforce_eager=True`) and `sampling.py`. Names follow vLLM's.
+bucket unless `enforce_eager=True`), `sampling.py`, and the n samples of one request
+(`parallel_sampling.py`: one prefill, shared blocks, copy-on-write). Names follow vLLM's.
 Cost per step: one forward pass over Σ tokens planned, plus bookkeeping linear
 in the running sequences; KV memory is blocks in use · block_size · KV bytes per token.
 
@@ -41,9 +44,11 @@ thread owns the engine, others hand it requests through a queue (`request_checks
 Invariants held by the tests: every request's greedy tokens, and their logits,
 are those of `kv_cache.generate` run on it alone, whatever the batch, arrivals,
 block size, budget, preemptions, prefix hits or decode path (eager, padded, CUDA
-graph); after every step each block is free (or evictable) or held by exactly
-the running sequences' tables; when all have finished every block is free (or
-evictable) and the engine holds no request; over 2,000 requests the heap stays flat.
+graph), and each of n samples seeded s is its seed s + j run alone; after every
+step each block is free (or evictable) or held by exactly the running sequences'
+tables, and a block several tables hold holds the same tokens in each; when all
+have finished every block is free (or evictable) and the engine holds no
+request; over 2,000 requests the heap stays flat.
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ from .paged_attention import PagedKVCache
 from .prefix_caching import PrefixCachingBlockManager
 from .rollback import recover
 from .device import to_device
+from .logprobs import prompt_rows, record_prompt_logprobs, sample_logprobs
+from .parallel_sampling import abort_samples, check_shared_blocks, fan_out, group_output, sample_params, start_samples
 from .sampling import NonFiniteLogitsError, make_generator, sample
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -99,7 +106,7 @@ class LLMEngine:
                                     "graph" if use_graphs else "eager")
         policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
         self.scheduler = policy(self.scheduler_config, self.block_manager)
-        self.requests: dict[str, Sequence] = {}  # unfinished, or finished and not yet reported
+        self.requests: dict[str, Sequence] = {}  # sample 0 of each request unfinished, or finished and unreported
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline
         self._unreported: list[Sequence] = []  # finished (aborted, or in a step that raised), not yet reported
@@ -142,7 +149,8 @@ class LLMEngine:
         return seq.request_id
 
     def _new_sequence(self, prompt_token_ids, params, request_id, arrival_time) -> Sequence:
-        """A checked request, not yet queued: every argument is refused here, naming the value and the fix."""
+        """A checked request, not yet queued: every argument is refused here, naming the value and the fix.
+        Its sample 0, which holds the others (`samples`) until its prompt is computed."""
         if self.cache is None:
             raise RuntimeError("this engine was closed (its KV pool is freed); build a new LLMEngine")
         now = time.perf_counter()
@@ -153,25 +161,28 @@ class LLMEngine:
                 self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1  # never reused, though the request it named is forgotten once finished
-        seq = Sequence(request_id, prompt_token_ids, params,
-                       RequestMetrics(now if arrival_time is None else float(arrival_time)),
-                       make_generator(params, self.model.device))
-        check_fits(seq, self.block_manager, self.scheduler_config)
+        arrival = now if arrival_time is None else float(arrival_time)
+        seq, *others = [Sequence(request_id, prompt_token_ids, sp, RequestMetrics(arrival),
+                                 make_generator(sp, self.model.device), index=j)
+                        for j, sp in enumerate(sample_params(params))]
+        seq.samples = others
+        check_fits(seq, self.block_manager, self.scheduler_config, params.n)
         return seq
 
     @one_thread
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; the next `step()` reports it finished ("abort").
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """Stop a request now, every sample of it (or only sample `index`, the others going on), and free its
+        blocks; the next `step()` reports it ("abort").
 
         Returns False, and does nothing, for an id the engine does not hold: one already finished (a
-        finished request is forgotten once its output is returned), aborted, or never added.
+        finished request is forgotten once its output is returned), aborted, or never added; and for one
+        sample of a request whose samples have not yet forked from its prompt.
         """
-        seq = self.requests.get(request_id) or self._remote.pop(request_id, None)
-        if seq is None or seq.is_finished:
+        seq = self.requests.get(request_id)
+        if seq is None and request_id in self._remote:  # holding blocks for a remote prefill: not yet scheduled
+            seq = self.requests[request_id] = self._remote.pop(request_id)  # reported, then forgotten, as any
+        if seq is None or not abort_samples(seq, self.scheduler, FINISH_ABORT, time.perf_counter(), index):
             return False
-        self.requests[request_id] = seq  # a remote one too: reported, then forgotten, like any other
-        self.scheduler.remove(seq)
-        seq.finish(FINISH_ABORT, time.perf_counter())
         self._unreported.append(seq)
         return True
 
@@ -182,9 +193,10 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
-        exactly the running sequences, and each running sequence's table covers its computed tokens. Cheap
-        enough for tests to call after every step."""
+        exactly the running sequences, and each running sequence's table covers its computed tokens; a shared
+        block holds the same tokens in every table. Cheap enough for tests to call after every step."""
         self.block_manager.check_invariants(self.scheduler.running + list(self._remote.values()))
+        check_shared_blocks(self.block_manager, self.scheduler.running)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -264,7 +276,7 @@ class LLMEngine:
             recover(self)
             raise
         reported, self._unreported = self._unreported + stepped, []
-        return [self._report(s) for s in reported]
+        return [self._report(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in reported)]
 
     def _step(self, start: float) -> list[Sequence]:
         plan = self.scheduler.schedule()
@@ -272,14 +284,24 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
             return []
+        if self.block_manager.copies:  # copy-on-write: a shared block's KV, copied before a sample writes its own
+            self.cache.copy_blocks(self.block_manager.copies)
+            self.block_manager.take_copies()  # made: a step that fails from here on leaves them whole
         sampled = self._execute(plan)
         record = self.record_timeline or self.record_steps
         rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
                      for c in plan.chunks) if record else ()
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
         now = time.perf_counter()
-        for seq, token in sampled:
+        num_rows = len(sampled)  # rows of logits sampled: the samples of a prompt just done share one
+        for seq, _, _ in sampled:
+            if seq.samples and not seq.output_token_ids:  # its prompt is computed: its samples fork from it
+                start_samples(seq, self.scheduler, self.block_manager)
+                num_rows -= len(seq.samples)
+        for seq, token, logprobs in sampled:
             seq.output_token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
             seq.metrics.token_times.append(now)
             reason = seq.end_reason(self.config.eos_token_id, self.config.n_ctx)
             if reason:
@@ -288,13 +310,14 @@ class LLMEngine:
         if record:
             self.last_step = StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
                                        len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks,
-                                       rows, tuple(seq.request_id for seq in plan.preempted), len(sampled))
+                                       rows, tuple(seq.request_id for seq in plan.preempted), num_rows)
             if self.record_timeline:
                 self.timeline.append(self.last_step)
-        return [seq for seq, _ in sampled]
+        return [seq for seq, _, _ in sampled]
 
-    def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Run the plan as one forward pass; returns (sequence, new token) for those that sample."""
+    def _execute(self, plan: SchedulerOutput) -> list[tuple[Sequence, int, object]]:
+        """Run the plan as one forward pass; returns (sequence, new token, its TokenLogprobs or None) for those
+        that sample."""
         now = time.perf_counter()
         for chunk in plan.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
@@ -305,8 +328,12 @@ class LLMEngine:
             logits = self.decoder.run(segments, [s.output_token_ids[-1] for s in samplers])
         else:
             logits, samplers = self._execute_eager(plan)
+        logits, samplers = fan_out(logits, samplers)  # a prompt of n samples is done: each draws its first token
         try:
-            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+            history = {} if not any(s.params.reads_history for s in samplers) else dict(  # penalties, min_tokens
+                histories=[(s.prompt_token_ids, s.output_token_ids) for s in samplers],
+                eos_token_id=self.config.eos_token_id)
+            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers], **history)
         except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
             bad = [samplers[i].request_id for i in e.rows]
             for request_id in bad:
@@ -315,13 +342,14 @@ class LLMEngine:
                                                "them") from None
         for chunk in plan.chunks:  # their keys and values are in the cache now, and every token was sampled
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        return list(zip(samplers, tokens))
+        return list(zip(samplers, tokens, sample_logprobs(logits, samplers, tokens)))
 
     def _execute_eager(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """A step with prefill chunks: one ragged forward pass over the flattened batch, shaped for this step."""
-        ids, segments, sample_rows, samplers = [], [], [], []
+        ids, segments, sample_rows, samplers, scored = [], [], [], [], []
         for chunk in plan.chunks:
             seq, n, start = chunk.seq, chunk.num_tokens, chunk.seq.num_computed_tokens
+            scored += [(row, seq, pos) for row, pos in prompt_rows(seq, start, n, len(ids))]  # prompt_logprobs
             # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
             ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
             segments.append(Segment(seq.seq_id, start, n, chunk.is_decode))
@@ -331,15 +359,17 @@ class LLMEngine:
         device = self.model.device
         meta = self.cache.prepare(segments)
         logits = self.model(to_device([ids], device), meta.positions, cache=self.cache,
-                            logits_indices=to_device(sample_rows, device))
-        return logits, samplers
+                            logits_indices=to_device(sample_rows + [row for row, _, _ in scored], device))
+        if scored:  # rows beyond the samplers' hold the prompt positions some requests score
+            record_prompt_logprobs([(seq, pos) for _, seq, pos in scored], logits[len(sample_rows):])
+        return logits[:len(sample_rows)], samplers
 
     def _report(self, seq: Sequence) -> RequestOutput:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
-        if seq.is_finished:
+        out = group_output(seq)
+        if out.finished:
             del self.requests[seq.request_id]
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.is_finished,
-                             seq.finish_reason, seq.metrics.copy(), seq.num_preemptions, seq.num_cached_tokens)
+        return out
 
     # ---- convenience --------------------------------------------------------
 

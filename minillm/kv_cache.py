@@ -66,7 +66,7 @@ from .model import GPT2, causal_attention, causal_mask
 from .device import to_device
 from .request_checks import check_prompt
 from .sampling import make_generator, sample
-from .sampling_params import SamplingParams, finish_reason
+from .sampling_params import SamplingParams, finish_reason, one_sample
 
 
 class Segment(NamedTuple):
@@ -223,7 +223,7 @@ def generate(model: GPT2, prompts: list[list[int]], params: SamplingParams | Non
     (step 0, all its passes and every prompt token together), then after every
     decode step, so lessons can time TTFT and ITL from outside.
     """
-    params = params or SamplingParams(temperature=0.0)
+    params = one_sample(params or SamplingParams(temperature=0.0), "kv_cache.generate")
     cfg, device = model.config, model.device
     prompts = [check_prompt(cfg, p, params.max_tokens) for p in prompts]
     if not prompts:

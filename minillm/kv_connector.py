@@ -119,6 +119,18 @@ def block_views(cache: PagedKVCache, layer: int, table: list[int], num_tokens: i
             for i, block in enumerate(table[:cache.blocks.blocks_for(num_tokens)])]
 
 
+def check_transferable(params: SamplingParams) -> None:
+    """Refuse what this connector cannot carry: it moves a prompt's KV and its first token, one sample, and no
+    log-probabilities (the prefill worker's would be lost on the way)."""
+    if params.n > 1:
+        raise ValueError(f"n={params.n}: a request prefilled on one worker and decoded on another has one sample "
+                         "here; ask for n=1, or serve without --disaggregate to draw several")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"{name}={getattr(params, name)}: the KV connector does not carry log-probabilities "
+                             "from the prefill worker; leave the field out, or serve without --disaggregate")
+
+
 def check_peer(engine: LLMEngine, peer: int) -> None:
     """Both workers must hold the same model shape, dtype and block size, or every view would be cut wrong:
     exchange them once and refuse, on both sides, naming the two."""
@@ -175,7 +187,8 @@ class KVProducer:
     def add_request(self, key: int, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a prompt to prefill here and decode elsewhere, under `key` (an integer both sides know it by)."""
-        params = replace(params or SamplingParams(), max_tokens=1)  # the first token only: decode is elsewhere
+        params = params or SamplingParams()  # the first token only: decode is elsewhere
+        params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         request_id = self.engine.add_request(prompt_token_ids, params, request_id, arrival_time)
         self.keys[self.engine.requests[request_id].seq_id] = (key, request_id)
         return request_id

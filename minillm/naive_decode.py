@@ -23,7 +23,7 @@ import torch
 from .model import GPT2
 from .request_checks import check_prompt
 from .sampling import make_generator, sample
-from .sampling_params import SamplingParams, finish_reason
+from .sampling_params import SamplingParams, finish_reason, one_sample
 
 
 @torch.inference_mode()
@@ -33,7 +33,7 @@ def generate(model: GPT2, prompt_token_ids: list[int], params: SamplingParams | 
 
     `on_token(i, token)` is called after each token is picked, so a caller can time steps.
     """
-    params = params or SamplingParams(temperature=0.0)
+    params = one_sample(params or SamplingParams(temperature=0.0), "naive_decode.generate")
     cfg = model.config
     tokens = check_prompt(cfg, prompt_token_ids, params.max_tokens)
     generator = make_generator(params, model.device)

@@ -184,6 +184,12 @@ class PagedKVCache:
             segments=list(segments), context_lens=context_lens, query_starts=query_starts)
         return self.metadata
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write (`parallel_sampling.py`): each (source, destination) block's K and V, every layer, in
+        one gather and one scatter on the device: 2 · n_layer · block_size · n_embd · bytes per copy."""
+        src, dst = (to_device(list(blocks), self.pool.device) for blocks in zip(*copies))
+        self.pool.index_copy_(1, dst, self.pool.index_select(1, src))
+
     # ---- a static decode step (cuda_graphs.StaticInputs owns its buffers) -------------
 
     def decode_keys(self, width: int) -> int:

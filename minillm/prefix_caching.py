@@ -203,11 +203,11 @@ class PrefixCachingBlockManager(BlockManager):
         """The step planned since the last commit failed: take back every hash it gave, and cut each of
         `seqs`' chains back to its computed tokens. Returns those of `seqs` whose computed tokens lie partly in
         a block just unhashed (they shared it in the failed step): they must be recomputed."""
-        bs, undone = self.block_size, self.uncommitted
+        bs, undone, uncopied = self.block_size, self.uncommitted, super().rollback(seqs)
         for block in undone:
             self.allocator.uncache(block)
-        lost = [seq for seq in seqs
-                if not undone.isdisjoint(self.block_tables.get(seq.seq_id, ())[:seq.num_computed_tokens // bs])]
+        lost = [seq for seq in seqs if seq in uncopied
+                or not undone.isdisjoint(self.block_tables.get(seq.seq_id, ())[:seq.num_computed_tokens // bs])]
         for seq in seqs:
             del self.chains.get(seq.seq_id, [])[seq.num_computed_tokens // bs:]
         self.uncommitted = set()
@@ -222,6 +222,11 @@ class PrefixCachingBlockManager(BlockManager):
         self.num_prompt_tokens -= len(seq.prompt_token_ids)
         self.num_cached_prompt_tokens -= cached
         return True
+
+    def fork(self, parent: HoldsTokens, child: HoldsTokens) -> None:
+        """The child shares the parent's blocks, and so its hash chain."""
+        super().fork(parent, child)
+        self.chains[child.seq_id] = list(self.chains.get(parent.seq_id, []))
 
     def free(self, seq: HoldsTokens) -> None:
         """Release a sequence's blocks tail first, so that its last blocks are evicted before its first."""

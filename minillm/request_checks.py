@@ -39,6 +39,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import GPT2Config
+from .parallel_sampling import group_blocks
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig
 from .sequence import Sequence
@@ -141,14 +142,19 @@ def check_request(config: GPT2Config, prompt_token_ids, params, request_id, arri
     return prompt_token_ids, params
 
 
-def check_fits(seq: Sequence, block_manager: BlockManager, scheduler_config: SchedulerConfig) -> None:
-    """Reject now a request that could never run, rather than let it wait forever."""
+def check_fits(seq: Sequence, block_manager: BlockManager, scheduler_config: SchedulerConfig, n: int = 1) -> None:
+    """Reject now a request that could never run, rather than let it wait forever; its `n` samples must fit in
+    the batch and, sharing the prompt's full blocks, in the pool at once."""
     tokens, bs = seq.max_total_tokens(), block_manager.block_size
-    blocks = block_manager.blocks_for(tokens)
+    blocks = group_blocks(len(seq.prompt_token_ids), tokens, n, bs)
     if blocks > block_manager.num_blocks:
-        raise ValueError(f"request needs up to {tokens} tokens of KV = {blocks} blocks of {bs}, but the whole "
-                         f"pool has {block_manager.num_blocks} blocks; lower max_tokens, shorten the prompt, "
-                         "or give the engine more KV memory (num_blocks / kv_cache_memory_bytes)")
+        each = f"{n} samples of " if n > 1 else ""
+        raise ValueError(f"request needs up to {each}{tokens} tokens of KV = {blocks} blocks of {bs}, but the whole "
+                         f"pool has {block_manager.num_blocks} blocks; lower {'n, ' if n > 1 else ''}max_tokens, "
+                         "shorten the prompt, or give the engine more KV memory (num_blocks / kv_cache_memory_bytes)")
+    if n > scheduler_config.max_num_seqs:
+        raise ValueError(f"n={n} samples run side by side, but max_num_seqs={scheduler_config.max_num_seqs} "
+                         f"sequences fit in a step; lower n or raise max_num_seqs to at least {n}")
     budget = scheduler_config.max_num_batched_tokens
     if not scheduler_config.enable_chunked_prefill and tokens > budget:
         raise ValueError(f"with chunked prefill off, a request is (re)computed in one step, and this one can "

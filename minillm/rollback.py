@@ -15,12 +15,14 @@ invariants hold again:
 - any other (mid-admission, mid-preemption, sharing a block the step was to
   write, or mid-prompt under prefill-first) frees its blocks and rejoins the
   front of the waiting queue, in arrival order, to be recomputed, its admission
-  uncounted if the failed step was its first.
+  uncounted if the failed step was its first;
+- a sample of n that has not forked yet waits on, holding nothing.
 """
 from __future__ import annotations
 
 import time
 
+from .parallel_sampling import is_unstarted
 from .sequence import SequenceStatus
 
 
@@ -29,7 +31,9 @@ def recover(engine) -> None:
     s, bm, cfg, now = engine.scheduler, engine.block_manager, engine.config, time.perf_counter()
     lost = set(bm.rollback(s.running))
     running, waiting, back = set(s.running), set(s.waiting), []
-    for seq in engine.requests.values():
+    for seq in [x for leader in engine.requests.values() for x in (leader, *leader.samples)]:
+        if is_unstarted(seq):  # it waits for sample 0's prompt, holding nothing
+            continue
         reason = not seq.is_finished and seq.output_token_ids and seq.end_reason(cfg.eos_token_id, cfg.n_ctx)
         if reason:  # its last token ended it, but the step raised before it was marked finished
             seq.finish(reason, now)

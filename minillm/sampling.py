@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .device import to_device
+from .penalties import apply_penalties
 from .sampling_params import SamplingParams
 
 
@@ -83,13 +84,16 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None] | None = None) -> list[int]:
+           generators: list[torch.Generator | None] | None = None, histories=None,
+           eos_token_id: int | None = None) -> list[int]:
     """Pick one token per row of logits (N, V) under each row's own parameters: tensor ops for the whole
     batch, and one device→host transfer, the token ids, at the end.
 
-    Greedy rows take the argmax. The others are drawn together: logits over
-    each row's temperature, its top-k and top-p applied, then the exponential
-    race, argmax(p / E) with one E ~ Exp(1) per token. The smallest of
+    Rows whose params carry penalties or min_tokens first have them applied
+    (penalties.py; `histories[i]` is row i's (prompt ids, output ids),
+    `eos_token_id` the id min_tokens masks). Greedy rows take the argmax. The
+    others are drawn together: logits over each row's temperature, its top-k
+    and top-p applied, then the exponential race, argmax(p / E) with one E ~ Exp(1) per token. The smallest of
     independent exponential clocks E_i / p_i rings at i with probability p_i,
     so this draws from p exactly, with no cumulative sum and no search. A
     seeded row draws its E from its own generator, so its tokens do not depend
@@ -104,6 +108,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not params:
         return []
     logits = logits if logits.dtype == torch.float32 else logits.float()
+    logits = apply_penalties(logits, params, histories, eos_token_id)  # itself when no row asks
     best, tokens = logits.max(dim=-1)  # the greedy rows are done; a NaN anywhere in a row makes its max NaN
     drawn = [i for i, sp in enumerate(params) if not sp.greedy]
     if len(drawn) == len(params):

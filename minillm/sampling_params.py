@@ -9,6 +9,29 @@ The fields carry vLLM's names, so what you learn here carries over:
     seed          a per-request random stream: the same seed gives the same text
     stop_token_ids, ignore_eos
                   generation ends at the end-of-text token, or any listed id
+    n, best_of    how many samples of the prompt to return, and to draw (best_of = n
+                  here); the prompt is prefilled once (`parallel_sampling.py`)
+    min_tokens    until this many are generated, the end-of-text and stop ids are masked out
+    presence_penalty, frequency_penalty
+                  OpenAI's, in [-2, 2], on the tokens generated so far:
+                  logit − presence·[count > 0] − frequency·count
+    repetition_penalty
+                  vLLM's (> 0, 1 is off), on every token of prompt and output:
+                  a positive logit is divided by it, a negative one multiplied
+    logprobs      also return each generated token's log-probability and the
+                  `logprobs` most likely tokens' (0..MAX_LOGPROBS; None: none)
+    prompt_logprobs
+                  the same for every prompt token but the first (which has no
+                  context): this computes logits at every prompt position, and
+                  such a request takes nothing from the prefix cache
+
+Penalties, min_tokens and log-probabilities are the engine's (`LLMEngine`):
+the single-sequence decoders (naive_decode, kv_cache, speculative) return
+tokens only and refuse penalties rather than ignore them.
+
+Log-probabilities are the model's own (vLLM's default `logprobs_mode`,
+"raw_logprobs"): log_softmax of the logits before penalties, temperature,
+top-k or top-p, so they score text the same whatever the request samples with.
 
 Every field is checked when the params are made, and they are frozen, so a
 request's params cannot change while it runs. `finish_reason` is the one rule
@@ -26,6 +49,7 @@ from .config import check_int, check_real
 FINISH_STOP = "stop"        # an end-of-text or stop token was generated
 FINISH_LENGTH = "length"    # max_tokens reached, or the context is full
 FINISH_ABORT = "abort"      # the caller aborted the request
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top log-probabilities a request may ask per token
 MIN_TEMPERATURE = 0.01  # vLLM raises smaller temperatures to this; we refuse them: logits / T can overflow
 
 
@@ -38,6 +62,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         """Check every field, and keep it as a plain Python value; from here on the params are frozen."""
@@ -59,13 +91,62 @@ class SamplingParams:
             max_tokens=check_int("max_tokens", self.max_tokens, 1, hint=": a request generates at least one token"),
             seed=None if self.seed is None else check_int("seed", self.seed, 0, 2**64,
                                                           hint=", or None for an unseeded request"),
-            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops))
+            stop_token_ids=tuple(check_int("a stop token id", t, 0) for t in stops),
+            presence_penalty=_penalty("presence_penalty", self.presence_penalty),
+            frequency_penalty=_penalty("frequency_penalty", self.frequency_penalty),
+            logprobs=_num_logprobs("logprobs", self.logprobs),
+            prompt_logprobs=_num_logprobs("prompt_logprobs", self.prompt_logprobs),
+            n=check_int("n", self.n, 1, hint=": the number of samples to return, 1 or more"),
+            best_of=None if self.best_of is None else check_int("best_of", self.best_of, 1))
+        checked["min_tokens"] = check_int("min_tokens", self.min_tokens, 0, checked["max_tokens"] + 1,
+                                          hint=" (at most max_tokens; 0 lets the end come at once)")
+        r = check_real("repetition_penalty", self.repetition_penalty, " (1 is off)")
+        if r <= 0:
+            raise ValueError(f"repetition_penalty={r:g} must be > 0: 1 is off, above 1 discourages repeats, "
+                             "below 1 encourages them")
+        checked["repetition_penalty"] = r
+        n = checked["n"]
+        if checked["best_of"] not in (None, n):
+            raise ValueError(f"best_of={self.best_of} with n={n}: this engine returns every sample it draws and "
+                             f"ranks none, so best_of must equal n (or be left out). Ask for n={self.best_of} with "
+                             f"logprobs and keep the ones you like (e.g. by the sum of their logprobs)")
+        if checked["seed"] is not None and checked["seed"] + n > 2**64:
+            raise ValueError(f"seed={checked['seed']} with n={n}: sample j draws from seed + j, which must stay "
+                             f"below 2**64; pass a seed of at most {2**64 - n}")
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # the one way to set a field of a frozen dataclass
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling depends on the tokens so far (a penalty, or min_tokens): only such rows pay for it."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)
+
+
+def _penalty(name: str, value) -> float:
+    v = check_real(name, value, " (0 is off)")
+    if not -2.0 <= v <= 2.0:
+        raise ValueError(f"{name}={v:g} must be in [-2, 2] (OpenAI's range; 0 is off)")
+    return v
+
+
+def _num_logprobs(name: str, value) -> int | None:
+    if value is None:
+        return None
+    return check_int(name, value, 0, MAX_LOGPROBS + 1,
+                     hint=f": how many top log-probabilities per token, at most {MAX_LOGPROBS} (None for none)")
+
+
+def one_sample(params: SamplingParams, decoder: str) -> SamplingParams:
+    """The params of a decoder that returns one sample per prompt; n > 1 is refused, never ignored."""
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: {decoder} returns one sample per prompt; for n samples use LLMEngine "
+                         "(one prefill, shared blocks), or call it n times with seeds seed + j")
+    return params
 
 
 def finish_reason(token: int, num_generated: int, seq_len: int, params: SamplingParams,

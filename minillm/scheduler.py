@@ -175,9 +175,10 @@ class Scheduler:
 
     def _start_first_waiting(self) -> Sequence:
         """The next sequence to admit, starting after the tokens whose KV the pool already holds (a prefix
-        cache hit); ask right before admitting it, as the cache changes whenever a block is allocated."""
+        cache hit); ask right before admitting it, as the cache changes whenever a block is allocated. A request
+        that asks for prompt logprobs takes nothing from the cache: it needs the logits of every prompt position."""
         seq = self.waiting[0]
-        seq.num_computed_tokens = self.blocks.match_prefix(seq)
+        seq.num_computed_tokens = 0 if seq.params.prompt_logprobs is not None else self.blocks.match_prefix(seq)
         return seq
 
     def _admit(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:

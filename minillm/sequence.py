@@ -16,6 +16,10 @@ A waiting sequence holds no KV. When it is admitted, num_computed_tokens
 starts at the leading tokens whose KV the pool already holds: 0, or with
 prefix caching the whole blocks another request left there.
 
+A request of n samples is n sequences under one request id: sample 0 computes
+the prompt and holds the others (`samples`) until they fork from it
+(`parallel_sampling.py`); from then on each is a sequence like any other.
+
 A step that feeds a sequence's last pending token yields logits for its next
 token; only then does the engine sample for it. That single rule keeps TTFT
 exact however a prompt is split across steps: the first token comes after the
@@ -76,6 +80,15 @@ class RequestMetrics:
         return replace(self, token_times=list(self.token_times))
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability under the model, and the `k` most likely tokens' at its position
+    (`top`: (token id, logprob), most likely first). Frozen: outputs share them with the engine safely."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(eq=False)  # a request is an entity: equal only to itself, so `in` and `remove` compare identity
 class Sequence:
     request_id: str
@@ -90,6 +103,18 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     seq_id: int = field(default_factory=lambda: next(_ids))  # the cache's key for this sequence
+    index: int = 0  # which sample of its request (n > 1, `parallel_sampling.py`); 0 prefills the prompt
+    samples: list[Sequence] = field(default_factory=list)  # sample 0's: the request's other samples, by index
+    # Asked for by params.logprobs / params.prompt_logprobs (else None): one entry per output token, and per
+    # prompt position (None at position 0, which has no context); filled position by position (logprobs.py).
+    output_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def token_ids(self) -> list[int]:
@@ -129,16 +154,51 @@ class Sequence:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's: its index among the request's n, its tokens so far, why it ended,
+    and its own tokens' log-probabilities (one per token, when params.logprobs is set; else None)."""
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
 class RequestOutput:
-    """One request's state after a step: the caller's own copy, sharing nothing the engine changes."""
+    """One request's state after a step: the caller's own copy, sharing nothing the engine changes.
+
+    `outputs` holds its n samples by index (vLLM's shape), each with its own log-probabilities; a request of
+    one sample may be read through `output_token_ids`, `finish_reason` and `logprobs` too. The prompt's
+    log-probabilities are the request's, shared by its samples. `finished` once every sample has; `metrics` is the request's
+    clock as sample 0 saw it (every sample gets its first token in the same step), finished when the last did."""
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    output_token_ids: list[int]  # everything generated so far
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None
     metrics: RequestMetrics
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # of all its samples
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; None if never admitted
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, when params.prompt_logprobs
+
+    def _only(self) -> CompletionOutput:
+        if len(self.outputs) != 1:
+            raise AttributeError(f"request {self.request_id} has {len(self.outputs)} samples (n > 1): read "
+                                 "outputs[i].token_ids and outputs[i].finish_reason")
+        return self.outputs[0]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Everything its one sample generated so far."""
+        return self._only().token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._only().finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        """Its one sample's log-probabilities, one per output token (None unless params.logprobs is set)."""
+        return self._only().logprobs
 
 
 @dataclass

@@ -65,7 +65,7 @@ from .kv_cache import KVCache, Segment
 from .model import GPT2
 from .request_checks import check_prompt
 from .sampling import apply_top_k, apply_top_p, make_generator, sample
-from .sampling_params import SamplingParams, finish_reason
+from .sampling_params import SamplingParams, finish_reason, one_sample
 
 
 @dataclass
@@ -224,8 +224,11 @@ class SpeculativeDecoder:
 
     def __init__(self, target: GPT2, draft: GPT2 | NgramProposer, prompt_token_ids, params: SamplingParams,
                  num_speculative_tokens: int):
-        cfg = target.config
+        cfg, params = target.config, one_sample(params, "speculative decoding")
         self.prompt = check_prompt(cfg, prompt_token_ids, params.max_tokens)
+        if params.reads_history:
+            raise ValueError("penalties and min_tokens change the target's distribution token by token, and this "
+                             "decoder verifies guesses against the plain one; run such a request on LLMEngine")
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an integer ≥ 1 (the "

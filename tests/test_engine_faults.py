@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from minillm import engine as engine_module
 from minillm import kv_cache
 from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
+from minillm.parallel_sampling import group_blocks
 from minillm.sampling import NonFiniteLogitsError
 from minillm.scheduler import SchedulerConfig
 from models import context_model, random_prompts
@@ -211,9 +213,10 @@ def fault_trace(seed: int) -> dict:
     for _ in range(rng.randint(2, 7)):
         head = rng.choice([system[:rng.randint(1, 40)], list(rng.choice(prompts)) if prompts else [], []])
         prompts.append((head + [rng.randrange(CFG.vocab_size) for _ in range(rng.randint(0, 8))])[:60] or [1])
-    params = [greedy(rng.randint(1, 10)) for _ in prompts]
-    longest = max(len(p) + sp.max_tokens - 1 for p, sp in zip(prompts, params))
-    num_blocks = -(-longest // bs) + rng.randint(0, 100 // bs)
+    params = [replace(greedy(rng.randint(1, 10)), n=rng.choice([1, 1, rng.randint(1, max_seqs)]))
+              for _ in prompts]  # some of n greedy samples: each the reference, their blocks shared
+    need = max(group_blocks(len(p), len(p) + sp.max_tokens - 1, sp.n, bs) for p, sp in zip(prompts, params))
+    num_blocks = need + rng.randint(0, 100 // bs)
     arrivals = sorted(rng.randint(0, 8) for _ in prompts)
     faults = {step: (rng.choice(FAULT_POINTS), rng.randint(1, 3), rng.random() < 0.5, rng.random())
               for step in rng.sample(range(25), rng.randint(1, 6))}
@@ -224,14 +227,15 @@ def fault_trace(seed: int) -> dict:
 
 # Where a step can fail: (object, method) pairs, and whether the fault comes before or after the real call.
 FAULT_POINTS = ["attend", "attend+", "prepare", "forward+", "sample", "sample+", "append_slots", "append_slots+",
-                "free+", "commit"]
+                "free+", "commit", "copy_blocks", "copy_blocks+"]
 
 
 def arm(engine, point: str, on_call: int) -> callable:
     """Make the `on_call`-th call at `point` raise Fault, before the real call or (with +) after it; returns
     the function that disarms it."""
     name, after = point.rstrip("+"), point.endswith("+")
-    owner = {"attend": engine.cache, "prepare": engine.cache, "forward": engine.model, "sample": engine_module,
+    owner = {"attend": engine.cache, "prepare": engine.cache, "copy_blocks": engine.cache, "forward": engine.model,
+             "sample": engine_module,
              "append_slots": engine.block_manager, "free": engine.block_manager,
              "commit": engine.block_manager}[name]
     real, calls = getattr(owner, name), [0]
@@ -288,9 +292,10 @@ def run_fault_trace(model, seed: int) -> int:
         (sum(len(o.prompt_token_ids) for o in admitted), sum(o.num_cached_tokens for o in admitted)), \
         f"trace {seed}: the hit rate counts an admission twice, or one that no request reports: {t}"
     for i, rid in ids.items():
-        out, want = finals[rid], reference(model, t["prompts"][i], t["params"][i])
-        n = len(out.output_token_ids) if out.finish_reason == "abort" else len(want)
-        assert out.output_token_ids == want[:n], f"trace {seed}, request {i} diverged: {t}"
+        want = reference(model, t["prompts"][i], replace(t["params"][i], n=1))
+        for sample in finals[rid].outputs:
+            n = len(sample.token_ids) if sample.finish_reason == "abort" else len(want)
+            assert sample.token_ids == want[:n], f"trace {seed}, request {i}, sample {sample.index} diverged: {t}"
     return faults
 
 

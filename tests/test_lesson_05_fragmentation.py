@@ -22,7 +22,15 @@ def test_05_quick_judges_the_same_trace_as_the_full_run(tmp_path, one_thread, ca
     assert cont["waste"] > paged["waste"] and cont["generated_tokens"] == paged["generated_tokens"]
     by_block = {row["block_size"]: row for row in f["block_sweep"]}
     assert by_block[1]["waste"] == 0 and by_block[64]["waste"] > by_block[16]["waste"] == paged["waste"]
-    assert [c["timed"] for c in v["checks"]] == [False, False]  # counts: never inconclusive
+    assert [c["timed"] for c in v["checks"]] == [False, False, False]  # counts: never inconclusive
+    share = f["sharing"]  # n samples of a prompt: block arithmetic predicts the blocks and the copies exactly
+    assert share["measured"]["grouped"] == share["predicted"]["grouped"] < share["predicted"]["separate"] \
+        == share["measured"]["separate"]
+    assert share["measured"]["copies"] == sum(p["predicted_copies"] for p in share["prompts"]) > 0
+    assert [p["grouped"] for p in share["prompts"]] == [p["predicted_grouped"] for p in share["prompts"]]
+    together = share["together"]
+    assert together["grouped"]["generated_tokens"] == together["separate"]["generated_tokens"]
+    assert together["grouped"]["steps"] < together["separate"]["steps"]
     assert v["outcome"] in ("HOLDS", "NOT SUPPORTED")
 
 

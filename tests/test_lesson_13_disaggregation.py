@@ -238,3 +238,20 @@ def test_serve_disaggregate_refuses_prefix_caching_in_one_line(capsys):
     from minillm import cli
     assert cli.main(["serve", "--model", "tiny", "--disaggregate", "--enable-prefix-caching"]) == 2
     assert "--disaggregate with --enable-prefix-caching" in capsys.readouterr().err
+
+
+def test_what_the_connector_cannot_carry_is_refused_and_min_tokens_reaches_the_decode_worker(pair):
+    """n > 1 and log-probabilities do not cross the connector: refused at once, naming the field. min_tokens does:
+    the prefill worker masks the end of text for its one token, the decode worker for the rest."""
+    prompt = random_prompts(1, [BS + 2], CFG.vocab_size, seed=12)[0]
+    for params, field_name in ((SamplingParams(n=2, temperature=0), "n=2"),
+                               (SamplingParams(logprobs=1, temperature=0), "logprobs=1"),
+                               (SamplingParams(prompt_logprobs=0, temperature=0), "prompt_logprobs=0")):
+        with pytest.raises(ValueError, match=field_name):
+            pair.add_request(prompt, params)
+    eos = CFG.eos_token_id
+    params = SamplingParams(max_tokens=6, min_tokens=4, temperature=0, stop_token_ids=[eos])
+    [got] = run_all(pair, [prompt], params)
+    [want] = colocated([prompt], params)
+    assert got.output_token_ids == want.output_token_ids and len(got.output_token_ids) >= 4
+    assert_no_block_held(pair)

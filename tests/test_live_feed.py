@@ -87,6 +87,18 @@ def test_a_shared_prefix_is_a_hit_and_the_two_tables_hold_the_same_blocks(model)
     assert step(engine, recorder).prefix_hits == ()  # a hit is counted at the step that admits, once
 
 
+def test_the_samples_of_a_request_show_as_one_table_their_shared_blocks_once(model):
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8),
+                       cache_config=CacheConfig(num_gpu_blocks_override=64, block_size=4))
+    recorder = recording(engine)
+    rid = engine.add_request(list(range(100, 110)), SamplingParams(temperature=1.0, seed=0, max_tokens=9, n=3,
+                                                                   ignore_eos=True))
+    forked = step(engine, recorder)  # the prompt: 2 full blocks and a partial one, all three samples on them
+    assert len(forked.tables[rid]) == 3
+    written = step(engine, recorder)  # each sample wrote its token: two copies of the partial block, in place once
+    assert len(written.tables[rid]) == 3 + 2 and written.tables[rid][:2] == forked.tables[rid][:2]
+
+
 def test_a_preempted_request_is_named_and_comes_back_as_a_prefill_of_its_prompt_and_output(model):
     engine = LLMEngine(model,
                        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, enable_chunked_prefill=True),

@@ -25,7 +25,7 @@ def test_results_and_weights_are_ignored():
 WINGS = ("serving", "bench", "checkpoints", "classroom")
 DOORS = ("__init__", "__main__", "cli")  # the ways in: they may open any wing
 TORCH_FREE = ("sampling_params", "sequence", "block_manager", "scheduler", "chunked_prefill", "cached_blocks",
-              "prefix_caching")
+              "prefix_caching", "parallel_sampling")
 
 
 def book() -> list[str]:

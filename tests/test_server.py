@@ -137,7 +137,7 @@ def test_overload_past_max_queue_gets_429_with_retry_after(model, tokenizer):
     (json.dumps({"prompt": list(range(200))}), "n_ctx=128"),
     (json.dumps({"prompt": [1, 2], "top_p": 1.5}), "top_p=1.5 must be in (0, 1]"),
     (json.dumps({"prompt": [1, 2, 999]}), "outside the vocabulary"),
-    (json.dumps({"prompt": [1, 2], "n": 2}), "n=2"),
+    (json.dumps({"prompt": [1, 2], "n": 0}), "n=0 must be ≥ 1"),
     (json.dumps({"prompt": [1, 2], "temperature": "hot"}), "temperature"),
 ])
 def test_bad_input_gets_400_with_the_engine_message_and_the_server_goes_on(model, tokenizer, body, message):

@@ -11,6 +11,10 @@ step boundary after its arrival time, sleeping while the engine is idle; a
 trace all at t = 0 is an offline batch. `serve` plays `Conversation`s from
 closed-loop clients, each sending its next turn when the last answer is done.
 
+`replay_samples` serves a trace all at once with n greedy samples of each prompt,
+as one request of n (sharing its blocks) or as n requests of one, and counts
+the blocks each request held at most (lesson 05).
+
 `replay` keeps what it needs from the outputs `step()` returns: each finished
 request's `RequestOutput` carries its own token times. The engine forgets a
 request once it has reported it finished, so nothing here reads it back.
@@ -28,6 +32,7 @@ import numpy as np
 from minillm.bench.verdict import progress
 from minillm.bench.workloads import Conversation, Request
 from minillm.engine import LLMEngine, RequestOutput
+from minillm.parallel_sampling import sample_params
 from minillm.sampling_params import SamplingParams
 
 
@@ -159,3 +164,33 @@ def serve(engine: LLMEngine, conversations: list[Conversation], concurrency: int
             "prefill_steps_s": sum(s.duration for s in steps if s.num_prefill_tokens),
             "decode_steps_s": sum(s.duration for s in steps if not s.num_prefill_tokens),
             "records": sorted(records, key=lambda r: (r["conversation"], r["turn"]))}
+
+
+def replay_samples(engine: LLMEngine, trace: list[Request], n: int, grouped: bool) -> dict:
+    """Each request of `trace`, all at once, as one request of n greedy samples, or as n requests of one: the blocks
+    in use while each step runs, the most each request's samples held at once, the copies copy-on-write made, the
+    steps, tokens and prefill tokens."""
+    for i, r in enumerate(trace):
+        params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, n=n)
+        for j, sp in enumerate([params] if grouped else sample_params(params)):
+            engine.add_request(r.prompt, sp, request_id=f"{i}" if grouped else f"{i}.{j}")
+    bm, plan_step, held, peaks = engine.block_manager, engine.scheduler.schedule, [], [0] * len(trace)
+
+    def schedule():  # count while the step runs: its blocks are planned, and none that ends in it is freed yet
+        plan, mine = plan_step(), {}
+        for seq in engine.scheduler.running:
+            mine.setdefault(int(seq.request_id.split(".")[0]), set()).update(bm.block_tables.get(seq.seq_id, ()))
+        for i, blocks in mine.items():
+            peaks[i] = max(peaks[i], len(blocks))
+        held.append(bm.num_blocks - bm.num_free_blocks)
+        return plan
+
+    engine.scheduler.schedule, tokens, began = schedule, 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(sum(len(c.token_ids) for c in out.outputs) for out in engine.step() if out.finished)
+    steps, seconds = engine.timeline, time.perf_counter() - began
+    return {"blocks_held": held, "request_peaks": peaks, "copies": bm.num_copies, "steps": len(steps),
+            "generated_tokens": tokens, "tokens_per_step": tokens / len(steps), "seconds": seconds,
+            "throughput": tokens / seconds,
+            "prefill_tokens": sum(x.num_prefill_tokens for x in steps),
+            "preemptions": sum(x.num_preempted for x in steps)}

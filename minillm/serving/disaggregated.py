@@ -251,6 +251,9 @@ class Workers:
             raise ValueError(f"request_id {request_id!r} is already in use; pick a new one")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         params = params or SamplingParams()
+        if "decode" in self._inboxes:
+            from ..kv_connector import check_transferable
+            check_transferable(params)
         command = ("add", key, list(prompt_token_ids), params, request_id, arrival)
         for role in ("decode", "prefill", "colocated"):  # the decode worker first: the KV's header must find it
             if role in self._inboxes:

@@ -105,8 +105,9 @@ class EngineLoop:
             return
         self._inbox.put(_Add(request_id, prompt, params, arrival_time, put))
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request, or only its sample `index` (one whose text a stop string ended)."""
+        self._inbox.put(("abort", request_id, index))
 
     def abort_all(self, why: str) -> Future:
         """Abort every unfinished request, logging one line for each; the future holds their ids. Each
@@ -177,7 +178,7 @@ class EngineLoop:
                     self.num_waiting = len(engine.scheduler.waiting)
             return False
         if command[0] == "abort":
-            engine.abort_request(command[1])  # False for one already finished: nothing to do
+            engine.abort_request(command[1], command[2])  # False for one already finished: nothing to do
             return False
         if command[0] == "abort_all":
             _, why, future = command

@@ -153,7 +153,8 @@ def request_record(out: RequestOutput) -> dict:
     """The engine's own record of a finished request, as --request-log writes it."""
     m = out.metrics
     return {"id": out.request_id, "arrival": m.arrival_time, "token_times": m.token_times,
-            "finished": m.finished_time, "finish_reason": out.finish_reason,
+            "finished": m.finished_time, "finish_reason": [c.finish_reason for c in out.outputs] if len(out.outputs) > 1
+            else out.finish_reason,
             "prompt_tokens": len(out.prompt_token_ids), "num_preemptions": out.num_preemptions}
 
 

@@ -129,7 +129,10 @@ class StepRecorder:
         tables, cached = None, ()
         if self.watchers:
             held = blocks.block_tables
-            tables = {seq.request_id: tuple(held.get(seq.seq_id, ())) for seq in scheduler.running}
+            tables = {}
+            for seq in scheduler.running:  # the samples of a request (n > 1) as one, the blocks they share once
+                rid = seq.request_id
+                tables[rid] = tuple(dict.fromkeys((*tables.get(rid, ()), *held.get(seq.seq_id, ()))))
             evictable = getattr(blocks.allocator, "evictable", None)
             cached = tuple(islice(evictable, MAX_CACHED_IDS)) if evictable else ()
         n = self.count

@@ -41,8 +41,9 @@ class ServerMetrics:
         """The engine's own record of a finished request, into the metrics (runs on the engine thread)."""
         m = out.metrics
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.output_token_ids))
-        self.finished.labels(out.finish_reason).inc()
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        for c in out.outputs:  # one per sample: each is a sequence the engine ran to its own end
+            self.finished.labels(c.finish_reason).inc()
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         for gap in m.itls:

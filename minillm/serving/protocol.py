@@ -1,16 +1,22 @@
 """The request bodies, as OpenAI's and vLLM's clients send them.
 
-The fields mean what they mean in the OpenAI and vLLM APIs: `prompt` (text, or
-a list of token ids), `max_tokens` (default 16; null: the rest of the context),
-`temperature`, `top_p`, `top_k`, `seed`, `stop` (strings, or token ids),
-`stop_token_ids`, `ignore_eos`, `stream`, `stream_options.include_usage`; a
-null means the default. Types are strict (`errors.read_body` validates with
-strict=True): `true` is not the token id 1 and `"yes"` is not a bool.
+The fields mean what they mean in the OpenAI and vLLM APIs: `prompt` (text, a
+list of token ids, or a batch of either: one choice per prompt), `max_tokens`
+(default 16; null: the rest of the context), `temperature`, `top_p`, `top_k`,
+`seed`, `stop` (strings, or token ids), `stop_token_ids`, `ignore_eos`,
+`min_tokens`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
+`logprobs` (completions: how many top tokens per position, an integer;
+chat: `logprobs: true` and `top_logprobs: k`), `echo` (the prompt, and with
+`logprobs` its tokens' log-probabilities, before the completion), `stream`,
+`stream_options.include_usage`; a null means the default. Types are strict
+(`errors.read_body` validates with strict=True): `true` is not the token id 1
+and `"yes"` is not a bool.
 
-`n` must be 1, and the fields this engine cannot honour (`logprobs`, `echo`,
-`best_of` > 1, penalties, `logit_bias`, `suffix`) are refused, not ignored: a
-client gets what it asked for, or a 400 that says why. Unknown fields are
-ignored, as vLLM ignores them.
+`n` samples of each prompt come back as `n` choices, choice `prompt_index · n +
+sample_index` (vLLM's rule); `best_of`, if given, must equal `n`. The fields
+this engine cannot honour (`best_of` > `n`, `logit_bias`, `suffix`, vLLM's
+`prompt_logprobs`) are refused, not ignored: a client gets what it asked for,
+or a 400 that says why. Unknown fields are ignored, as vLLM ignores them.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """What every generating endpoint takes (OpenAI's fields, and vLLM's `top_k`, `stop_token_ids`,
-    `ignore_eos`, `repetition_penalty`)."""
+    `ignore_eos`, `min_tokens`, `repetition_penalty`)."""
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -42,17 +48,18 @@ class SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Fields this engine cannot honour: refused when set, never silently ignored.
-    logprobs: int | bool | None = None
+    min_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict | None = None
+    logit_bias: dict | None = None  # refused when set, never silently ignored, as is:
+    prompt_logprobs: int | None = None  # vLLM's own field; `echo` with `logprobs` scores the prompt here
 
 
 class CompletionRequest(SamplingFields):
     """The body of POST /v1/completions."""
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | bool | None = None  # an integer here; a bool is taken only to be refused with a clear message
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -83,6 +90,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None  # as OpenAI's chat: by default, up to the end of the context
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -105,61 +114,86 @@ class DetokenizeRequest(BaseModel):
 
 @dataclass
 class CompletionShape:
-    """The bodies of /v1/completions: `text_completion` objects, streamed or whole."""
+    """The bodies of /v1/completions: `text_completion` objects, streamed or whole, one choice per prompt."""
     model: str
     created: int
     id_prefix = "cmpl"
 
-    def opening(self, request_id: str) -> list[dict]:
+    def opening(self, request_id: str, index: int) -> list[dict]:
         return []  # a completion's first event is its first token's
 
-    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}]}
+    def chunk(self, request_id: str, delta: str, reason: str | None, index: int = 0, logprobs=None) -> dict:
+        return self.whole(request_id, [self.choice(delta, reason, index, logprobs)])
 
-    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
-        return self.chunk(request_id, text, reason)
+    def choice(self, text: str, reason: str | None, index: int = 0, logprobs=None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def whole(self, request_id: str, choices: list[dict]) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
 
 
 @dataclass
 class ChatShape:
     """The bodies of /v1/chat/completions: a `chat.completion`, or `chat.completion.chunk` events whose
-    first carries only the role, as OpenAI and vLLM send it."""
+    first (per choice) carries only the role, as OpenAI and vLLM send it."""
     model: str
     created: int
     id_prefix = "chatcmpl"
 
-    def _chunk(self, request_id: str, delta: dict, reason: str | None) -> dict:
+    def _chunk(self, request_id: str, delta: dict, reason: str | None, index: int, logprobs=None) -> dict:
         return {"id": request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
-    def opening(self, request_id: str) -> list[dict]:
-        return [self._chunk(request_id, {"role": "assistant", "content": ""}, None)]
+    def opening(self, request_id: str, index: int) -> list[dict]:
+        return [self._chunk(request_id, {"role": "assistant", "content": ""}, None, index)]
 
-    def chunk(self, request_id: str, delta: str, reason: str | None) -> dict:
-        return self._chunk(request_id, {"content": delta}, reason)
+    def chunk(self, request_id: str, delta: str, reason: str | None, index: int = 0, logprobs=None) -> dict:
+        return self._chunk(request_id, {"content": delta}, reason, index, logprobs)
 
-    def whole(self, request_id: str, text: str, reason: str | None) -> dict:
+    def choice(self, text: str, reason: str | None, index: int = 0, logprobs=None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": reason}
+
+    def whole(self, request_id: str, choices: list[dict]) -> dict:
         return {"id": request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": reason}]}
+                "choices": choices}
+
+
+def completion_logprobs(entries: list, token_text, offset: int = 0) -> dict:
+    """OpenAI's legacy `logprobs` object for (token id, TokenLogprobs or None) entries: each token's text, its
+    log-probability, a dict of the top tokens' (the token itself included, as vLLM sends it), and each token's
+    character offset in the choice's text, counting from `offset`. None (the first prompt token) stays None."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, lp in entries:
+        text = token_text(token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        top = None if lp is None else {token_text(t): v for t, v in lp.top}
+        if top is not None:
+            top.setdefault(text, lp.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(entries: list, token_text) -> dict:
+    """The chat API's `logprobs`: `content`, one {token, logprob, bytes, top_logprobs} per token."""
+    def one(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**one(t, lp.logprob), "top_logprobs": [one(i, v) for i, v in lp.top]}
+                        for t, lp in entries]}
 
 
 def unsupported(body: SamplingFields) -> tuple[str, str] | None:
     """(why, which field) for the first field set to what this engine cannot do, or None."""
-    if body.n != 1:
-        return f"n={body.n}: this server returns one completion per request (n=1); send {body.n} requests", "n"
-    if getattr(body, "best_of", None) not in (None, 1):
-        return f"best_of={body.best_of} is not supported; only best_of=1 (one sample, returned)", "best_of"
-    if body.logprobs not in (None, False):
-        return "logprobs are not supported by this server; leave the field out", "logprobs"
-    if getattr(body, "echo", False):
-        return "echo=true is not supported; the prompt you sent is yours already", "echo"
     if getattr(body, "suffix", None) is not None:
         return "suffix is not supported (GPT-2 has no fill-in-the-middle)", "suffix"
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        if getattr(body, name) not in (None, neutral):
-            return f"{name}={getattr(body, name)} is not supported; leave it out or at {neutral}", name
     if body.logit_bias:
         return "logit_bias is not supported; leave it out", "logit_bias"
+    if body.prompt_logprobs is not None:
+        return ("prompt_logprobs is not supported by this server's API; to score the prompt send /v1/completions "
+                "with echo: true and logprobs: k (OpenAI's shape, the first token's logprob null)", "prompt_logprobs")
     return None
