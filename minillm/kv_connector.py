@@ -93,7 +93,7 @@ from .engine import LLMEngine
 from .kv_cache import Segment
 from .paged_attention import PagedKVCache, PagedMetadata
 from .sampling_params import FINISH_ABORT, SamplingParams
-from .sequence import RequestMetrics, RequestOutput
+from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 MAX_REQUESTS_PER_STEP = 256  # header slots: the most prompts one prefill step may complete (its max_num_seqs)
@@ -467,7 +467,8 @@ class KVConsumer:
     def _failed(self, r: Incoming, why: str) -> RequestOutput:
         """The output of a request that failed here before the engine took it: finished, "abort"."""
         self.failures[r.request_id] = why
-        return RequestOutput(r.request_id, (), [], True, "abort", RequestMetrics(time.perf_counter()))
+        return RequestOutput(r.request_id, (), [CompletionOutput(0, [], FINISH_ABORT)], True,
+                             RequestMetrics(time.perf_counter()))
 
     def _receive(self) -> None:
         """The receiver thread: headers, then each layer's blocks, then the trailer, in the order they were sent."""

@@ -15,7 +15,7 @@ from minillm.engine import LLMEngine
 from minillm.kv_connector import kv_bytes_per_token
 from minillm.kv_pool import CacheConfig
 from minillm.sampling_params import SamplingParams
-from minillm.sequence import RequestMetrics, RequestOutput
+from minillm.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.disaggregated import WorkerConfig, Workers
 
@@ -114,7 +114,8 @@ def test_a_header_that_overtakes_its_registration_waits_for_it(pair):
     late = "late"
     command = ("add", 10_000, list(prompt), GREEDY, late, time.perf_counter())
     pair._inboxes["prefill"].put(command)
-    pair.requests[late] = RequestOutput(late, tuple(prompt), [], False, None, RequestMetrics(command[-1]))
+    pair.requests[late] = RequestOutput(late, tuple(prompt), [CompletionOutput(0, [], None)], False,
+                                        RequestMetrics(command[-1]))
     deadline = time.monotonic() + 60
     while late not in pair.prefilled_at and time.monotonic() < deadline:
         pair.step(0.05)

@@ -41,7 +41,7 @@ from typing import Callable
 from ..sampling_params import FINISH_ABORT, SamplingParams
 from ..kv_pool import CacheConfig
 from ..scheduler import SchedulerConfig
-from ..sequence import RequestMetrics, RequestOutput
+from ..sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 START_TIMEOUT_S = 300  # a worker must have built its model and joined the group by then (imports on a busy machine)
 # Every receive of the group waits this long at most, and the decode worker's receiver waits for the next header as
@@ -183,6 +183,14 @@ def _handle(role, engine, connector, command, outbox) -> None:
         outbox.put(("stats", role, stats))
 
 
+def aborted(out: RequestOutput) -> RequestOutput:
+    """`out`, finished: every sample not yet ended ends "abort"."""
+    out.finished = True
+    for sample in out.outputs:
+        sample.finish_reason = sample.finish_reason or FINISH_ABORT
+    return out
+
+
 class Workers:
     """The router: requests in, outputs out, over one colocated worker or a prefill and a decode worker.
 
@@ -258,8 +266,8 @@ class Workers:
         for role in ("decode", "prefill", "colocated"):  # the decode worker first: the KV's header must find it
             if role in self._inboxes:
                 self._inboxes[role].put(command)
-        self.requests[request_id] = RequestOutput(request_id, tuple(command[2]), [], False, None,
-                                                  RequestMetrics(arrival))
+        self.requests[request_id] = RequestOutput(request_id, tuple(command[2]), [CompletionOutput(0, [], None)],
+                                                  False, RequestMetrics(arrival))
         self.scheduler.waiting = list(self.requests)
         return request_id
 
@@ -271,8 +279,7 @@ class Workers:
         for inbox in self._inboxes.values():
             inbox.put(("abort", request_id))
         out.metrics.finished_time = time.perf_counter()
-        out.finished, out.finish_reason = True, FINISH_ABORT
-        self._ready.append(out)
+        self._ready.append(aborted(out))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -310,8 +317,7 @@ class Workers:
             out = self.requests.pop(request_id, None)
             if out is None:
                 return []
-            out.finished, out.finish_reason = True, FINISH_ABORT
-            return [out]
+            return [aborted(out)]
         if kind == "failed":
             self.failures[f"{item[1]} worker"] = item[2]
             return []
