@@ -15,6 +15,7 @@ from reading the code, not yet measured; the first run's `seconds` replace them)
     pytest -m gpu      every other gpu test                                  60 s
     bench gpt2-xl/gpt2 `python -m minillm bench ... --dtype bf16 --batch 1`  20 s, 10 s
     lessons gpt2       every lesson with --quick, one stage each             12 s each
+                       (but 13: its workers need a GPU each, NCCL, and this check has one)
     compiled gpt2-xl   transformers' static-cache generate under torch.compile,
                        compiled outside the timed part, own limit            120 s
     lessons gpt2-xl    every lesson with --quick, while time remains         25 s each
@@ -205,6 +206,9 @@ def missing_packages(lesson: Path) -> tuple:
     return tuple(m for m in LESSON_NEEDS.get(topic, []) if importlib.util.find_spec(m) is None)
 
 
+NEEDS_TWO_GPUS = {"13_disaggregation"}  # a prefill and a decode worker, a GPU each (NCCL)
+
+
 def plan(device: str, models: list[str], lessons: list[Path], results: Path, scratch: Path) -> list[Stage]:
     """The stages in order of value (see the docstring for each one's estimate)."""
     import torch
@@ -229,6 +233,8 @@ def plan(device: str, models: list[str], lessons: list[Path], results: Path, scr
                                   "--json", str(results / f"bench_{m}_{dname}.json"), *small_only])
         return in_process(lambda: bench.run(args))
     stages += [Stage(f"bench {m} {dname}", (10, 20)[i], lambda m=m: run_bench(m)) for m, i in sizes]
+
+    lessons = [p for p in lessons if p.stem not in NEEDS_TWO_GPUS]
 
     def lessons_on(m, estimate, required):
         argv = ["--device", device, "--model", m, "--quick"]

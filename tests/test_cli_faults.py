@@ -20,7 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # A child that runs `python -m minillm <argv>` with its first long call (`target`) replaced by one that says so
 # and waits: the parent then delivers a real SIGINT in the middle of the command.
 CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a parent run in the background left it ignored
     import minillm.cli as cli
     from minillm.bench import offline as bench
     module, name = sys.argv[1].split(":")

@@ -139,7 +139,8 @@ def test_a_request_that_shared_a_block_of_the_failed_step_is_recomputed(model):
 
 
 SIGINT_CHILD = textwrap.dedent("""
-    import json, sys, time
+    import json, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a parent run in the background left it ignored
     sys.path.insert(0, sys.argv[1])
     import torch
     torch.set_num_threads(1)

@@ -160,6 +160,12 @@ def test_accounted_memory_counts_weights_and_caches():
     assert m["kind"] == "accounted"
     assert m["weights"] == TINY.num_params() * 4
     assert m["kv_cache"] == 2 * 32 * TINY.kv_bytes_per_token()
+    head = TINY.vocab_size * TINY.n_embd * 4  # the [C, V] copy the CPU layout keeps, and more if it packs
+    assert m["layout_copies"] >= head * (model.lm_head_t is not None)
+    model.use_lm_head_copy(False)
+    model.pack_linears(False)
+    assert memory.accounted_memory(model, [cache])["layout_copies"] == 0
+    assert m["total"] == m["weights"] + m["layout_copies"] + m["kv_cache"]
 
 
 def test_cpu_memory_budget_is_labelled():

@@ -38,11 +38,23 @@ def tensor_bytes(module_or_tensors) -> int:
     return sum(t.nbytes for t in tensors)
 
 
+def layout_copy_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the copies a CPU weight layout keeps beside the weights (`weight_layout.py`): the head's [C, V]
+    copy and each oneDNN-packed copy, each as large as the matrix it copies."""
+    head_t = getattr(model, "lm_head_t", None)
+    total = head_t.nbytes if head_t is not None else 0
+    if getattr(model, "lm_head_packed", None) is not None:
+        total += model.wte.weight.nbytes
+    return total + sum(m.weight.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+
+
 def accounted_memory(model: torch.nn.Module | None = None, caches: Sequence = ()) -> dict:
-    """Bytes the weights and the caches own; on the CPU this stands in for a measurement."""
-    weights = tensor_bytes(model) if model is not None else 0
+    """Bytes the weights, their layout's copies and the caches own; on the CPU this stands in for a measurement."""
+    weights = sum(p.nbytes for p in model.parameters()) if model is not None else 0
+    copies = layout_copy_bytes(model) if model is not None else 0
     kv = sum(c.nbytes for c in caches)
-    return {"weights": weights, "kv_cache": kv, "total": weights + kv, "kind": "accounted"}
+    return {"weights": weights, "layout_copies": copies, "kv_cache": kv, "total": weights + copies + kv,
+            "kind": "accounted"}
 
 
 def memory_budget(device: torch.device | str) -> dict:
