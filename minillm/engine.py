@@ -287,7 +287,9 @@ class LLMEngine:
         if self.block_manager.copies:  # copy-on-write: a shared block's KV, copied before a sample writes its own
             self.cache.copy_blocks(self.block_manager.copies)
             self.block_manager.take_copies()  # made: a step that fails from here on leaves them whole
+        executed = time.perf_counter()
         sampled = self._execute(plan)
+        executed = time.perf_counter() - executed
         record = self.record_timeline or self.record_steps
         rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
                      for c in plan.chunks) if record else ()
@@ -310,7 +312,7 @@ class LLMEngine:
         if record:
             self.last_step = StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
                                        len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks,
-                                       rows, tuple(seq.request_id for seq in plan.preempted), num_rows)
+                                       rows, tuple(seq.request_id for seq in plan.preempted), num_rows, executed)
             if self.record_timeline:
                 self.timeline.append(self.last_step)
         return [seq for seq, _, _ in sampled]

@@ -153,7 +153,8 @@ class Conv1D(nn.Module):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features).normal_(std=0.02))  # GPT-2's init
+        w = torch.empty(in_features, out_features)  # GPT-2's init, except on the meta device (no values to draw)
+        self.weight = nn.Parameter(w if w.is_meta else w.normal_(std=0.02))
         self.bias = nn.Parameter(torch.zeros(out_features))
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of W (`pack`); never saved, never moved
 
@@ -221,12 +222,14 @@ class Block(nn.Module):
 
 class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, seed: int | None = 0):
-        """Build the model with GPT-2's initialisation, seeded; seed=None skips it (weights about to be
-        loaded), leaving each module's own unseeded init."""
+        """Build the model with GPT-2's initialisation, seeded; seed=None skips it: the weights are about to be
+        loaded or drawn (`init_weights`), and until then the embeddings hold no chosen values."""
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
+        # Embeddings built from empty tensors: their values come from init_weights or a checkpoint. (Letting
+        # nn.Embedding draw its own init on the meta device, where the loader builds, imports torch's compiler: 2 s.)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd))
+        self.wpe = nn.Embedding(config.n_ctx, config.n_embd, _weight=torch.empty(config.n_ctx, config.n_embd))
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         # The LM head is tied to wte: the same matrix embeds a token and scores it. `lm_head_t`, when set,

@@ -218,3 +218,4 @@ class StepStats:
     rows: tuple[tuple[str, bool, int, int], ...] = ()
     preempted: tuple[str, ...] = ()   # request ids preempted to make room for this step
     num_sampled: int = 0              # rows that sampled a token: decodes, and chunks that ended a prompt
+    forward_s: float = 0.0            # of `duration`, the forward pass and sampling; the rest is host bookkeeping

@@ -94,12 +94,39 @@ def test_the_throughput_bound_is_amdahls_law_on_prefill_saved():
     assert b["prefill_share"] == pytest.approx(0.6) and b["tokens_saved"] == pytest.approx(0.75)
     assert b["bound"] == pytest.approx(1 / (1 - 0.45))  # 1.82×: the 2× line cannot be met
     s = lesson.sizes(1024, quick=False)
-    low = lesson.explain(lesson.make_checks(s, [10.0], [1.7], [1.0]), b, s, SWEEP)[1]
+    low = lesson.explain(lesson.make_checks(s, [10.0], [1.7], [1.0]), b, s, SWEEP, [1.0])[1]
     assert "at most 1.82× faster, which cannot reach the 2× line" in low and "60% of the shared" in low
     b = lesson.throughput_bound({**off, "prefill_steps_s": 9.0, "decode_steps_s": 1.0}, {"prefill_tokens_computed": 50})
     assert b["bound"] == pytest.approx(1 / (1 - 0.9 * 0.95))
-    high = lesson.explain(lesson.make_checks(s, [10.0], [2.5], [1.0]), b, s, SWEEP)[1]
+    high = lesson.explain(lesson.make_checks(s, [10.0], [2.5], [1.0]), b, s, SWEEP, [1.0])[1]
     assert "leaves room for the 2× line" in high
+
+
+class Rounds:
+    def __init__(self, runs):
+        self.runs = runs
+
+    def results(self, name):
+        return self.runs[name]
+
+
+def test_the_control_is_judged_on_the_host_time_caching_adds_not_on_the_passes_noise():
+    """Off's forward passes took 0.9 s in one round and 1.1 s in the next, on's the reverse: the raw ratio swings
+    ±20%, the judged one sees only the host time (30 ms off, 45 ms on: 1.5% of a 1 s run)."""
+    off = [{"makespan_s": 0.93, "host_s": 0.03, "throughput": 10 / 0.93},
+           {"makespan_s": 1.13, "host_s": 0.03, "throughput": 10 / 1.13}]
+    on = [{"makespan_s": 1.145, "host_s": 0.045, "throughput": 10 / 1.145},
+          {"makespan_s": 0.945, "host_s": 0.045, "throughput": 10 / 0.945}]
+    r = Rounds({"control off": off, "control on": on})
+    raw, judged = lesson.gains(r, "control"), lesson.same_forward_gains(r, "control")
+    assert raw[0] < 0.82 and raw[1] > 1.19
+    assert judged == pytest.approx([0.93 / 0.945, 1.13 / 1.145])
+    s = lesson.sizes(1024, quick=False)
+    checks = lesson.make_checks(s, [12.0] * 2, [2.2] * 2, judged)
+    note = lesson.explain(checks, lesson.throughput_bound({"prefill_steps_s": 6.0, "decode_steps_s": 4.0,
+                                                           "prefill_tokens_computed": 1000},
+                                                          {"prefill_tokens_computed": 250}), s, SWEEP, raw)[2]
+    assert "same forward passes" in note and "0.812–1.196" in note
 
 
 @pytest.mark.parametrize("ttft, shared, control, outcome", [

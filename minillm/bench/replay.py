@@ -124,7 +124,8 @@ def serve(engine: LLMEngine, conversations: list[Conversation], concurrency: int
     Returns every request's record, throughput (generated tokens ÷ makespan), TTFT p50/p90 (all requests, and
     those that hit the cache), prompt tokens, prefill tokens computed, the hit rate, KV blocks in use (cached
     blocks nobody holds count as free: any allocation may take them), and the seconds spent in steps that
-    prefilled against steps that only decoded.
+    prefilled against steps that only decoded, and the host's: the makespan less the steps' forward passes and
+    sampling (scheduling, block bookkeeping, prefix hashing and lookups, this loop of clients).
     """
     waiting = deque(range(len(conversations)))
     active: dict[str, tuple[int, int, list[int]]] = {}  # request id → (conversation, turn, prompt)
@@ -163,6 +164,7 @@ def serve(engine: LLMEngine, conversations: list[Conversation], concurrency: int
             "peak_blocks_in_use": max(in_use), "mean_blocks_in_use": statistics.mean(in_use),
             "prefill_steps_s": sum(s.duration for s in steps if s.num_prefill_tokens),
             "decode_steps_s": sum(s.duration for s in steps if not s.num_prefill_tokens),
+            "host_s": makespan - sum(s.forward_s for s in steps),  # all but forward passes and sampling
             "records": sorted(records, key=lambda r: (r["conversation"], r["turn"]))}
 
 
