@@ -27,7 +27,10 @@ What this lesson measures
   reuse memory the process already holds, which no delta would show. And the
   cache is filled, since the OS counts a page only once it is written;
 - how many tokens of context fit after the weights, per size, in this device's
-  memory (on the CPU the budget is the machine's total RAM, a stated budget);
+  memory (on the CPU the budget is the machine's total RAM, a stated budget).
+  "The weights" are what the loader keeps: on a CPU in fp32 that is the
+  checkpoint's bytes and the copies its layout adds (`weight_layout.py`: the
+  head's [C, V] copy and oneDNN-packed copies, 1.3× the weights again for gpt2);
 - bytes read per decode step, split into weights and KV, as context grows, and
   the context × batch at which KV reads overtake weight reads (arithmetic from
   the formula, not a measurement).
@@ -51,7 +54,7 @@ import torch
 from minillm.config import HF_CHECKPOINTS, PRESETS, dtype_bytes
 from minillm.kv_cache import KVCache
 from minillm.bench.cost import decode_cost
-from minillm.bench.memory import memory_budget, resident_bytes
+from minillm.bench.memory import layout_copy_bytes_of, memory_budget, resident_bytes
 from minillm.device import synchronize
 
 NAME = "03_kv_memory"
@@ -121,8 +124,11 @@ def measure(lesson, budget: dict) -> list[dict]:
     rows = []
     for name, c in configs.items():
         per_token = c.kv_bytes_per_token(dtype)
+        copies = layout_copy_bytes_of(c, dtype, lesson.model.lm_head_t is not None,
+                                      lesson.model.h[0].mlp.c_fc.packed is not None)  # the layout chosen here
         row = {"model": name, "kv_bytes_per_token": per_token, "weight_bytes": c.weight_bytes(dtype),
-               "n_ctx": c.n_ctx, "tokens_that_fit": tokens_that_fit(usable, c.weight_bytes(dtype), per_token)}
+               "layout_copy_bytes": copies, "n_ctx": c.n_ctx,
+               "tokens_that_fit": tokens_that_fit(usable, c.weight_bytes(dtype) + copies, per_token)}
         row["full_sequences_that_fit"] = row["tokens_that_fit"] // c.n_ctx
         seqs = max(1, math.ceil(2 * MIN_TENSOR_BYTES / (per_token * c.n_ctx)))
         if per_token * seqs * c.n_ctx <= MEASURE_SHARE * available:
@@ -133,11 +139,12 @@ def measure(lesson, budget: dict) -> list[dict]:
         rows.append(row)
     budget_label = f"{si(budget['bytes'], 'B')} × gpu_memory_utilization {GPU_MEMORY_UTILIZATION} ({budget['source']})"
     print_table(["model", "KV/token", "tokens", "formula", "measured", "measured / formula", "weights",
-                 "tokens that fit", "full-context seqs"],
+                 "+ layout copies", "tokens that fit", "full-context seqs"],
                 [[r["model"], si(r["kv_bytes_per_token"], "B"), r.get("tokens", "—"), si(r.get("formula_bytes", 0), "B"),
                   si(r["measured_bytes"], "B") if r["measured_bytes"] is not None else "—",
                   f"{r['measured_bytes'] / r['formula_bytes']:.4f}" if r["measured_bytes"] is not None else "—",
-                  si(r["weight_bytes"], "B"), f"{r['tokens_that_fit']:,}", f"{r['full_sequences_that_fit']:,}"]
+                  si(r["weight_bytes"], "B"), si(r["layout_copy_bytes"], "B"), f"{r['tokens_that_fit']:,}",
+                  f"{r['full_sequences_that_fit']:,}"]
                  for r in rows],
                 f"KV cache memory, {str(dtype).removeprefix('torch.')}, measured by {rows[0]['measured_by']}; "
                 f"memory budget {budget_label}:")

@@ -12,6 +12,11 @@ L03 = load_lesson("03_kv_memory")
 def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):
     doc = run_quick(L03, tmp_path, capsys)
     assert {"sizes", "budget", "decode_bytes_split", "crossover_tokens"} <= doc["figures"].keys()
+    usable = L03.GPU_MEMORY_UTILIZATION * doc["figures"]["budget"]["bytes"]
+    for row in doc["figures"]["sizes"]:  # on a CPU in fp32 the loader's layout copies take memory beside the weights
+        assert row["layout_copy_bytes"] > row["weight_bytes"] > 0
+        assert row["tokens_that_fit"] == int((usable - row["weight_bytes"] - row["layout_copy_bytes"])
+                                             // row["kv_bytes_per_token"])
 
 
 def test_03_measures_a_filled_cache_by_the_os_and_finds_the_formula():

@@ -1,11 +1,15 @@
 """The course on a busy machine: one core kept busy by a Python loop that this test
 starts and stops may make `run_all.py --quick` slower, or a lesson INCONCLUSIVE, but never flip a verdict.
 
-    python -m pytest -m slow tests/test_lessons_busy.py -q -s      # on a quiet 2-core machine: about 5 minutes
+    python -m pytest -m slow tests/test_lessons_busy.py -q -s      # on a quiet 2-core machine: about 13 minutes
 
 It runs the course twice, quiet and then beside the busy loop, and holds both halves of the promise: quiet, at most
-120 s and at least 10 of the 11 lessons decisive (HOLDS or NOT SUPPORTED); busy, within twice the quiet time, at
-least 9 decisive, and no decisive verdict that differs from the quiet run's. Its figures are printed (-s).
+QUIET_LIMIT_S and all but three lessons decisive (HOLDS or NOT SUPPORTED); busy, within twice the quiet time, all but
+four decisive, and no decisive verdict that differs from the quiet run's. Its figures are printed (-s).
+
+The bounds are this machine's, measured (README, "Lessons"): on the quiet 2-core AVX2 EPYC the 13 lessons took 364 s
+with 10 decisive, and 419 s with 11 beside the busy core, none flipped. Lessons 12 and 13 judge served traffic on two
+cores and come out INCONCLUSIVE as often as not; lesson 04's batch-4 line sits inside this CPU's noise.
 """
 import json
 import subprocess
@@ -17,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DECISIVE = ("HOLDS", "NOT SUPPORTED")
+QUIET_LIMIT_S = 450  # 364 s measured quiet on the 2-core AVX2 EPYC (2026-12-03), and a quarter more
 
 
 def run_course(out: Path) -> dict:
@@ -46,9 +51,10 @@ def test_one_busy_core_slows_the_course_but_flips_no_verdict(tmp_path):
     print(f"\nquiet: {quiet['total_s']:.1f} s, {quiet['decisive']} decisive: {q}")
     print(f"busy:  {busy['total_s']:.1f} s, {busy['decisive']} decisive: {b}")
     assert all(row["rc"] == 0 for row in quiet["lessons"] + busy["lessons"]), (quiet["lessons"], busy["lessons"])
-    assert quiet["total_s"] <= 120, f"quiet run_all --quick took {quiet['total_s']:.0f} s (the README says ~2 min)"
-    assert quiet["decisive"] >= len(q) - 1, q
+    assert quiet["total_s"] <= QUIET_LIMIT_S, (f"quiet run_all --quick took {quiet['total_s']:.0f} s, over "
+                                               f"{QUIET_LIMIT_S} s (the README's figure is 364 s)")
+    assert quiet["decisive"] >= len(q) - 3, q
     assert busy["total_s"] <= 2 * quiet["total_s"], (busy["total_s"], quiet["total_s"])
-    assert busy["decisive"] >= len(b) - 2, b
+    assert busy["decisive"] >= len(b) - 4, b
     flipped = {k: (q[k], b[k]) for k in q if q[k] in DECISIVE and b[k] in DECISIVE and q[k] != b[k]}
     assert not flipped, f"a busy core flipped these verdicts (quiet, busy): {flipped}"

@@ -162,10 +162,12 @@ def test_accounted_memory_counts_weights_and_caches():
     assert m["kv_cache"] == 2 * 32 * TINY.kv_bytes_per_token()
     head = TINY.vocab_size * TINY.n_embd * 4  # the [C, V] copy the CPU layout keeps, and more if it packs
     assert m["layout_copies"] >= head * (model.lm_head_t is not None)
-    model.use_lm_head_copy(False)
-    model.pack_linears(False)
-    assert memory.accounted_memory(model, [cache])["layout_copies"] == 0
     assert m["total"] == m["weights"] + m["layout_copies"] + m["kv_cache"]
+    for head_copy, packed in ((True, True), (True, False), (False, False)):  # the shape's formula, as built
+        model.use_lm_head_copy(head_copy)
+        model.pack_linears(packed)
+        assert memory.layout_copy_bytes(model) == memory.layout_copy_bytes_of(TINY, torch.float32, head_copy, packed)
+    assert memory.accounted_memory(model, [cache])["layout_copies"] == 0
 
 
 def test_cpu_memory_budget_is_labelled():

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ..config import dtype_bytes
 from ..device import mem_available
 
 
@@ -46,6 +47,15 @@ def layout_copy_bytes(model: torch.nn.Module) -> int:
     if getattr(model, "lm_head_packed", None) is not None:
         total += model.wte.weight.nbytes
     return total + sum(m.weight.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+
+
+def layout_copy_bytes_of(config, dtype: torch.dtype, head_copy: bool, packed: bool) -> int:
+    """`layout_copy_bytes` of a model of this shape, without building it: the head's [C, V] copy (V·C), and with
+    packed copies one more of the head and of every block projection (c_attn 3C², c_proj C², c_fc 4C², the
+    MLP's c_proj 4C²: 12·C² a layer)."""
+    head = config.vocab_size * config.n_embd * dtype_bytes(dtype)
+    blocks = 12 * config.n_layer * config.n_embd ** 2 * dtype_bytes(dtype)
+    return head * head_copy + (head + blocks) * packed
 
 
 def accounted_memory(model: torch.nn.Module | None = None, caches: Sequence = ()) -> dict:
