@@ -258,7 +258,6 @@ def run_fault_trace(model, seed: int) -> int:
     request is reported exactly once; a finished one has kv_cache.generate's tokens, an aborted one a prefix of
     them; the blocks are checked after every step, failed ones included, and none leaks."""
     t = fault_trace(seed)
-    rng = random.Random(seed)
     engine = LLMEngine(model, t["config"],
                        cache_config=CacheConfig(block_size=t["bs"], num_gpu_blocks_override=t["num_blocks"],
                                                 enable_prefix_caching=True))

@@ -11,7 +11,7 @@ from pathlib import Path
 from .answers import read_answers
 from .callers import caller_source
 from .exposure import check_out_of_reach
-from .judge import EXERCISE_TESTS, CaseResult, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
+from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
 from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
 from .runner import check_user_can_run, run_children
