@@ -327,7 +327,8 @@ def plot(lesson, s: dict, m: dict, pb: dict, bound: dict, verdict) -> float:
         x = names.index(w) + 0.2
         ax.plot([x - 0.2, x + 0.2], [line * med(f"{w} off", "throughput")] * 2, "k:", lw=2,
                 label="the claim's line: caching off × 2 (shared), × 0.97 (control)" if i == 0 else None)
-    ax.set_xticks(range(3), [f"{w}{' (one run)' * (w == 'turns')}\non ÷ off {on_off[w]:.2f}×" for w in names])
+    ax.set_xticks(range(3), [f"{w}{' (one run)' * (w == 'turns')}\non ÷ off {on_off[w]:.2f}×"
+                             + "\n(the same forward time)" * (w == "control") for w in names])
     ax.set(ylabel="generated tokens/s", title=f"throughput by workload\n(medians of {count} rounds; bars: range)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     ax = axes[2]
