@@ -165,6 +165,8 @@ def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
         assert off["hit_rate"] == 0 < on["hit_rate"]
     for off, on in zip(runs["control off"], runs["control on"]):
         assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] and on["hit_rate"] == 0
+    for run in runs["control off"] + runs["control on"] + runs["shared on"]:  # the engine timed its passes apart
+        assert 0 < run["host_s"] < run["makespan_s"]
     assert all(r["requests"] == len(s["sweep"]) for r in runs["sweep off"])
     assert all(r["requests"] == len(s["sweep"]) + 1 for r in runs["sweep on"])
     assert_lesson_results(doc)

@@ -67,6 +67,18 @@ def test_random_model_is_gpt2_init_built_in_place():
     assert model.weights_source == "random-init (seed 5)" and not model.training
 
 
+def test_loading_draws_nothing_on_the_meta_device():
+    """The loader builds the model on the meta device; a draw there (nn.Embedding's own init did one) imports
+    torch's compiler, 2 s of every process that loads a model. A fresh interpreter shows whether it was imported."""
+    import subprocess
+    import sys
+    code = ("import sys, torch; from minillm.checkpoints.load import random_model; from minillm import PRESETS\n"
+            "random_model(PRESETS['tiny'], 'cpu'); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "building or loading the model imported torch._dynamo: a draw on meta?"
+
+
 def test_random_model_seeds_differ_and_dtype_is_cast_from_the_same_values():
     config = PRESETS["tiny"]
     a, b = random_model(config, "cpu", "fp32", seed=0), random_model(config, "cpu", "fp32", seed=1)
