@@ -33,15 +33,30 @@ which is the overhead lesson 06 measures. The pool keeps K and V of a slot
 side by side, so that one index_select per layer gathers both, and the
 gathered K and V are free views, never copied a second time.
 
+The copy is a fresh buffer, every layer of every step, and a big one costs
+more than its bytes: glibc's allocator maps any block over its threshold (at
+most 32 MiB) afresh and unmaps it when freed, so the kernel faults its pages
+in one by one every time. So on a CPU the decodes are gathered and attended in
+groups of rows whose K and V stay under `gather_bytes` (`GATHER_BYTES`, 4 MiB):
+buffers the allocator hands back from its heap, small enough to be read back
+from the cache. Measured on the 2-core EPYC, gpt2 fp32, 32 decodes of 129 to
+192 tokens of context (`python -m minillm.bench.gather`, 4 rounds): in one
+copy, the buffer (32 rows × 11 blocks × 16 slots × 6 KiB = 34.6 MB) passed
+32 MiB once the contexts reached 161 tokens, and from there each step took
+101,388 page faults (12 layers × 34.6 MB ÷ 4 KiB) and the full-batch steps a
+median of 321–379 ms; in groups, 1 fault and 160–219 ms. A GPU gathers in one
+call: its allocator caches its blocks, and each group would cost launches.
+
 One step
 --------
 The engine lists the step's segments, decodes first, then prefill chunks, and
 calls `prepare` once (the same call as the contiguous cache's, returning this
 cache's own `PagedMetadata`). Every layer's `attend` then reads that metadata only:
 
-    decodes        one batched call: each query attends over its own gathered
-                   context, a mask hiding the padding of shorter ones (a
-                   static step always masks: its width is padded to a bucket)
+    decodes        batched calls, one per group of rows (one group on a GPU):
+                   each query attends over its own gathered context, a mask
+                   hiding the padding of shorter ones (a static step always
+                   masks: its width is padded to a bucket)
     prefill chunk  one call per chunk: a fresh prompt attends over its own new
                    keys; a later chunk gathers the earlier chunks too
 
@@ -61,6 +76,10 @@ from .config import GPT2Config
 from .kv_cache import Segment
 from .model import causal_attention, causal_mask
 from .device import to_device
+
+# On a CPU, the most bytes of gathered K and V one decode attention call reads: far below glibc's largest mmap
+# threshold (32 MiB), so the buffer comes from the heap, not from fresh pages, and within a server CPU's L3.
+GATHER_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -122,7 +141,8 @@ class PagedKVCache:
     """
 
     def __init__(self, config: GPT2Config, blocks: BlockManager,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 gather_bytes: int | None = None):
         self.config, self.blocks, self.block_size = config, blocks, blocks.block_size
         H, D = config.n_head, config.head_dim
         # (layer, block, slot, K|V, head, head_dim): K and V of a slot side by side, one gather per layer. One
@@ -136,6 +156,10 @@ class PagedKVCache:
         # tokens on the slot axis, so one index_copy_ stores a whole step's keys and values.
         self.slots = [layer.view(-1, 2, H, D).permute(1, 2, 0, 3).unsqueeze(1) for layer in self.layers]
         self.metadata: PagedMetadata | None = None
+        # Decodes gather and attend in groups of at most this many bytes of K and V (None: all in one call).
+        self.gather_bytes = gather_bytes if gather_bytes is not None else (
+            GATHER_BYTES if self.pool.device.type == "cpu" else None)
+        self.bytes_per_key = 2 * config.n_embd * self.pool.element_size()  # K and V of one token, one layer
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +250,13 @@ class PagedKVCache:
 
     # ---- attention ----------------------------------------------------------------
 
+    def decode_rows_per_gather(self, num_decodes: int, keys_per_row: int) -> int:
+        """How many of a step's decode rows one gather takes: as many as keep its K and V within
+        `gather_bytes`, at least one (a row's context is gathered whole); all of them with no bound."""
+        if self.gather_bytes is None:
+            return num_decodes
+        return max(1, min(num_decodes, self.gather_bytes // (keys_per_row * self.bytes_per_key)))
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v: (1, H, N, D) for the N tokens of the step, decodes first, then prefill chunks."""
         m, pool = self.metadata, self.layers[layer_idx]
@@ -233,10 +264,14 @@ class PagedKVCache:
         self.slots[layer_idx].index_copy_(3, m.slot_mapping, torch.stack((k, v)))  # (2, 1, H, N, D)
         outputs = []
         n = m.num_decodes
-        if n:  # one batched call: each decode query attends over its own gathered context
-            keys, values = gather_kv(pool, m.decode_tables, m.decode_len)  # (n, H, L, D)
-            q_dec = q if n == q.shape[2] else q[:, :, :n]
-            out = causal_attention(q_dec.transpose(0, 2), keys, values, m.mask)  # queries (n, H, 1, D)
+        if n:  # each decode query over its own gathered context, `rows` decodes per call
+            q_dec = (q if n == q.shape[2] else q[:, :, :n]).transpose(0, 2)  # queries (n, H, 1, D)
+            rows, groups = self.decode_rows_per_gather(n, m.decode_len), []
+            for a in range(0, n, rows):
+                keys, values = gather_kv(pool, m.decode_tables[a:a + rows], m.decode_len)  # (rows, H, L, D)
+                mask = None if m.mask is None else m.mask[a:a + rows]
+                groups.append(causal_attention(q_dec[a:a + rows], keys, values, mask))
+            out = groups[0] if len(groups) == 1 else torch.cat(groups)
             outputs.append(out.transpose(0, 2))                                  # (1, H, n, D)
         for i in range(n, len(m.segments)):  # one call per prefill chunk (a sequence, not a token)
             a, b, seg = m.query_starts[i], m.query_starts[i + 1], m.segments[i]

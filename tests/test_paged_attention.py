@@ -5,7 +5,8 @@ import torch
 from minillm import PRESETS
 from minillm.block_manager import BlockManager
 from minillm.kv_cache import KVCache, Segment
-from minillm.paged_attention import PagedKVCache, gather_kv, slot_mapping
+import minillm.paged_attention as paged_attention
+from minillm.paged_attention import GATHER_BYTES, PagedKVCache, gather_kv, slot_mapping
 from models import context_model
 
 CFG = PRESETS["tiny"]
@@ -80,6 +81,51 @@ def test_ragged_step_matches_the_contiguous_cache(block_size):
     for s in segments:
         holders[s.seq_id].num_computed_tokens += s.num_new
     blocks.check_invariants(list(holders.values()))
+
+
+@pytest.mark.parametrize("rows_per_gather", [1, 2, 5])
+@torch.inference_mode()
+def test_decodes_gathered_in_groups_give_the_contiguous_logits(rows_per_gather, monkeypatch):
+    """Five ragged decodes and a chunk in one step, the decodes' K and V gathered a group of rows at a time
+    (the last group short): every row's logits are the contiguous cache's, and no gather exceeds the bound."""
+    model = context_model()
+    g = torch.Generator().manual_seed(1)
+    lens = (20, 7, 33, 12, 26)
+    seqs = [torch.randint(0, CFG.vocab_size, (n + 1,), generator=g).tolist() for n in lens + (9,)]
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    widest = 34  # the longest decode context; each row's gathered keys are this many, masked to its own
+    cache = PagedKVCache(CFG, blocks, gather_bytes=rows_per_gather * widest * 2 * CFG.n_embd * 4)
+    assert cache.decode_rows_per_gather(len(lens), widest) == rows_per_gather
+    holders = {sid: _fill(model, cache, blocks, sid, seqs[sid][:n]) for sid, n in enumerate(lens)}
+    holders[5] = _fill(model, cache, blocks, 5, seqs[5][:4])
+    segments = [Segment(i, n, 1, True) for i, n in enumerate(lens)] + [Segment(5, 4, 6)]
+    for s in segments:
+        blocks.append_slots(holders[s.seq_id], s.num_new)
+    meta = cache.prepare(segments)
+    gathered = []
+    monkeypatch.setattr(paged_attention, "gather_kv", lambda pool, tables, n: gathered.append(tables.shape[0])
+                        or gather_kv(pool, tables, n))
+    ids = [seqs[i][n] for i, n in enumerate(lens)] + seqs[5][4:10]
+    paged = model(torch.tensor([ids]), meta.positions, cache=cache, logits_indices=torch.tensor([0, 1, 2, 3, 4, 10]))
+    expected = _contiguous_logits(model, [(seqs[i][:n + 1], [n, 1]) for i, n in enumerate(lens)]
+                                  + [(seqs[5][:10], [4, 6])])
+    torch.testing.assert_close(paged, expected, atol=1e-4, rtol=1e-4)
+    groups = -(-len(lens) // rows_per_gather)
+    per_layer = [min(rows_per_gather, len(lens) - a) for a in range(0, len(lens), rows_per_gather)] + [1]
+    assert gathered == per_layer * CFG.n_layer, f"{groups} decode gathers and the chunk's, per layer"
+
+
+def test_a_cpu_cache_bounds_its_gathers_and_a_bound_can_be_lifted():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    assert PagedKVCache(CFG, blocks).gather_bytes == GATHER_BYTES
+    key_bytes = 2 * CFG.n_embd * 4
+    rows = GATHER_BYTES // (100 * key_bytes)
+    assert PagedKVCache(CFG, blocks).decode_rows_per_gather(10_000, 100) == rows
+    assert PagedKVCache(CFG, blocks).decode_rows_per_gather(3, 100) == min(3, rows)
+    assert PagedKVCache(CFG, blocks).decode_rows_per_gather(7, GATHER_BYTES) == 1  # one row past the bound: alone
+    unbounded = PagedKVCache(CFG, blocks)
+    unbounded.gather_bytes = None
+    assert unbounded.decode_rows_per_gather(10_000, 100) == 10_000
 
 
 @torch.inference_mode()

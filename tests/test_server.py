@@ -205,7 +205,7 @@ def test_the_serve_command_shuts_down_cleanly_with_exit_0(tmp_path, sig):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--port", str(port),
                              "--max-num-batched-tokens", "256", "--max-queue", "4", "--num-gpu-blocks-override", "64",
-                             "--request-log", str(tmp_path / "requests.jsonl")],
+                             "--request-log", str(tmp_path / "requests.jsonl"), "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "MINILLM_WEIGHTS_DIR": str(tmp_path)})
     try:
@@ -224,6 +224,7 @@ def test_the_serve_command_shuts_down_cleanly_with_exit_0(tmp_path, sig):
         assert r.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
+        assert "torch threads: 1 thread, as asked (--threads)" in proc.stdout.read()  # the flag its message names
         (record,) = map(json.loads, (tmp_path / "requests.jsonl").read_text().splitlines())
         assert record["id"] == r.json()["id"] and len(record["token_times"]) == 3  # the engine's own record
     finally:

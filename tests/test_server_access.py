@@ -106,3 +106,9 @@ def test_serve_refuses_a_negative_timeout_before_loading_anything():
     out = subprocess.run([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--port", str(free_port()),
                           "--timeout-keep-alive", "-1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--timeout-keep-alive -1.0 must be a number of seconds ≥ 0" in out.stderr
+
+
+def test_serve_refuses_zero_threads_before_loading_anything():
+    out = subprocess.run([sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--port", str(free_port()),
+                          "--threads", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--threads 0 must be at least 1" in out.stderr and "Traceback" not in out.stderr

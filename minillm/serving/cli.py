@@ -51,6 +51,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="the KV pool in blocks, whatever the memory (also on the CPU, where the default is 1 GiB)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: the cores free as the server starts)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a slot in the batch; past it, 429 with Retry-After")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,

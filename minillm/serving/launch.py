@@ -167,7 +167,7 @@ def run(args) -> int:
     config = ServerConfig.from_args(args)  # its checks first: a bad flag costs no model load
     chat_template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
     from ..bench.threads import apply_threads, choose_threads
-    threads = apply_threads(choose_threads(getattr(args, "threads", None)))  # the free cores, as bench and lessons
+    threads = apply_threads(choose_threads(args.threads))  # the free cores or --threads, as bench and lessons
     device = resolve_device(args.device)
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
