@@ -13,8 +13,7 @@ cache: an extra copy of every K and V, every layer, every step,
     gathered bytes per decode step = 2 · (2 · n_layer · n_embd · bytes) · Σ context_i   (read, then written)
 
 On a CPU the gather takes a few rows at a time (`GATHER_BYTES`, 4 MiB of K and
-V): one buffer per batch grew past what the allocator keeps in its heap, and
-each step paid a page fault for every 4 KiB of it (paged_attention.py).
+V; paged_attention.py says why).
 
 So the gather makes attention much dearer, but attention is only part of a
 decode step: at batch B and context T the step also reads every weight once.
@@ -99,12 +98,11 @@ class Decode:
     @torch.inference_mode()
     def gather(self):
         """Only the copy paging adds: every layer's K and V gathered through the block tables, in the groups of
-        rows attention gathers them in (`decode_rows_per_gather`: on a CPU, a few MiB at a time)."""
-        batch = len(self.tables)
-        rows = self.cache.decode_rows_per_gather(batch, self.ctx + 1)
+        rows attention gathers them in (`PagedKVCache.decode_groups`: on a CPU, a few MiB at a time)."""
+        groups = self.cache.decode_groups(len(self.tables), self.tables.shape[1] * self.cache.block_size)
         for layer in range(self.model.config.n_layer):
-            for a in range(0, batch, rows):
-                gather_kv(self.cache.pool[layer], self.tables[a:a + rows], self.ctx + 1)
+            for rows in groups:
+                gather_kv(self.cache.pool[layer], self.tables[rows], self.ctx + 1)
 
 
 def compare(model, ctx: int, block_size: int, repeats: int, until=None) -> dict:

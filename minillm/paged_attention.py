@@ -36,16 +36,17 @@ gathered K and V are free views, never copied a second time.
 The copy is a fresh buffer, every layer of every step, and a big one costs
 more than its bytes: glibc's allocator maps any block over its threshold (at
 most 32 MiB) afresh and unmaps it when freed, so the kernel faults its pages
-in one by one every time. So on a CPU the decodes are gathered and attended in
-groups of rows whose K and V stay under `gather_bytes` (`GATHER_BYTES`, 4 MiB):
-buffers the allocator hands back from its heap, small enough to be read back
-from the cache. Measured on the 2-core EPYC, gpt2 fp32, 32 decodes of 129 to
-192 tokens of context (`python -m minillm.bench.gather`, 4 rounds): in one
-copy, the buffer (32 rows × 11 blocks × 16 slots × 6 KiB = 34.6 MB) passed
-32 MiB once the contexts reached 161 tokens, and from there each step took
-101,388 page faults (12 layers × 34.6 MB ÷ 4 KiB) and the full-batch steps a
-median of 321–379 ms; in groups, 1 fault and 160–219 ms. A GPU gathers in one
-call: its allocator caches its blocks, and each group would cost launches.
+in one by one, every time. So on a CPU the decodes are gathered and attended
+in groups of rows whose copies stay within `gather_bytes` (`GATHER_BYTES`,
+4 MiB; a row whose context alone passes it goes alone): blocks the allocator
+keeps in its heap once it has freed one. Measured on the 2-core EPYC, gpt2
+fp32, 32 decodes of 129 to 192 tokens (`python -m minillm.bench.gather`): in
+one copy, the buffer (32 rows × 11 blocks × 16 slots × 6 KiB = 33 MiB) passed
+32 MiB once the contexts reached 161 tokens, and from there every step took
+101,388 page faults (12 layers × 8,448 pages of 4 KiB, and a few more); in
+groups, 1 fault, and the full-batch step took about half the time. A GPU
+gathers in one call: its allocator caches blocks, and each group would cost
+launches.
 
 One step
 --------
@@ -77,8 +78,8 @@ from .kv_cache import Segment
 from .model import causal_attention, causal_mask
 from .device import to_device
 
-# On a CPU, the most bytes of gathered K and V one decode attention call reads: far below glibc's largest mmap
-# threshold (32 MiB), so the buffer comes from the heap, not from fresh pages, and within a server CPU's L3.
+# On a CPU, the most bytes of gathered K and V one decode attention call copies: well under glibc's largest mmap
+# threshold (32 MiB), so that the copy's buffer is not mapped and faulted in afresh every layer of every step.
 GATHER_BYTES = 4 * 2**20
 
 
@@ -142,7 +143,7 @@ class PagedKVCache:
 
     def __init__(self, config: GPT2Config, blocks: BlockManager,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 gather_bytes: int | None = None):
+                 gather_bytes: int | None | str = "auto"):
         self.config, self.blocks, self.block_size = config, blocks, blocks.block_size
         H, D = config.n_head, config.head_dim
         # (layer, block, slot, K|V, head, head_dim): K and V of a slot side by side, one gather per layer. One
@@ -156,9 +157,14 @@ class PagedKVCache:
         # tokens on the slot axis, so one index_copy_ stores a whole step's keys and values.
         self.slots = [layer.view(-1, 2, H, D).permute(1, 2, 0, 3).unsqueeze(1) for layer in self.layers]
         self.metadata: PagedMetadata | None = None
-        # Decodes gather and attend in groups of at most this many bytes of K and V (None: all in one call).
-        self.gather_bytes = gather_bytes if gather_bytes is not None else (
-            GATHER_BYTES if self.pool.device.type == "cpu" else None)
+        # Decodes gather and attend in groups of at most this many bytes of K and V (None: all in one call);
+        # "auto": GATHER_BYTES on a CPU, one call elsewhere.
+        if gather_bytes == "auto":
+            gather_bytes = GATHER_BYTES if self.pool.device.type == "cpu" else None
+        if gather_bytes is not None and (type(gather_bytes) is not int or gather_bytes < 1):
+            raise ValueError(f"gather_bytes={gather_bytes!r} must be a number of bytes ≥ 1, None (every decode in "
+                             "one gather) or 'auto' (GATHER_BYTES on a CPU, one gather elsewhere)")
+        self.gather_bytes = gather_bytes
         self.bytes_per_key = 2 * config.n_embd * self.pool.element_size()  # K and V of one token, one layer
 
     @property
@@ -250,12 +256,13 @@ class PagedKVCache:
 
     # ---- attention ----------------------------------------------------------------
 
-    def decode_rows_per_gather(self, num_decodes: int, keys_per_row: int) -> int:
-        """How many of a step's decode rows one gather takes: as many as keep its K and V within
-        `gather_bytes`, at least one (a row's context is gathered whole); all of them with no bound."""
-        if self.gather_bytes is None:
-            return num_decodes
-        return max(1, min(num_decodes, self.gather_bytes // (keys_per_row * self.bytes_per_key)))
+    def decode_groups(self, num_decodes: int, keys_per_row: int) -> list[slice]:
+        """A step's decode rows in the groups one gather takes each: as many rows as keep the group's K and V
+        within `gather_bytes`, at least one (a row's context is copied whole, whatever its size); every row
+        in one group with no bound. `keys_per_row`: the slots a row's gather copies, its table's whole blocks."""
+        rows = num_decodes if self.gather_bytes is None else max(
+            1, self.gather_bytes // (keys_per_row * self.bytes_per_key))
+        return [slice(a, a + rows) for a in range(0, num_decodes, rows)]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v: (1, H, N, D) for the N tokens of the step, decodes first, then prefill chunks."""
@@ -264,13 +271,13 @@ class PagedKVCache:
         self.slots[layer_idx].index_copy_(3, m.slot_mapping, torch.stack((k, v)))  # (2, 1, H, N, D)
         outputs = []
         n = m.num_decodes
-        if n:  # each decode query over its own gathered context, `rows` decodes per call
+        if n:  # each decode query over its own gathered context, a group of rows per call
             q_dec = (q if n == q.shape[2] else q[:, :, :n]).transpose(0, 2)  # queries (n, H, 1, D)
-            rows, groups = self.decode_rows_per_gather(n, m.decode_len), []
-            for a in range(0, n, rows):
-                keys, values = gather_kv(pool, m.decode_tables[a:a + rows], m.decode_len)  # (rows, H, L, D)
-                mask = None if m.mask is None else m.mask[a:a + rows]
-                groups.append(causal_attention(q_dec[a:a + rows], keys, values, mask))
+            tables, groups = m.decode_tables, []
+            for rows in self.decode_groups(n, tables.shape[1] * self.block_size):
+                keys, values = gather_kv(pool, tables[rows], m.decode_len)  # (rows, H, L, D)
+                mask = None if m.mask is None else m.mask[rows]
+                groups.append(causal_attention(q_dec[rows], keys, values, mask))
             out = groups[0] if len(groups) == 1 else torch.cat(groups)
             outputs.append(out.transpose(0, 2))                                  # (1, H, n, D)
         for i in range(n, len(m.segments)):  # one call per prefill chunk (a sequence, not a token)

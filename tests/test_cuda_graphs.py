@@ -53,16 +53,19 @@ def test_width_buckets_double_up_to_a_whole_context():
 # ---- the padded step gives the eager step's logits ----------------------------------------------
 
 
-def test_static_decode_logits_equal_eager_while_the_batch_changes(model):
+@pytest.mark.parametrize("bounds", [{}, {"static": 1}, {"eager": 1}], ids=["one-gather", "static-rows", "eager-rows"])
+def test_static_decode_logits_equal_eager_while_the_batch_changes(model, bounds):
     """Prompts of different lengths finish at different steps: the batch shrinks through the buckets 8 → 4 →
     2 → 1 with padding rows in between, and block tables cross width buckets; every row's logits equal those of
-    the exact-shaped step (fp32: 1e-5)."""
+    the exact-shaped step (fp32: 1e-5). Gathered one row at a time (`gather_bytes` 1) on one side, in one copy
+    on the other, too."""
     prompts = random_prompts(7, [2, 5, 13, 30], seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 16, 9, 12, 5, 18, 7)]
     got = {}
     for mode in ("eager", "static"):
         engine = static_engine(model, SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), block_size=4,
                                num_gpu_blocks_override=200, mode=mode)
+        engine.cache.gather_bytes = bounds.get(mode)
         seen, run = [], engine.decoder.run
 
         def recording(segments, tokens, run=run, seen=seen):

@@ -241,6 +241,12 @@ def test_serve_disaggregate_refuses_prefix_caching_in_one_line(capsys):
     assert "--disaggregate with --enable-prefix-caching" in capsys.readouterr().err
 
 
+def test_serve_disaggregate_refuses_a_thread_count_its_workers_would_not_take(capsys):
+    from minillm import cli
+    assert cli.main(["serve", "--model", "tiny", "--disaggregate", "--threads", "2"]) == 2
+    assert "--disaggregate with --threads 2: each worker takes its own half of the cores" in capsys.readouterr().err
+
+
 def test_what_the_connector_cannot_carry_is_refused_and_min_tokens_reaches_the_decode_worker(pair):
     """n > 1 and log-probabilities do not cross the connector: refused at once, naming the field. min_tokens does:
     the prefill worker masks the end of text for its one token, the decode worker for the rest."""

@@ -87,45 +87,52 @@ def test_ragged_step_matches_the_contiguous_cache(block_size):
 @torch.inference_mode()
 def test_decodes_gathered_in_groups_give_the_contiguous_logits(rows_per_gather, monkeypatch):
     """Five ragged decodes and a chunk in one step, the decodes' K and V gathered a group of rows at a time
-    (the last group short): every row's logits are the contiguous cache's, and no gather exceeds the bound."""
+    (the last group short): every row's logits are the contiguous cache's, and no group of several rows
+    copies more than the bound."""
     model = context_model()
     g = torch.Generator().manual_seed(1)
     lens = (20, 7, 33, 12, 26)
     seqs = [torch.randint(0, CFG.vocab_size, (n + 1,), generator=g).tolist() for n in lens + (9,)]
     blocks = BlockManager(num_blocks=64, block_size=4)
-    widest = 34  # the longest decode context; each row's gathered keys are this many, masked to its own
-    cache = PagedKVCache(CFG, blocks, gather_bytes=rows_per_gather * widest * 2 * CFG.n_embd * 4)
-    assert cache.decode_rows_per_gather(len(lens), widest) == rows_per_gather
+    slots = 36  # what each decode row's gather copies: the longest context, 34 keys, in whole blocks of 4
+    key_bytes = 2 * CFG.n_embd * 4
+    cache = PagedKVCache(CFG, blocks, gather_bytes=rows_per_gather * slots * key_bytes)
     holders = {sid: _fill(model, cache, blocks, sid, seqs[sid][:n]) for sid, n in enumerate(lens)}
     holders[5] = _fill(model, cache, blocks, 5, seqs[5][:4])
     segments = [Segment(i, n, 1, True) for i, n in enumerate(lens)] + [Segment(5, 4, 6)]
     for s in segments:
         blocks.append_slots(holders[s.seq_id], s.num_new)
     meta = cache.prepare(segments)
+    assert meta.decode_tables.shape == (5, slots // 4)
     gathered = []
-    monkeypatch.setattr(paged_attention, "gather_kv", lambda pool, tables, n: gathered.append(tables.shape[0])
+    monkeypatch.setattr(paged_attention, "gather_kv", lambda pool, tables, n: gathered.append(tables.numel())
                         or gather_kv(pool, tables, n))
     ids = [seqs[i][n] for i, n in enumerate(lens)] + seqs[5][4:10]
     paged = model(torch.tensor([ids]), meta.positions, cache=cache, logits_indices=torch.tensor([0, 1, 2, 3, 4, 10]))
     expected = _contiguous_logits(model, [(seqs[i][:n + 1], [n, 1]) for i, n in enumerate(lens)]
                                   + [(seqs[5][:10], [4, 6])])
     torch.testing.assert_close(paged, expected, atol=1e-4, rtol=1e-4)
-    groups = -(-len(lens) // rows_per_gather)
-    per_layer = [min(rows_per_gather, len(lens) - a) for a in range(0, len(lens), rows_per_gather)] + [1]
-    assert gathered == per_layer * CFG.n_layer, f"{groups} decode gathers and the chunk's, per layer"
+    per_layer = [min(rows_per_gather, len(lens) - a) * slots // 4 for a in range(0, len(lens), rows_per_gather)]
+    assert gathered == (per_layer + [10 // 4 + 1]) * CFG.n_layer, "the decodes' groups, then the chunk's blocks"
+    assert all(n * 4 * key_bytes <= cache.gather_bytes for n in per_layer)
 
 
-def test_a_cpu_cache_bounds_its_gathers_and_a_bound_can_be_lifted():
+def test_a_cpu_cache_bounds_its_gathers_and_other_devices_gather_at_once():
     blocks = BlockManager(num_blocks=8, block_size=4)
-    assert PagedKVCache(CFG, blocks).gather_bytes == GATHER_BYTES
-    key_bytes = 2 * CFG.n_embd * 4
-    rows = GATHER_BYTES // (100 * key_bytes)
-    assert PagedKVCache(CFG, blocks).decode_rows_per_gather(10_000, 100) == rows
-    assert PagedKVCache(CFG, blocks).decode_rows_per_gather(3, 100) == min(3, rows)
-    assert PagedKVCache(CFG, blocks).decode_rows_per_gather(7, GATHER_BYTES) == 1  # one row past the bound: alone
-    unbounded = PagedKVCache(CFG, blocks)
-    unbounded.gather_bytes = None
-    assert unbounded.decode_rows_per_gather(10_000, 100) == 10_000
+    cpu = PagedKVCache(CFG, blocks)
+    assert cpu.gather_bytes == GATHER_BYTES and cpu.bytes_per_key == 2 * 64 * 4
+    assert [(r.start, r.stop) for r in cpu.decode_groups(200, 100)] == [(0, 81), (81, 162), (162, 243)]  # 4 MiB
+    assert cpu.decode_groups(3, 100) == [slice(0, 81)]
+    assert len(cpu.decode_groups(7, GATHER_BYTES)) == 7  # a row past the bound goes alone, copied whole
+    assert PagedKVCache(CFG, blocks, dtype=torch.bfloat16).bytes_per_key == 2 * 64 * 2
+    assert PagedKVCache(CFG, blocks, device="meta").gather_bytes is None  # a GPU's allocator keeps its blocks
+    assert PagedKVCache(CFG, blocks, gather_bytes=None).decode_groups(10_000, 100) == [slice(0, 10_000)]
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "4MiB"])
+def test_a_gather_bound_must_be_a_positive_number_of_bytes(bad):
+    with pytest.raises(ValueError, match=f"gather_bytes={bad!r} must be a number of bytes ≥ 1"):
+        PagedKVCache(CFG, BlockManager(num_blocks=8, block_size=4), gather_bytes=bad)
 
 
 @torch.inference_mode()

@@ -406,6 +406,9 @@ def serve_disaggregated(args, config, device: str) -> Workers:
     if args.enable_prefix_caching:
         raise ValueError("--disaggregate with --enable-prefix-caching: a decode worker cannot hash blocks whose KV "
                          "arrives from elsewhere; drop one of the two flags")
+    if args.threads is not None:
+        raise ValueError(f"--disaggregate with --threads {args.threads}: each worker takes its own half of the "
+                         "cores (split_cores); drop --threads")
     first, second = split_cores()
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             enable_chunked_prefill=args.enable_chunked_prefill)
