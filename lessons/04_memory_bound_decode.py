@@ -105,15 +105,17 @@ def predict_batches(lesson, s: dict, budget: dict) -> dict:
 
 def matrix_probes(lesson, b_star: int) -> dict:
     """Projections of the shape of the MLP's first ([n_embd, 4·n_embd]), in the layout the loader gave the model
-    (the engine's own kernel path: on a CPU, W for one row, a oneDNN-packed copy for several), each applied once
-    per call at 1, B* and 2·B* rows, as a step streams its layers: enough of them to stream from memory (128 MiB,
-    past any CPU's cache; at most 64 of them), so the time per matrix is what a step pays."""
+    (the engine's own kernel path: on a CPU, W for one row, through numpy's BLAS on an AMD one, and a oneDNN-packed
+    copy for several), each applied once per call at 1, B* and 2·B* rows, as a step streams its layers: enough of
+    them to stream from memory (128 MiB, past any CPU's cache; at most 64 of them), so the time per matrix is what
+    a step pays."""
     cfg, device, dtype = lesson.config, lesson.device, lesson.dtype
     packed = lesson.model.h[0].mlp.c_fc.packed is not None
     count = min(64, -(-(128 << 20) // (cfg.n_embd * 4 * cfg.n_embd * torch.finfo(dtype).bits // 8)))
     layers = [Conv1D(cfg.n_embd, 4 * cfg.n_embd).to(device, dtype) for _ in range(count)]
     for layer in layers:
         layer.pack(packed)
+        layer.numpy_one_row = lesson.model.numpy_one_row  # and one row by the library the loader chose
     rows = sorted({1, b_star, 2 * b_star})
     xs = {r: torch.randn(r, cfg.n_embd, device=device, dtype=dtype) for r in rows}
 

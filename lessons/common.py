@@ -51,6 +51,7 @@ from minillm.bench.timing import environment, si  # noqa: E402
 from minillm.bench.threads import ThreadChoice, apply_threads, choose_threads  # noqa: E402
 from minillm.checkpoints.load import add_model_arguments, load_model, locate, random_model  # noqa: E402
 from minillm.device import resolve_device, resolve_dtype  # noqa: E402
+from minillm.weight_layout import set_num_threads  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
 STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written
@@ -138,11 +139,11 @@ def one_thread():
     """Run a model of tiny matrices on one thread: its kernels gain nothing from more, and on shared cores
     the extra threads only wait for each other (30× slower on a busy 2-core machine)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        set_num_threads(before)
 
 
 def predict(lesson: Lesson, *lines: str) -> None:

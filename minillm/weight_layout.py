@@ -25,13 +25,51 @@ weight prepacking makes): it is never saved, never moved by `.to()` (a product
 on another device or dtype falls back to W), and a deep copy of its module
 makes its own. Invariant held by the tests: every layout gives W's logits
 (fp32: 1e-5), in the model, the engine and against transformers' reference.
+
+Which library streams one row also depends on the CPU. torch's BLAS is
+Intel's MKL, whose matrix-vector kernel reads fp32 weights near the bandwidth
+on Intel chips and well below it on AMD's; numpy's wheels link OpenBLAS, whose
+Zen kernels do not. The 12 layers' four projections of gpt2 (340 MB), one row,
+two threads, on the 2-core EPYC:
+
+    torch (MKL)          22–25 ms    14–15 GB/s
+    numpy (OpenBLAS)     15–16 ms    21–23 GB/s     (a read-only stream: 25 GB/s)
+
+So on an AMD CPU in fp32 the loader sends every one-row product (a batch-1
+decode's) through numpy's BLAS (`GPT2.use_numpy_blas`), as CTranslate2 keeps
+MKL for Intel's. numpy computes on the tensors' own memory: no copy, and a
+change made to W in place is seen. `python -m minillm bench --blas-check`
+times the batch-1 step both ways in turns; on the EPYC, quiet, torch's took
+1.13× numpy's (1.05–1.35, 7 rounds), and the step came to 1.08× the
+weight-read floor (1.71–1.77× through MKL, before).
+
+OpenBLAS brings a thread pool of its own, beside torch's OpenMP one, and two
+things follow. `set_num_threads` sizes both, from the cores found free. And
+its idle threads must sleep: by default they spin for 2²⁸ cycles after each
+product, on the core torch's next kernel needs (a batch-4 step right after a
+one-row one took 89.5 ms against 47.2), so importing minillm before numpy sets
+OPENBLAS_THREAD_TIMEOUT to its least, and the loader keeps torch's BLAS where
+it was not (`openblas_threads_sleep`). The price that remains: OpenBLAS's two
+threads wait for each other at the end of a product, so a core another process
+takes after the threads were counted slows this path where MKL's holds
+(beside a busy loop the step took 49.1 ms against torch's 35.9; on one thread,
+which counting the free cores first gives, the two ran even: 0.95–1.17). Where the load
+comes and goes, `--threads 1` avoids that.
 """
 from __future__ import annotations
 
 import copy
+import os
+import platform
 
+import numpy  # noqa: F401  loaded before threadpoolctl looks for numpy's BLAS
 import torch
 import torch.nn as nn
+
+try:
+    import threadpoolctl
+except ImportError:  # a machine with fixed packages (the GPU one's): numpy's BLAS is then never chosen
+    threadpoolctl = None
 
 
 def onednn_pack(weight_out_in: torch.Tensor) -> torch.Tensor:
@@ -52,6 +90,82 @@ def deepcopy_repacking(module: nn.Module, memo: dict, name: str, repack) -> nn.M
 
 
 def serves_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a packed copy computes this product: several rows, inference, on the CPU, in the copy's dtype."""
-    return (packed is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled()
-            and x.device.type == "cpu" and x.dtype == packed.dtype)
+    """Whether a packed copy computes this product: inference on the CPU in the copy's dtype, for several rows,
+    or for one in bf16 (where oneDNN's kernel streams the copy faster than any other; fp32's one row reads W)."""
+    return (packed is not None and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and x.dtype == packed.dtype and (x.numel() > x.shape[-1] or x.dtype == torch.bfloat16))
+
+
+def cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("vendor_id", "model name", "flags"); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), "")
+    except OSError:
+        return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel"; on other systems what `platform` says)."""
+    return cpuinfo("vendor_id") or platform.processor()
+
+
+def native_bf16(flags: str) -> bool:
+    """Whether a CPU with these /proc/cpuinfo flags multiplies bf16 in hardware (AVX512_BF16's dot products, or
+    AMX's tiles), as vLLM's CPU backend requires before it defaults to bf16; elsewhere bf16 is converted."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def packing_pays(device: torch.device, dtype: torch.dtype, flags: str) -> bool:
+    """Whether the loader keeps oneDNN-packed copies (`GPT2.pack_linears`): on a CPU, in fp32, or in bf16 where
+    the CPU computes it natively (`native_bf16`); the figures are in this module's docstring."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and (dtype == torch.float32 or dtype == torch.bfloat16 and native_bf16(flags)))
+
+
+def numpy_blas() -> str:
+    """Which BLAS numpy computes with ("openblas", "mkl", ...: threadpoolctl's name), "" if none it knows.
+
+    (torch's MKL is linked into torch itself, where threadpoolctl does not look: the BLAS it finds is numpy's.
+    Without threadpoolctl, "": its threads could not be sized, so the loader keeps torch's BLAS.)"""
+    if threadpoolctl is None:
+        return ""
+    return next((lib["internal_api"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"), "")
+
+
+def openblas_threads_sleep() -> bool:
+    """Whether numpy's OpenBLAS threads sleep as soon as they are idle: OPENBLAS_THREAD_TIMEOUT held 4 (its least,
+    2⁴ cycles of spinning) as numpy loaded, which importing minillm before numpy sees to. By default they spin
+    for 2²⁸ cycles (~0.1 s) after each product, on the core torch's next kernel needs."""
+    try:
+        return int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")) <= 4
+    except ValueError:
+        return False
+
+
+def numpy_blas_pays(device: torch.device, dtype: torch.dtype, vendor: str, blas: str, threads_sleep: bool) -> bool:
+    """Whether one-row products should go through numpy's BLAS: fp32 on an AMD CPU, where numpy links OpenBLAS
+    whose idle threads sleep (the measurements are in this module's docstring; on Intel MKL streams as fast)."""
+    return (device.type == "cpu" and dtype == torch.float32 and vendor == "AuthenticAMD" and blas == "openblas"
+            and threads_sleep)
+
+
+def serves_one_row(x: torch.Tensor) -> bool:
+    """Whether numpy's BLAS can compute this product: one row, inference, fp32 on the CPU."""
+    return (x.numel() == x.shape[-1] and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and x.dtype == torch.float32)
+
+
+def numpy_product(x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·W (+ b) for one row x [..., in] and W [in, out], computed by numpy's BLAS on the tensors' own memory."""
+    y = torch.from_numpy(x.detach().reshape(1, -1).numpy() @ weight_in_out.detach().numpy())
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], -1)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for torch's kernels and for numpy's BLAS alike: a one-row product may run on either library."""
+    torch.set_num_threads(n)
+    if threadpoolctl is not None:
+        threadpoolctl.threadpool_limits(n, user_api="blas")

@@ -73,3 +73,36 @@ def test_the_busy_check_times_quiet_busy_and_one_thread_in_turns_and_restores_th
     line = sweep.busy_report(r)
     assert line.startswith("busy     batch-4 step beside a busy core (2 rounds")
     assert f"{min(r['busy_over_quiet']):.2f}–{max(r['busy_over_quiet']):.2f}" in line
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_the_blas_check_times_both_libraries_in_turns_quiet_and_busy_and_restores_the_choice(chosen, monkeypatch):
+    """Each library's batch-1 step, quiet and beside a busy core, every round; the ratios are this run's own
+    per-round figures; each timing ran on the library it names; the loader's choice is left as it was."""
+    from minillm.bench import sweep
+    model = random_model(PRESETS["tiny"], "cpu", torch.float32)
+    model.use_numpy_blas(chosen)
+    libraries = []
+    real_time_fn = sweep.time_fn
+    monkeypatch.setattr(sweep, "time_fn", lambda *a, **k: libraries.append(model.numpy_one_row) or real_time_fn(*a, **k))
+    r = sweep.blas_check(model, context_len=8, rounds=2)
+    assert model.numpy_one_row == chosen and model.h[0].mlp.c_fc.numpy_one_row == chosen
+    t = r["times_s"]
+    assert set(t) == {"numpy, quiet", "torch, quiet", "numpy, busy", "torch, busy"}
+    assert all(len(v) == 2 for v in t.values())
+    assert libraries == [True, False] + [True, False] * 4, "a warm-up each, then numpy and torch in turns"
+    assert r["torch_over_numpy_quiet"] == [a / b for a, b in zip(t["torch, quiet"], t["numpy, quiet"])]
+    assert r["torch_over_numpy_busy"] == [a / b for a, b in zip(t["torch, busy"], t["numpy, busy"])]
+    line = sweep.blas_report(r)
+    assert line.startswith("blas     batch-1 step, one-row products by numpy's BLAS and by torch's in turns (2 rounds")
+    assert f"{min(r['torch_over_numpy_busy']):.2f}–{max(r['torch_over_numpy_busy']):.2f}" in line
+
+
+def test_bench_refuses_a_blas_check_that_numpy_cannot_run():
+    import argparse
+    from minillm.bench import offline
+    parser = argparse.ArgumentParser()
+    offline.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--dtype", "bf16", "--blas-check", "--prompt-len", "8"])
+    with pytest.raises(ValueError, match="--blas-check .* this run is bfloat16 on cpu: add --device cpu --dtype fp32"):
+        offline.run(args)

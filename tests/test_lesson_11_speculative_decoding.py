@@ -64,6 +64,8 @@ def test_the_shallow_draft_reads_its_head_in_the_targets_layout():
     draft = drafts.shallow_draft(target, 1)
     assert draft.lm_head_layout == target.lm_head_layout and draft.lm_head_t is target.lm_head_t
     assert draft.lm_head_packed is target.lm_head_packed and draft.linears_layout == target.linears_layout
+    numpy_blas = choose_layout(context_model(), numpy_one_row=True)   # one row through numpy
+    assert drafts.shallow_draft(numpy_blas, 1).lm_head_layout == numpy_blas.lm_head_layout
 
 
 def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):

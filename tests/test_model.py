@@ -134,6 +134,151 @@ def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several
     assert all(m.packed is None for m in packed.modules() if hasattr(m, "packed"))
 
 
+def count_numpy_products(monkeypatch) -> list:
+    """Record the row count of every product numpy's BLAS computes in the model."""
+    import minillm.model as model_module
+    calls, real = [], model_module.numpy_product
+    monkeypatch.setattr(model_module, "numpy_product", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or
+                        real(x, *a))
+    return calls
+
+
+@pytest.mark.parametrize("head_copy, packed", [(True, True), (False, False)])
+def test_numpy_blas_gives_the_same_logits_for_one_row_and_leaves_several_rows_to_torch(head_copy, packed,
+                                                                                       monkeypatch):
+    """One-row products through numpy's BLAS (the loader's choice on an AMD CPU) give torch's logits (fp32 1e-5),
+    over the tied head and its copy; numpy computes every one-row product and nothing else, not under autograd,
+    not in bf16; and it reads the weights themselves: a change made in place is seen, with no layout to redo."""
+    plain, fast = context_model(), context_model()
+    for model in (plain, fast):   # biases that are not zero, as a trained checkpoint's are not
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    fast.use_lm_head_copy(head_copy)
+    fast.pack_linears(packed)
+    fast.use_numpy_blas()
+    assert "numpy" in fast.linears_layout and "numpy" in fast.lm_head_layout and "numpy" not in plain.linears_layout
+    calls = count_numpy_products(monkeypatch)
+    one, several = ids(1, 1, seed=1), ids(2, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(one), plain(one), atol=1e-5, rtol=1e-5)
+        assert calls == [1] * (4 * CFG.n_layer + 1), "every projection and the head, one row each"
+        calls.clear()
+        torch.testing.assert_close(fast(several), plain(several), atol=1e-5, rtol=1e-5)
+        assert calls == []
+        fast.h[0].mlp.c_fc.weight.mul_(2)
+        plain.h[0].mlp.c_fc.weight.mul_(2)
+        torch.testing.assert_close(fast(one), plain(one), atol=1e-5, rtol=1e-5)
+    calls.clear()
+    with torch.enable_grad():
+        fast(one).sum().backward()   # autograd through torch's kernels: numpy's product has no gradient
+    assert calls == [] and fast.h[0].mlp.c_fc.weight.grad is not None
+    with torch.inference_mode():
+        fast.to(torch.bfloat16)(one)
+    assert calls == [], "numpy has no bf16 BLAS: torch computes it"
+    fast.use_numpy_blas(False)
+    assert fast.linears_layout == plain.linears_layout or packed
+
+
+def test_the_loader_chooses_numpy_blas_for_fp32_on_an_amd_cpu_whose_openblas_threads_sleep():
+    """The choice is the device's, made at load: an AMD CPU whose numpy links OpenBLAS, with idle threads that
+    sleep, computes one row with it; Intel's keeps torch's MKL, as does another BLAS, spinning threads, another
+    dtype, or a GPU. This machine's own answers are named; numpy is expected to link OpenBLAS (PyPI's wheels
+    do): the thread tests below depend on it."""
+    from minillm.checkpoints.load import choose_layout
+    from minillm.weight_layout import cpu_vendor, numpy_blas, numpy_blas_pays
+    cpu, gpu, fp32 = torch.device("cpu"), torch.device("cuda"), torch.float32
+    assert numpy_blas_pays(cpu, fp32, "AuthenticAMD", "openblas", True)
+    assert not numpy_blas_pays(cpu, fp32, "GenuineIntel", "openblas", True)
+    assert not numpy_blas_pays(cpu, fp32, "AuthenticAMD", "mkl", True)
+    assert not numpy_blas_pays(cpu, fp32, "AuthenticAMD", "openblas", False)
+    assert not numpy_blas_pays(cpu, torch.bfloat16, "AuthenticAMD", "openblas", True)
+    assert not numpy_blas_pays(gpu, fp32, "AuthenticAMD", "openblas", True)
+    assert choose_layout(context_model(), numpy_one_row=True).numpy_one_row
+    assert not choose_layout(context_model(), numpy_one_row=False).numpy_one_row
+    assert cpu_vendor(), "the CPU's vendor could not be read from /proc/cpuinfo"
+    assert numpy_blas() == "openblas", f"numpy links {numpy_blas()!r}, not OpenBLAS: install numpy's PyPI wheel"
+
+
+def test_packed_copies_are_kept_in_fp32_and_in_bf16_where_the_cpu_computes_it_natively():
+    """oneDNN's packed copies pay in fp32 on a CPU, and in bf16 only where the CPU multiplies bf16 in hardware
+    (AVX512_BF16 or AMX, read from /proc/cpuinfo's flags, as vLLM's CPU backend checks); in bf16 they then
+    serve one row as well (oneDNN's bf16 kernel streams faster than MKL's), in fp32 several rows only. A bf16
+    model without them (this test's: every CPU can run it) keeps the head's [C, V] copy."""
+    from minillm.checkpoints.load import choose_layout
+    from minillm.weight_layout import cpuinfo, native_bf16, packing_pays, serves_packed
+    cpu, gpu, bf16, fp32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
+    zen4, zen3, spr = "fpu avx2 avx512f avx512_bf16", "fpu avx2 fma", "avx512f amx_bf16 amx_tile"
+    assert native_bf16(zen4) and native_bf16(spr) and not native_bf16(zen3) and not native_bf16("avx512_bf16x")
+    assert packing_pays(cpu, fp32, zen3) and packing_pays(cpu, bf16, zen4) and not packing_pays(cpu, bf16, zen3)
+    assert not packing_pays(cpu, torch.float16, zen4) and not packing_pays(gpu, fp32, zen4)
+    one, two = torch.ones(1, 1, 8), torch.ones(2, 1, 8)
+    with torch.inference_mode():
+        assert serves_packed(one.bfloat16(), torch.ones(8, 8, dtype=bf16)) and serves_packed(two, torch.ones(8, 8))
+        assert not serves_packed(one, torch.ones(8, 8)) and not serves_packed(two, torch.ones(8, 8, dtype=bf16))
+    half = choose_layout(context_model().to(bf16), numpy_one_row=False, packed=False)
+    assert half.lm_head_t is not None and half.lm_head_packed is None and half.h[0].mlp.c_fc.packed is None
+    assert "avx2" in cpuinfo("flags").split(), f"no avx2 among this CPU's flags: {cpuinfo('flags')!r}"
+
+
+IDLE_CPU = """
+import sys, time, resource
+for name in sys.argv[1:]:
+    __import__(name)
+import numpy, threadpoolctl
+from minillm.weight_layout import openblas_threads_sleep
+threadpoolctl.threadpool_limits(2, user_api="blas")
+a = numpy.ones((4096, 768), numpy.float32)
+for _ in range(20):
+    a @ numpy.ones(768, numpy.float32)          # big enough for OpenBLAS to use both threads
+cpu = lambda: resource.getrusage(resource.RUSAGE_SELF)
+before = cpu()
+time.sleep(0.1)
+after = cpu()
+print(openblas_threads_sleep(), after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+"""
+
+
+def test_importing_minillm_before_numpy_makes_openblas_threads_sleep_and_only_then_is_numpy_chosen():
+    """OpenBLAS's idle threads spin ~0.1 s after each product by default, on the core torch's next kernel needs
+    (a batch-4 step took 2× as long after a one-row product). Importing minillm first sets its timeout to the
+    least: in the 0.1 s after a product the process then burns almost no CPU, where numpy imported first (the
+    control, so that this test can fail) burns most of a core and the loader keeps torch's BLAS. Needs 2 CPUs,
+    for OpenBLAS to start a second thread."""
+    import os
+    import subprocess
+    import sys
+    assert len(os.sched_getaffinity(0)) >= 2, "this test needs 2 CPUs: OpenBLAS starts no thread on one"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS")}
+    runs = {}
+    for first in ("minillm", "numpy"):
+        out = subprocess.run([sys.executable, "-c", IDLE_CPU, first], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        sleeps, idle_cpu = out.stdout.split()
+        runs[first] = (sleeps == "True", float(idle_cpu))
+    assert runs["minillm"][0] and not runs["numpy"][0], runs
+    assert runs["minillm"][1] < 0.03 and runs["numpy"][1] > 0.05, f"CPU seconds in 0.1 s idle: {runs}"
+
+
+def test_set_num_threads_sizes_torch_and_numpys_blas_together():
+    """A one-row product may run on numpy's BLAS, which keeps a thread pool of its own: counting free cores must
+    size both, or OpenBLAS's threads fight torch's (and another process's) for the cores."""
+    import threadpoolctl
+    from minillm.weight_layout import set_num_threads
+    blas_threads = lambda: [lib["num_threads"] for lib in threadpoolctl.threadpool_info()  # noqa: E731
+                            if lib["user_api"] == "blas"]
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            set_num_threads(n)
+            assert torch.get_num_threads() == n and blas_threads() and set(blas_threads()) == {n}
+    finally:
+        set_num_threads(before)
+
+
 def test_a_deep_copy_of_a_packed_model_makes_its_own_copies_from_its_own_weights():
     import copy
     from minillm.checkpoints.load import choose_layout
@@ -360,6 +505,26 @@ def test_the_fused_kernel_computes_attention_by_hand(B, H, T, L, D, ends):
     q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
     mask = None if ends is None else causal_mask(torch.tensor([[e - T + 1 + t for t in range(T)] for e in ends]), L)
     torch.testing.assert_close(causal_attention(q, k, v, mask), attention_by_hand(q, k, v, mask), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("B, L, ends", [(3, 7, None), (2, 6, [2, 5]), (4, 129, [129, 40, 1, 77])])
+def test_a_bf16_decode_on_the_cpu_is_written_out_and_errs_as_the_fused_kernel_does(B, L, ends, monkeypatch):
+    """One query per row in bf16 on a CPU goes through `decode_attention` (torch's fused kernel is slow there),
+    which computes in fp32 like the fused kernel: against the math in fp64 on the same bf16 inputs it errs by
+    the output's own rounding (bf16: 2⁻⁹ of a value, here of size ≤ 3), as the fused kernel does."""
+    import minillm.model as model_module
+    g = torch.Generator().manual_seed(B + L)
+    q, k, v = (torch.randn(B, 12, n, 64, generator=g).bfloat16() for n in (1, L, L))
+    mask = None if ends is None else causal_mask(torch.tensor(ends)[:, None] - 1, L)
+    calls = []
+    real = model_module.decode_attention
+    monkeypatch.setattr(model_module, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    got = causal_attention(q, k, v, mask)
+    exact = attention_by_hand(q.double(), k.double(), v.double(), mask)
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert calls and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), exact, atol=8e-3, rtol=0)
+    assert (got.double() - exact).abs().max() <= (fused.double() - exact).abs().max() + 1e-3
 
 
 def test_seeded_generation_is_reproducible(model):

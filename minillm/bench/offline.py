@@ -51,7 +51,8 @@ from .cost import decode_cost, prefill_cost
 from ..device import available_memory
 from .roofline import achieved, measure_ceilings
 from .steps import time_decode, time_prefill
-from .sweep import DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, busy_report, parse_batches, sweep
+from .sweep import (DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, blas_check, blas_report, busy_report,
+                    parse_batches, sweep)
 from .sweep import report as sweep_report
 from .threads import apply_threads, choose_threads
 from .timing import environment, si, time_fn
@@ -83,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached tokens per sequence before each swept decode step")
     parser.add_argument("--busy-check", action="store_true",
                         help="also time the batch-16 step beside a core a Python loop keeps busy, in turns with quiet")
+    parser.add_argument("--blas-check", action="store_true",
+                        help="also time the batch-1 step with its one-row products on numpy's BLAS and on torch's, "
+                             "in turns, quiet and beside a busy core (fp32 on a CPU)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
 
@@ -262,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
     load_before = _loadavg()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.blas_check and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"--blas-check compares one-row products on numpy's BLAS and torch's, which numpy "
+                         f"computes in fp32 on a CPU only; this run is {str(dtype).removeprefix('torch.')} on "
+                         f"{device}: add --device cpu --dtype fp32")
     model = load_model(args.model, device, dtype, args.weights_dir)
     context = _check(args, model.config.n_ctx)
     check_memory(model.config, dtype, device, args.prompt_len, context, args.batch)
@@ -280,6 +288,10 @@ def run(args: argparse.Namespace) -> int:
     if args.busy_check:
         say(f"bench: timing the batch-16 step quiet, beside a busy core, and there on one thread, {args.repeats} rounds …")
         result["busy"] = beside_busy_core(model, 16, min(args.sweep_context, model.config.n_ctx - 1), args.repeats)
+    if args.blas_check:
+        say(f"bench: timing the batch-1 step on numpy's BLAS and on torch's, quiet and beside a busy core, "
+            f"{args.repeats} rounds …")
+        result["blas"] = blas_check(model, min(args.sweep_context, model.config.n_ctx - 1), args.repeats)
     result["threads"] = choice.as_dict()
     busy = choice.busy if choice.busy is not None else 0.0
     load_after = _loadavg()
@@ -296,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(sweep_report(result["sweep"])))
     if "busy" in result:
         print(busy_report(result["busy"]))
+    if "blas" in result:
+        print(blas_report(result["blas"]))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -97,15 +97,6 @@ class Workload:
         return seconds[1] / steps[1], seconds[0] / steps[0], in_record / steps[1]
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-        return platform.processor() or "unknown CPU"
-
-
 def ratios(rounds) -> list[float]:
     """Per round: the mean recorded step ÷ the mean other step, over its two runs (recording the even steps in
     one and the odd steps in the other, so that neither side always gets the first step of a pair)."""
@@ -120,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                        cache_config=CacheConfig(enable_prefix_caching=True), record_timeline=False)
     workload = Workload(engine, args.requests, args.max_tokens)
     recorder = StepRecorder()
-    where = device_name(device) if device.type == "cuda" else cpu_name()
+    where = device_name(device)
     print(f"{args.model} on {device} ({where}), {choice.threads} torch threads; {args.requests} requests × "
           f"{args.max_tokens} tokens per run, {engine.block_manager.num_blocks} KV blocks, prefix caching on")
     before = read_load()

@@ -30,10 +30,15 @@ one thread.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
+import sys
+import time
 
 from .cost import decode_cost
 from .roofline import Ceilings
+from ..weight_layout import set_num_threads
 from .steps import decode_step
 from .timing import time_fn
 
@@ -87,36 +92,74 @@ def sweep(model, batches, context_len: int, ceilings: Ceilings, rounds: int = 5,
             "dtype": str(model.dtype).removeprefix("torch.")}
 
 
+@contextlib.contextmanager
+def busy_core():
+    """A core kept busy by a Python loop in a child process (`while True: pass`), running before the block starts."""
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        loop.kill()
+        loop.wait()
+
+
 def beside_busy_core(model, batch: int, context_len: int, rounds: int = 5) -> dict:
     """The batch-`batch` step quiet, beside a busy core, and beside it on one thread, in turns, `rounds` times.
 
-    The busy core is a Python loop in a child process (`while True: pass`), started before and stopped after
-    each busy timing; the quiet timing comes first in every round. Judged per round: busy ÷ quiet (how much a
-    third runnable thread costs this thread policy) and busy ÷ busy on one thread (whether the chosen threads
-    ever lose to one)."""
-    import subprocess
-    import sys
-    import time
-
+    The busy core (`busy_core`) is started before and stopped after each busy timing; the quiet timing comes
+    first in every round. Judged per round: busy ÷ quiet (how much a third runnable thread costs this thread
+    policy) and busy ÷ busy on one thread (whether the chosen threads ever lose to one)."""
     import torch
     step, threads = decode_step(model, context_len, batch), torch.get_num_threads()
     step()
     times = {"quiet": [], "busy": [], "busy, 1 thread": []}
     for _ in range(rounds):
         times["quiet"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
-        loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            time.sleep(0.3)  # the loop is running before the step starts
-            times["busy"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
-            torch.set_num_threads(1)
-            times["busy, 1 thread"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
-        finally:
-            torch.set_num_threads(threads)
-            loop.kill()
-            loop.wait()
+        with busy_core():
+            try:
+                times["busy"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
+                set_num_threads(1)
+                times["busy, 1 thread"].append(time_fn(step, model.device, warmup=0, repeats=1).median_s)
+            finally:
+                set_num_threads(threads)
     ratio = lambda a, b: [x / y for x, y in zip(times[a], times[b])]  # noqa: E731
     return {"batch": batch, "threads": threads, "rounds": rounds, "times_s": times,
             "busy_over_quiet": ratio("busy", "quiet"), "busy_over_one_thread": ratio("busy", "busy, 1 thread")}
+
+
+def blas_check(model, context_len: int, rounds: int = 5) -> dict:
+    """The batch-1 step with its one-row products on numpy's BLAS and on torch's, in turns, quiet and beside a
+    busy core, `rounds` times: what the loader's choice of library (`GPT2.use_numpy_blas`) gains, and what a core
+    taken by another process after the threads were counted costs each. The model's choice is restored."""
+    import torch
+    step, threads, chosen = decode_step(model, context_len, 1), torch.get_num_threads(), model.numpy_one_row
+    times = {f"{lib}, {load}": [] for load in ("quiet", "busy") for lib in ("numpy", "torch")}
+    try:
+        for lib in ("numpy", "torch"):
+            model.use_numpy_blas(lib == "numpy")
+            time_fn(step, model.device, warmup=1, repeats=1)
+        for _ in range(rounds):
+            for load in ("quiet", "busy"):
+                with busy_core() if load == "busy" else contextlib.nullcontext():
+                    for lib in ("numpy", "torch"):
+                        model.use_numpy_blas(lib == "numpy")
+                        times[f"{lib}, {load}"].append(time_fn(step, model.device, warmup=0, repeats=3).median_s)
+    finally:
+        model.use_numpy_blas(chosen)
+    ratio = lambda load: [t / n for t, n in zip(times[f"torch, {load}"], times[f"numpy, {load}"])]  # noqa: E731
+    return {"threads": threads, "rounds": rounds, "context_len": context_len, "times_s": times,
+            "torch_over_numpy_quiet": ratio("quiet"), "torch_over_numpy_busy": ratio("busy")}
+
+
+def blas_report(result: dict) -> str:
+    med = {k: statistics.median(v) * 1e3 for k, v in result["times_s"].items()}
+    q, b = result["torch_over_numpy_quiet"], result["torch_over_numpy_busy"]
+    return (f"blas     batch-1 step, one-row products by numpy's BLAS and by torch's in turns ({result['rounds']} "
+            f"rounds, {result['threads']} thread{'s' * (result['threads'] > 1)}): quiet numpy {med['numpy, quiet']:.1f}"
+            f" ms, torch {med['torch, quiet']:.1f} ms: torch takes {statistics.median(q):.2f}× [{min(q):.2f}–"
+            f"{max(q):.2f}] numpy's time; beside a busy core numpy {med['numpy, busy']:.1f} ms, torch "
+            f"{med['torch, busy']:.1f} ms: {statistics.median(b):.2f}× [{min(b):.2f}–{max(b):.2f}]")
 
 
 def busy_report(result: dict) -> str:

@@ -140,6 +140,7 @@ def choose_threads(requested: int | None = None, window_s: float = WINDOW_S) -> 
 
 
 def apply_threads(choice: ThreadChoice) -> ThreadChoice:
-    import torch
-    torch.set_num_threads(choice.threads)
+    """Give torch, and numpy's BLAS (which computes one-row products on some CPUs), the chosen threads."""
+    from ..weight_layout import set_num_threads
+    set_num_threads(choice.threads)
     return choice

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from ..device import synchronize
+from ..weight_layout import cpuinfo
 
 
 @dataclass
@@ -108,14 +109,7 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def environment(device: torch.device | str, dtype: torch.dtype) -> dict:

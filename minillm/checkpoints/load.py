@@ -43,6 +43,7 @@ from .hf_format import (CONFIG_FILE, REQUIRED_FILES, TOKENIZER_FILE, WEIGHTS_FIL
 from ..device import resolve_device, resolve_dtype
 from ..config import HF_CHECKPOINTS, PRESETS, GPT2Config
 from ..model import GPT2
+from ..weight_layout import cpu_vendor, cpuinfo, numpy_blas, numpy_blas_pays, openblas_threads_sleep, packing_pays
 
 # ---- where, and in what precision -------------------------------------------
 
@@ -120,18 +121,28 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
     return model.eval()
 
 
-def choose_layout(model: GPT2) -> GPT2:
+def choose_layout(model: GPT2, numpy_one_row: bool | None = None, packed: bool | None = None) -> GPT2:
     """The layout the weights are read in, chosen for the device once the weights are final.
 
     On a CPU the LM head reads a contiguous [C, V] copy of wte (`GPT2.use_lm_head_copy`): MKL streams
     `x @ W` faster than `F.linear(x, wte)` at every batch size measured (model.py has the figures), for
     V·C·bytes of memory. Each block projection of a CPU model in fp32 also keeps a oneDNN-packed copy for
     steps of several rows (`Conv1D.pack`: about half the time of MKL's small matmuls at batch 4 to 64), for
-    one more copy of the block weights. On a GPU cuBLAS reads either layout at the same speed: no copy.
+    one more copy of the block weights. In bf16 on a CPU that computes it natively (AVX512_BF16 or AMX) the
+    packed copies serve every product, one row too, and the head needs no [C, V] copy; elsewhere bf16 is left
+    to F.linear (`weight_layout.packing_pays`). On a GPU cuBLAS reads either layout at the same speed: no copy.
+    On an AMD CPU in fp32, one-row products (a batch-1 decode) go through numpy's OpenBLAS, which streams the
+    weights ~1.5× faster there than torch's MKL (`GPT2.use_numpy_blas`; `weight_layout.py` has the figures).
+    `numpy_one_row` and `packed` override those choices (None: this machine's, `weight_layout.numpy_blas_pays`
+    and `weight_layout.packing_pays`).
     """
     on_cpu = model.device.type == "cpu"
-    model.use_lm_head_copy(on_cpu)
-    model.pack_linears(on_cpu and model.dtype == torch.float32 and torch.backends.mkldnn.is_available())
+    packs = packing_pays(model.device, model.dtype, cpuinfo("flags")) if packed is None else packed
+    model.pack_linears(packs)
+    model.use_lm_head_copy(on_cpu and not (packs and model.dtype == torch.bfloat16))  # bf16's packed copy serves all
+    if numpy_one_row is None:
+        numpy_one_row = numpy_blas_pays(model.device, model.dtype, cpu_vendor(), numpy_blas(), openblas_threads_sleep())
+    model.use_numpy_blas(numpy_one_row)
     return model
 
 

@@ -99,6 +99,7 @@ def main() -> None:
     root = os.getcwd()
     sys.path.insert(0, root)
     sys.dont_write_bytecode = True
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS too (one-row products on an AMD CPU), read as it loads
     import torch
     torch.set_num_threads(1)            # one core per child; children run side by side
     try:

@@ -84,10 +84,10 @@ def split_cores() -> tuple[list[int], list[int]]:
 def _worker(role: str, factory: Callable, cfg: WorkerConfig, init_method: str | None, inbox, outbox) -> None:
     """A worker's whole life: pin, build, join the group, then serve commands until ("stop",)."""
     try:
-        import torch
         if cfg.cores is not None:
             os.sched_setaffinity(0, cfg.cores)
-        torch.set_num_threads(cfg.threads)
+        from ..weight_layout import set_num_threads
+        set_num_threads(cfg.threads)
         from ..engine import LLMEngine
         engine = LLMEngine(factory(), cfg.scheduler_config, cfg.cache_config)
         connector = None
