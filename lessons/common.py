@@ -105,7 +105,8 @@ def quiet_load_model(name: str, device, dtype):
 
 def weights_layout(model) -> str:
     """How the loader laid the weights out for this device: the kernel path every step the lesson times takes."""
-    return f"LM head {model.lm_head_layout}; block projections {model.linears_layout}"
+    return (f"LM head {model.lm_head_layout}; block projections {model.linears_layout}; "
+            f"attention {model.attention_layout}")
 
 
 def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:

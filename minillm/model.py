@@ -59,7 +59,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPT2Config
-from .weight_layout import deepcopy_repacking, numpy_product, onednn_pack, serves_one_row, serves_packed
+from .weight_layout import (bf16_decode_by_hand_pays, cpuinfo, deepcopy_repacking, numpy_product, onednn_pack,
+                            serves_one_row, serves_packed)
 
 
 class AttentionCache(Protocol):
@@ -84,18 +85,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `attention_by_hand`.
 
     One case is computed otherwise: a decode step (one query per row) in bf16
-    on a CPU, where torch's fused kernel is the slow path. Written out in fp32
+    on a CPU with AVX512_BF16 but no AMX (`BF16_DECODE_BY_HAND`), where
+    torch's fused kernel is the slow path. Written out in fp32
     (`decode_attention`) the same step takes a quarter to a half of its time,
     and errs exactly as much (16 rows of gpt2's 12 heads over 129 keys: 0.42
-    ms against 1.71; over 513 keys 2.5 against 6.6; one row over 129, 48 µs
-    against 93; 2-core EPYC, Zen 4, two threads).
+    ms against 1.71; over 513 keys 2.5 against 6.6; 2-core EPYC, Zen 4, two
+    threads). With AMX the fused kernel is the fast one (on a Xeon, Sapphire
+    Rapids, 0.34 ms against 7.4 written out), so it is kept there.
     """
     T, L = q.shape[-2], k.shape[-2]
-    if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
+    if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and BF16_DECODE_BY_HAND:
         return decode_attention(q, k, v, mask)
     if mask is None and T not in (1, L):  # queries at the end of a longer context: the triangle starts at L − T
         mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+
+
+# This CPU's answer, read once (`weight_layout.bf16_decode_by_hand_pays`); tests set it to take either path.
+BF16_DECODE_BY_HAND = bf16_decode_by_hand_pays(cpuinfo("flags"))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -355,6 +362,12 @@ class GPT2(nn.Module):
             return f"W [in, out] via {one_row} for one row, a oneDNN-packed copy for several (LM head too)"
         return "W [in, out] via numpy for one row, F.linear for several" if self.numpy_one_row else \
             "W [in, out] as stored, via F.linear"
+
+    @property
+    def attention_layout(self) -> str:
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and BF16_DECODE_BY_HAND:
+            return "torch's fused kernel, one query per row written out in fp32 (decode_attention)"
+        return "torch's fused kernel (scaled_dot_product_attention)"
 
     @property
     def device(self) -> torch.device:

@@ -509,19 +509,27 @@ def test_the_fused_kernel_computes_attention_by_hand(B, H, T, L, D, ends):
 
 @pytest.mark.parametrize("B, L, ends", [(3, 7, None), (2, 6, [2, 5]), (4, 129, [129, 40, 1, 77])])
 def test_a_bf16_decode_on_the_cpu_is_written_out_and_errs_as_the_fused_kernel_does(B, L, ends, monkeypatch):
-    """One query per row in bf16 on a CPU goes through `decode_attention` (torch's fused kernel is slow there),
-    which computes in fp32 like the fused kernel: against the math in fp64 on the same bf16 inputs it errs by
-    the output's own rounding (bf16: 2⁻⁹ of a value, here of size ≤ 3), as the fused kernel does."""
+    """One query per row in bf16 on a CPU with AVX512_BF16 and no AMX (`BF16_DECODE_BY_HAND`, set here to take
+    each path on every machine) goes through `decode_attention` (torch's fused kernel is slow there), which
+    computes in fp32 like the fused kernel: against the math in fp64 on the same bf16 inputs it errs by the
+    output's own rounding (bf16: 2⁻⁹ of a value, here of size ≤ 3), as the fused kernel does. Elsewhere the
+    fused kernel computes it."""
     import minillm.model as model_module
+    from minillm.weight_layout import bf16_decode_by_hand_pays
+    zen4, zen3, spr = "fpu avx2 avx512f avx512_bf16", "fpu avx2 fma", "avx512f avx512_bf16 amx_bf16 amx_tile"
+    assert bf16_decode_by_hand_pays(zen4) and not bf16_decode_by_hand_pays(spr) and not bf16_decode_by_hand_pays(zen3)
     g = torch.Generator().manual_seed(B + L)
     q, k, v = (torch.randn(B, 12, n, 64, generator=g).bfloat16() for n in (1, L, L))
     mask = None if ends is None else causal_mask(torch.tensor(ends)[:, None] - 1, L)
     calls = []
     real = model_module.decode_attention
     monkeypatch.setattr(model_module, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(model_module, "BF16_DECODE_BY_HAND", False)
+    fused = causal_attention(q, k, v, mask)
+    assert not calls
+    monkeypatch.setattr(model_module, "BF16_DECODE_BY_HAND", True)
     got = causal_attention(q, k, v, mask)
     exact = attention_by_hand(q.double(), k.double(), v.double(), mask)
-    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert calls and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=8e-3, rtol=0)
     assert (got.double() - exact).abs().max() <= (fused.double() - exact).abs().max() + 1e-3

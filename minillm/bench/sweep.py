@@ -88,7 +88,7 @@ def sweep(model, batches, context_len: int, ceilings: Ceilings, rounds: int = 5,
                      "times_batch1": statistics.median(ratios), "times_batch1_range": [min(ratios), max(ratios)],
                      "roofline_times_batch1": max(memory, compute) / rows[0]["roofline_s"] if rows else 1.0})
     return {"context_len": context_len, "rounds": rounds, "rows": rows, "lm_head_layout": model.lm_head_layout,
-            "block_linears": model.linears_layout,
+            "block_linears": model.linears_layout, "attention": model.attention_layout,
             "dtype": str(model.dtype).removeprefix("torch.")}
 
 
@@ -177,7 +177,7 @@ def report(result: dict) -> list[str]:
     rows = {r["batch"]: r for r in result["rows"]}
     lines = [f"sweep    decode steps after {result['context_len']} cached tokens, batch sizes timed in turns "
              f"({result['rounds']} rounds, medians); {result['dtype']}, LM head: {result['lm_head_layout']}, "
-             f"block linears: {result['block_linears']}"]
+             f"block linears: {result['block_linears']}, attention: {result['attention']}"]
     for r in result["rows"]:
         lo, hi = r["times_batch1_range"]
         lines.append(f"  batch {r['batch']:>3}: {r['seconds'] * 1e3:8.2f} ms ({r['seconds'] * 1e3 / r['batch']:.2f} "
