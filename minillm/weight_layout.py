@@ -55,6 +55,26 @@ takes after the threads were counted slows this path where MKL's holds
 (beside a busy loop the step took 49.1 ms against torch's 35.9; on one thread,
 which counting the free cores first gives, the two ran even: 0.95–1.17). Where the load
 comes and goes, `--threads 1` avoids that.
+
+bf16 (`--dtype bf16`, as vLLM's CPU backend defaults to) halves the bytes a
+step reads, and pays only where the CPU multiplies bf16 in hardware
+(`native_bf16`: AVX512_BF16 or AMX); elsewhere each product converts. There
+oneDNN's packed bf16 copies serve every product, one row included, and the head
+needs no [C, V] copy (`packing_pays`). The 12 layers' projections, two threads
+(OMP_WAIT_POLICY unset: they spin a while at barriers), on a 2-core Xeon
+(Sapphire Rapids, AMX):
+
+    1 row       F.linear 15.9 ms, packed 8.1 ms   (fp32: MKL 12.2 ms)
+    16 rows     15.5 ms, 8.7 ms                   (fp32: packed 22.6 ms)
+    LM head     1 row 3.8 ms (x @ W) against 1.7 packed; 16 rows 3.7 against 1.9
+
+and on the 2-core EPYC (Zen 4, AVX512_BF16, no AMX): 1 row 15.8 → 11.5 ms, 16
+rows 23.8 → 13.3 ms. oneDNN refuses to pack bf16 on a CPU without AVX-512
+("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and
+avx512dq"), so no test can take this path on an AVX2 machine; on the Xeon the
+engine's logits in it stay within the bf16 tolerance of tests/test_engine.py.
+Attention in bf16 is torch's fused kernel, except one query per row on a CPU
+with AVX512_BF16 and no AMX (`bf16_decode_by_hand_pays`, model.py).
 """
 from __future__ import annotations
 
