@@ -90,8 +90,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (`decode_attention`) the same step takes a quarter to a half of its time,
     and errs exactly as much (16 rows of gpt2's 12 heads over 129 keys: 0.42
     ms against 1.71; over 513 keys 2.5 against 6.6; 2-core EPYC, Zen 4, two
-    threads). With AMX the fused kernel is the fast one (on a Xeon, Sapphire
-    Rapids, 0.34 ms against 7.4 written out), so it is kept there.
+    threads). With AMX the fused kernel is the fast one (on a 2-core Xeon
+    with AMX, 0.34 ms against 7.4 written out), so it is kept there.
     """
     T, L = q.shape[-2], k.shape[-2]
     if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and BF16_DECODE_BY_HAND:

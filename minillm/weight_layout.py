@@ -62,7 +62,7 @@ step reads, and pays only where the CPU multiplies bf16 in hardware
 oneDNN's packed bf16 copies serve every product, one row included, and the head
 needs no [C, V] copy (`packing_pays`). The 12 layers' projections, two threads
 (OMP_WAIT_POLICY unset: they spin a while at barriers), on a 2-core Xeon
-(Sapphire Rapids, AMX):
+(AMX; Sapphire Rapids or later):
 
     1 row       F.linear 15.9 ms, packed 8.1 ms   (fp32: MKL 12.2 ms)
     16 rows     15.5 ms, 8.7 ms                   (fp32: packed 22.6 ms)
@@ -139,7 +139,7 @@ def native_bf16(flags: str) -> bool:
 def bf16_decode_by_hand_pays(flags: str) -> bool:
     """Whether one bf16 query per row attends faster written out in fp32 (`model.decode_attention`) than through
     torch's fused kernel on a CPU with these flags: where it has AVX512_BF16 but no AMX. With AMX the fused
-    kernel runs bf16 tiles and wins (Xeon, Sapphire Rapids: 16 rows × 12 heads over 129 keys, 0.34 ms against
+    kernel runs bf16 tiles and wins (a Xeon with AMX: 16 rows × 12 heads over 129 keys, 0.34 ms against
     7.4 written out); without, it converts block by block and loses (EPYC, Zen 4: 1.71 ms against 0.42).
     Elsewhere bf16 is emulated and the fused kernel is kept, as torch ships it."""
     flags = set(flags.split())
