@@ -88,10 +88,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     on a CPU with AVX512_BF16 but no AMX (`BF16_DECODE_BY_HAND`), where
     torch's fused kernel is the slow path. Written out in fp32
     (`decode_attention`) the same step takes a quarter to a half of its time,
-    and errs exactly as much (16 rows of gpt2's 12 heads over 129 keys: 0.42
+    and errs no more (16 rows of gpt2's 12 heads over 129 keys: 0.42
     ms against 1.71; over 513 keys 2.5 against 6.6; 2-core EPYC, Zen 4, two
     threads). With AMX the fused kernel is the fast one (on a 2-core Xeon
-    with AMX, 0.34 ms against 7.4 written out), so it is kept there.
+    with AMX, 0.30 ms against 7.4 written out), so it is kept there.
     """
     T, L = q.shape[-2], k.shape[-2]
     if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and BF16_DECODE_BY_HAND:
@@ -109,7 +109,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_attention` for one query per row, (B, H, 1, D), which sees every key its mask allows: the scores
     as one batched matmul, their softmax, and the weighted values as another, in fp32 whatever q's dtype (as
-    the fused kernel accumulates: scores rounded to bf16 would err 3–5× as much), the output in q's."""
+    the fused kernel accumulates: scores rounded to bf16 would err 3–5× as much), the output in q's.
+
+    `mask` is boolean, True where a key is seen, as every cache builds it, and each row sees at least its own
+    key (a row that saw none would give NaN here where the fused kernel gives zeros)."""
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"decode_attention takes a boolean mask (True: the key is seen), not {mask.dtype}")
     scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, 1, L)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -175,7 +180,8 @@ class Conv1D(nn.Module):
     Packed for a CPU (`weight_layout.py`): W serves one row, streamed at the
     bandwidth; a oneDNN-packed copy serves several (on the 2-core EPYC, one
     thread, 12 c_fc layers at batch 16: 65 ms against MKL's 119 over W), at the
-    cost of a second copy of W (in·out·4 bytes; fp32 on a CPU only).
+    cost of a second copy of W (in·out·bytes). In bf16, on a CPU that computes
+    it natively, the packed copy serves one row too.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -191,7 +197,8 @@ class Conv1D(nn.Module):
 
     @torch.no_grad()
     def pack(self, on: bool = True) -> None:
-        """Reorder a copy of W, as it is now, into oneDNN's layout for matmuls of several rows (on), or drop it."""
+        """Reorder a copy of W, as it is now, into oneDNN's layout (on: `serves_packed` says for which rows), or
+        drop it."""
         self.packed = onednn_pack(self.weight.t()) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -350,18 +357,23 @@ class GPT2(nn.Module):
         if self.lm_head_packed is not None and self.lm_head_packed.dtype == torch.bfloat16:
             return "a oneDNN-packed copy of wte, for every row count"
         layout = "tied wte [V, C] via F.linear" if self.lm_head_t is None else "a [C, V] copy of wte via x @ W"
-        return layout + (", numpy's BLAS for one row" if self.numpy_one_row else "")
+        return layout + (", numpy's BLAS for one row" if self.numpy_serves else "")
 
     @property
     def linears_layout(self) -> str:
-        one_row = "numpy" if self.numpy_one_row else "F.linear"
+        one_row = "numpy" if self.numpy_serves else "F.linear"
         packed = self.h[0].mlp.c_fc.packed
         if packed is not None and packed.dtype == torch.bfloat16:
             return "a oneDNN-packed copy of W for every row count (LM head too)"
         if packed is not None:
             return f"W [in, out] via {one_row} for one row, a oneDNN-packed copy for several (LM head too)"
-        return "W [in, out] via numpy for one row, F.linear for several" if self.numpy_one_row else \
+        return "W [in, out] via numpy for one row, F.linear for several" if self.numpy_serves else \
             "W [in, out] as stored, via F.linear"
+
+    @property
+    def numpy_serves(self) -> bool:
+        """Whether numpy's BLAS computes this model's one-row products: chosen, and fp32 on the CPU (`serves_one_row`)."""
+        return self.numpy_one_row and self.device.type == "cpu" and self.dtype == torch.float32
 
     @property
     def attention_layout(self) -> str:

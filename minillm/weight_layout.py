@@ -30,7 +30,7 @@ Which library streams one row also depends on the CPU. torch's BLAS is
 Intel's MKL, whose matrix-vector kernel reads fp32 weights near the bandwidth
 on Intel chips and well below it on AMD's; numpy's wheels link OpenBLAS, whose
 Zen kernels do not. The 12 layers' four projections of gpt2 (340 MB), one row,
-two threads, on the 2-core EPYC:
+two threads, on the 2-core EPYC (Zen 3, AVX2):
 
     torch (MKL)          22–25 ms    14–15 GB/s
     numpy (OpenBLAS)     15–16 ms    21–23 GB/s     (a read-only stream: 25 GB/s)
@@ -39,7 +39,7 @@ So on an AMD CPU in fp32 the loader sends every one-row product (a batch-1
 decode's) through numpy's BLAS (`GPT2.use_numpy_blas`), as CTranslate2 keeps
 MKL for Intel's. numpy computes on the tensors' own memory: no copy, and a
 change made to W in place is seen. `python -m minillm bench --blas-check`
-times the batch-1 step both ways in turns; on the EPYC, quiet, torch's took
+times the batch-1 step both ways in turns; on that EPYC, quiet, torch's took
 1.13× numpy's (1.05–1.35, 7 rounds), and the step came to 1.08× the
 weight-read floor (1.71–1.77× through MKL, before).
 
@@ -47,7 +47,8 @@ OpenBLAS brings a thread pool of its own, beside torch's OpenMP one, and two
 things follow. `set_num_threads` sizes both, from the cores found free. And
 its idle threads must sleep: by default they spin for 2²⁸ cycles after each
 product, on the core torch's next kernel needs (a batch-4 step right after a
-one-row one took 89.5 ms against 47.2), so importing minillm before numpy sets
+one-row one took 89.5 ms against 47.2), so importing minillm before torch
+(whose import loads numpy) sets
 OPENBLAS_THREAD_TIMEOUT to its least, and the loader keeps torch's BLAS where
 it was not (`openblas_threads_sleep`). The price that remains: OpenBLAS's two
 threads wait for each other at the end of a product, so a core another process
@@ -93,8 +94,8 @@ except ImportError:  # a machine with fixed packages (the GPU one's): numpy's BL
 
 
 def onednn_pack(weight_out_in: torch.Tensor) -> torch.Tensor:
-    """A copy of W [out, in] reordered once into oneDNN's blocked layout for matmuls of several rows (tuned for
-    16; what torch.compile's CPU weight prepacking makes)."""
+    """A copy of W [out, in] reordered once into oneDNN's blocked layout (tuned for 16 rows; what torch.compile's
+    CPU weight prepacking makes). `serves_packed` says which products it computes."""
     return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.contiguous(), 16)
 
 
@@ -139,7 +140,7 @@ def native_bf16(flags: str) -> bool:
 def bf16_decode_by_hand_pays(flags: str) -> bool:
     """Whether one bf16 query per row attends faster written out in fp32 (`model.decode_attention`) than through
     torch's fused kernel on a CPU with these flags: where it has AVX512_BF16 but no AMX. With AMX the fused
-    kernel runs bf16 tiles and wins (a Xeon with AMX: 16 rows × 12 heads over 129 keys, 0.34 ms against
+    kernel runs bf16 tiles and wins (a Xeon with AMX: 16 rows × 12 heads over 129 keys, 0.30 ms against
     7.4 written out); without, it converts block by block and loses (EPYC, Zen 4: 1.71 ms against 0.42).
     Elsewhere bf16 is emulated and the fused kernel is kept, as torch ships it."""
     flags = set(flags.split())
@@ -165,7 +166,7 @@ def numpy_blas() -> str:
 
 def openblas_threads_sleep() -> bool:
     """Whether numpy's OpenBLAS threads sleep as soon as they are idle: OPENBLAS_THREAD_TIMEOUT held 4 (its least,
-    2⁴ cycles of spinning) as numpy loaded, which importing minillm before numpy sees to. By default they spin
+    2⁴ cycles of spinning) as numpy loaded, which importing minillm before torch (it loads numpy) sees to. By default they spin
     for 2²⁸ cycles (~0.1 s) after each product, on the core torch's next kernel needs."""
     try:
         return int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")) <= 4

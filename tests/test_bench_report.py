@@ -82,9 +82,17 @@ def test_the_blas_check_times_both_libraries_in_turns_quiet_and_busy_and_restore
     from minillm.bench import sweep
     model = random_model(PRESETS["tiny"], "cpu", torch.float32)
     model.use_numpy_blas(chosen)
-    libraries = []
-    real_time_fn = sweep.time_fn
-    monkeypatch.setattr(sweep, "time_fn", lambda *a, **k: libraries.append(model.numpy_one_row) or real_time_fn(*a, **k))
+    from minillm import model as model_module
+    libraries, products = [], []
+    real_time_fn, real_product = sweep.time_fn, model_module.numpy_product
+    monkeypatch.setattr(model_module, "numpy_product", lambda *a: products.append(1) or real_product(*a))
+
+    def timed(*args, **kwargs):   # which library each timing's products ran on
+        before = len(products)
+        result = real_time_fn(*args, **kwargs)
+        libraries.append(len(products) > before)
+        return result
+    monkeypatch.setattr(sweep, "time_fn", timed)
     r = sweep.blas_check(model, context_len=8, rounds=2)
     assert model.numpy_one_row == chosen and model.h[0].mlp.c_fc.numpy_one_row == chosen
     t = r["times_s"]
@@ -103,6 +111,13 @@ def test_bench_refuses_a_blas_check_that_numpy_cannot_run():
     from minillm.bench import offline
     parser = argparse.ArgumentParser()
     offline.add_arguments(parser)
-    args = parser.parse_args(["--model", "tiny", "--dtype", "bf16", "--blas-check", "--prompt-len", "8"])
-    with pytest.raises(ValueError, match="--blas-check .* this run is bfloat16 on cpu: add --device cpu --dtype fp32"):
-        offline.run(args)
+    args = parser.parse_args(["--model", "tiny", "--device", "cpu", "--dtype", "bf16", "--blas-check",
+                              "--prompt-len", "8"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(ValueError, match="--blas-check .* this run is bfloat16 on cpu: add --device cpu --dtype fp32"):
+            offline.run(args)
+        assert torch.get_num_threads() == 1, "refused before it chose threads for this process"
+    finally:
+        torch.set_num_threads(before)

@@ -182,6 +182,15 @@ def test_numpy_blas_gives_the_same_logits_for_one_row_and_leaves_several_rows_to
     assert fast.linears_layout == plain.linears_layout or packed
 
 
+def test_in_tests_the_loader_takes_one_path_on_every_machine():
+    """tests/conftest.py pins the loader's CPU-dependent defaults: torch's BLAS for one row, no bf16 packing,
+    whatever this CPU is; without the pin an AMD CPU would take numpy's BLAS here, and an AVX-512 one bf16 copies."""
+    from minillm.checkpoints.load import choose_layout
+    fp32, bf16 = choose_layout(context_model()), choose_layout(context_model().to(torch.bfloat16))
+    assert not fp32.numpy_one_row and fp32.h[0].mlp.c_fc.packed is not None
+    assert bf16.h[0].mlp.c_fc.packed is None and bf16.lm_head_packed is None and bf16.lm_head_t is not None
+
+
 def test_the_loader_chooses_numpy_blas_for_fp32_on_an_amd_cpu_whose_openblas_threads_sleep():
     """The choice is the device's, made at load: an AMD CPU whose numpy links OpenBLAS, with idle threads that
     sleep, computes one row with it; Intel's keeps torch's MKL, as does another BLAS, spinning threads, another
@@ -533,6 +542,15 @@ def test_a_bf16_decode_on_the_cpu_is_written_out_and_errs_as_the_fused_kernel_do
     assert calls and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=8e-3, rtol=0)
     assert (got.double() - exact).abs().max() <= (fused.double() - exact).abs().max() + 1e-3
+
+
+def test_decode_attention_refuses_an_additive_mask():
+    """The caches build boolean masks (True: seen); an additive float mask, which the fused kernel also takes,
+    would be read the other way round by `~mask`, so decode_attention names what it takes instead."""
+    from minillm.model import decode_attention
+    q, k = torch.ones(1, 1, 1, 4), torch.ones(1, 1, 3, 4)
+    with pytest.raises(TypeError, match="boolean mask .* not torch.float32"):
+        decode_attention(q, k, k, torch.zeros(1, 1, 1, 3))
 
 
 def test_seeded_generation_is_reproducible(model):

@@ -262,14 +262,14 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     batches = parse_batches(args.sweep)  # a bad list fails before anything loads
     check_output_path("--json", args.json)
-    choice = apply_threads(choose_threads(args.threads))  # the free cores, or --threads
-    load_before = _loadavg()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.blas_check and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"--blas-check compares one-row products on numpy's BLAS and torch's, which numpy "
                          f"computes in fp32 on a CPU only; this run is {str(dtype).removeprefix('torch.')} on "
                          f"{device}: add --device cpu --dtype fp32")
+    choice = apply_threads(choose_threads(args.threads))  # the free cores, or --threads
+    load_before = _loadavg()
     model = load_model(args.model, device, dtype, args.weights_dir)
     context = _check(args, model.config.n_ctx)
     check_memory(model.config, dtype, device, args.prompt_len, context, args.batch)
