@@ -1,9 +1,9 @@
 """The live page in a real browser: headless Chromium opens /live while a scripted workload runs, and the page
 must show what the engine did.
 
-    chunked prefill   three requests decode; a 100-token prompt arrives; with a budget of 67 tokens a step
-                      holds 3 decodes and the first 64 prompt tokens: the page lists "prefill 64 + decode 3",
-                      then "prefill 36 + decode 3"
+    chunked prefill   three 8-token requests prefill in one step ("prefill 24") and decode; a 100-token prompt
+                      arrives; with a budget of 67 tokens a step holds 3 decodes and the first 64 prompt
+                      tokens: the page lists "prefill 64 + decode 3", then "prefill 36 + decode 3"
     prefix sharing    two prompts share their first 48 tokens (3 blocks of 16); the second one's step says
                       "prefix hit … 48 tok", and held on that step the block map marks exactly those 3
                       blocks as shared by the two requests
@@ -71,16 +71,25 @@ def wait_for_step(page, text: str):
 
 class EngineHeld:
     """The engine thread held between two steps while requests are sent, so that they reach it together however
-    slowly a busy machine delivers them (the engine takes every queued command before its next step)."""
+    slowly a busy machine delivers them (the engine takes every queued command before its next step).
+    `one_step()` lets it take what was sent and run exactly one step, then holds it again."""
 
     def __init__(self, server):
         self.loop, self.holding, self.gate = server.serving.loop, threading.Event(), threading.Event()
+        self.again = False
+
+    def _hold(self, engine) -> None:
+        self.holding.set()
+        assert self.gate.wait(60), "the test never released the engine"
+        if self.again:
+            # Queued behind what was sent while held: a command that queues the next hold. The engine takes
+            # both before its step; the hold they queue waits in the inbox until after it.
+            self.again = False
+            self.gate.clear()
+            self.queues_next = self.loop.call(lambda engine: self.loop.call(self._hold))
 
     def __enter__(self) -> "EngineHeld":
-        def hold(engine) -> None:
-            self.holding.set()
-            self.gate.wait(60)
-        self.held = self.loop.call(hold)
+        self.held = self.loop.call(self._hold)
         assert self.holding.wait(30), "the engine thread did not take the hold"  # the inbox is empty from now
         return self
 
@@ -90,6 +99,15 @@ class EngineHeld:
         while self.loop._inbox.qsize() < n:
             assert time.monotonic() < deadline, f"{n} requests were sent but {self.loop._inbox.qsize()} arrived"
             time.sleep(0.01)
+
+    def one_step(self) -> None:
+        """Let the engine admit what was sent and run one step; return once it is held again after it."""
+        self.holding.clear()
+        self.again = True
+        self.gate.set()
+        self.held.result(timeout=60)  # this hold has returned, and queued the command that queues the next
+        self.held = self.queues_next.result(timeout=60)
+        assert self.holding.wait(30), "the engine thread did not take the hold after its step"
 
     def __exit__(self, *exc) -> None:
         self.gate.set()
@@ -136,12 +154,15 @@ def test_the_page_shows_chunked_prefill_beside_decodes_and_the_blocks_two_reques
         page.goto(server.url + "/live")
         page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=TIMEOUT_MS)
 
-        decoders = [Stream(server.url, [rng.randrange(256) for _ in range(8)], 119) for _ in range(3)]
-        for d in decoders:
-            d.started()
-        with EngineHeld(server) as held:  # the decoders wait, still decoding, until the long prompt is queued
+        with EngineHeld(server) as held:
+            decoders = [Stream(server.url, [rng.randrange(256) for _ in range(8)], 119) for _ in range(3)]
+            held.queued(3)
+            held.one_step()  # the three prefill together; held after that step, they wait, still decoding
+            for d in decoders:
+                d.started()
             long = Stream(server.url, [rng.randrange(256) for _ in range(100)], 4)
             held.queued(1)
+        wait_for_step(page, "prefill 24 = 24/67")
         wait_for_step(page, "prefill 64 + decode 3 = 67/67")
         wait_for_step(page, "prefill 36 + decode 3")
         assert long.done.wait(30) and long.error is None
