@@ -12,8 +12,8 @@ cache: an extra copy of every K and V, every layer, every step,
 
     gathered bytes per decode step = 2 · (2 · n_layer · n_embd · bytes) · Σ context_i   (read, then written)
 
-On a CPU the gather takes a few rows at a time (`GATHER_BYTES`, 4 MiB of K and
-V; paged_attention.py says why).
+On a CPU the gather takes a group of rows at a time (`GATHER_BYTES`, 16 MiB of
+K and V) into one buffer the cache keeps (paged_attention.py says why).
 
 So the gather makes attention much dearer, but attention is only part of a
 decode step: at batch B and context T the step also reads every weight once.

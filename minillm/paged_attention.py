@@ -33,20 +33,25 @@ which is the overhead lesson 06 measures. The pool keeps K and V of a slot
 side by side, so that one index_select per layer gathers both, and the
 gathered K and V are free views, never copied a second time.
 
-The copy is a fresh buffer, every layer of every step, and a big one costs
-more than its bytes: glibc's allocator maps any block over its threshold (at
-most 32 MiB) afresh and unmaps it when freed, so the kernel faults its pages
-in one by one, every time. So on a CPU the decodes are gathered and attended
-in groups of rows whose copies stay within `gather_bytes` (`GATHER_BYTES`,
-4 MiB; a row whose context alone passes it goes alone): blocks the allocator
-keeps in its heap once it has freed one. Measured on the 2-core EPYC, gpt2
-fp32, 32 decodes of 129 to 192 tokens (`python -m minillm.bench.gather`): in
-one copy, the buffer (32 rows × 11 blocks × 16 slots × 6 KiB = 33 MiB) passed
-32 MiB once the contexts reached 161 tokens, and from there every step took
-101,388 page faults (12 layers × 8,448 pages of 4 KiB, and a few more); in
-groups, 1 fault, and the full-batch step took about half the time. A GPU
-gathers in one call: its allocator caches blocks, and each group would cost
-launches.
+The copy is made every layer of every step, and where it lands matters as
+much as its bytes. A fresh buffer costs more than its bytes on a CPU: glibc's
+allocator maps any block over its threshold (at most 32 MiB) afresh and unmaps
+it when freed, so the kernel faults its pages in one by one, every time. And
+each call costs a fixed price: every parallel kernel wakes torch's sleeping
+OpenMP threads (bench/threads.py). So on a CPU the decodes are gathered and
+attended in groups of rows whose copies stay within `gather_bytes`
+(`GATHER_BYTES`, 16 MiB; a row whose context alone passes it goes alone), each
+group into the same scratch buffer, which the cache keeps from layer to layer
+and step to step. Measured on the 2-core Xeon with AMX (2026-12-04, gpt2-shaped
+fp32, 32 decodes of 129 to 192 tokens, the decode steps' median): a fresh
+buffer in groups of 4 MiB, 129–135 ms on two threads; one kept buffer in groups
+of 16 MiB, 101–103 ms (100–107 ms for every bound from 8 MiB up); on one
+thread 138–150 ms against 150–157, where groups of 32 MiB and
+more lose (159–174 ms) as the copy no longer stays in the core's cache
+(`python -m minillm.bench.gather`). On the 2-core EPYC, one fresh copy of 33
+MiB took 101,388 page faults a step once the contexts reached 161 tokens; the
+groups, none. A GPU gathers in one call, into a fresh buffer: its allocator
+caches blocks, and each group would cost launches.
 
 One step
 --------
@@ -78,9 +83,9 @@ from .kv_cache import Segment
 from .model import causal_attention, causal_mask
 from .device import to_device
 
-# On a CPU, the most bytes of gathered K and V one decode attention call copies: well under glibc's largest mmap
-# threshold (32 MiB), so that the copy's buffer is not mapped and faulted in afresh every layer of every step.
-GATHER_BYTES = 4 * 2**20
+# On a CPU, the most bytes of gathered K and V one decode attention call copies, into a buffer the cache keeps:
+# few calls (each wakes torch's threads), and a copy that one core's cache still holds when attention reads it.
+GATHER_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -116,19 +121,22 @@ def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size
     # <<< exercise
 
 
-def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len: int):
+def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len: int,
+              out: torch.Tensor | None = None):
     """Keys and values of a ragged batch, read through the block tables.
 
     layer_pool: (num_blocks, block_size, 2, H, D) for one layer; block_tables:
     (b, max_blocks) block ids, padded with any valid id. Returns k and v as
-    (b, H, context_len, D) views of one gathered buffer; slots past a
-    sequence's own length hold padding that the caller masks out.
+    (b, H, context_len, D) views of one gathered buffer: `out`, shaped
+    (b · max_blocks, block_size, 2, H, D), where the caller keeps one, else a
+    fresh one. Slots past a sequence's own length hold padding that the caller
+    masks out.
     """
     # >>> exercise paged-gather (lesson 05, 3 pts): gather a ragged batch's K and V through its block tables
-    # hint: for row r and token p, which block of the pool and which slot inside it hold its K and V? Can one indexing of the pool by the block tables fetch every row's blocks at once, and how do blocks and slots then become one token axis of which only the first context_len count? Each of K and V comes back as (rows, H, context_len, D)
+    # hint: for row r and token p, which block of the pool and which slot inside it hold its K and V? Can one indexing of the pool by the block tables fetch every row's blocks at once (torch.index_select takes out=), and how do blocks and slots then become one token axis of which only the first context_len count? Each of K and V comes back as (rows, H, context_len, D)
     b, max_blocks = block_tables.shape
     _, block_size, _, H, D = layer_pool.shape
-    blocks = layer_pool.index_select(0, block_tables.reshape(-1))          # one copy for K and V together
+    blocks = torch.index_select(layer_pool, 0, block_tables.reshape(-1), out=out)  # one copy for K and V together
     tokens = blocks.view(b, max_blocks * block_size, 2, H, D)[:, :context_len]
     return tokens.permute(2, 0, 3, 1, 4).unbind(0)  # K and V, each (b, H, L, D): views, no copy
     # <<< exercise
@@ -157,15 +165,28 @@ class PagedKVCache:
         # tokens on the slot axis, so one index_copy_ stores a whole step's keys and values.
         self.slots = [layer.view(-1, 2, H, D).permute(1, 2, 0, 3).unsqueeze(1) for layer in self.layers]
         self.metadata: PagedMetadata | None = None
+        self.bytes_per_key = 2 * config.n_embd * self.pool.element_size()  # K and V of one token, one layer
         # Decodes gather and attend in groups of at most this many bytes of K and V (None: all in one call);
         # "auto": GATHER_BYTES on a CPU, one call elsewhere.
-        if gather_bytes == "auto":
-            gather_bytes = GATHER_BYTES if self.pool.device.type == "cpu" else None
-        if gather_bytes is not None and (type(gather_bytes) is not int or gather_bytes < 1):
-            raise ValueError(f"gather_bytes={gather_bytes!r} must be a number of bytes ≥ 1, None (every decode in "
+        self.gather_bytes = (GATHER_BYTES if self.pool.device.type == "cpu" else None) \
+            if gather_bytes == "auto" else gather_bytes
+
+    @property
+    def gather_bytes(self) -> int | None:
+        return self._gather_bytes
+
+    @gather_bytes.setter
+    def gather_bytes(self, bound: int | None) -> None:
+        """Set the bound, and size the scratch the groups gather into, every layer of every step: room for the
+        bound's worth of whole blocks, or one row of the longest context if that is more. Sized here once, so
+        a compiled step sees one shape. No scratch with no bound: one call, into a fresh buffer."""
+        if bound is not None and (type(bound) is not int or bound < 1):
+            raise ValueError(f"gather_bytes={bound!r} must be a number of bytes ≥ 1, None (every decode in "
                              "one gather) or 'auto' (GATHER_BYTES on a CPU, one gather elsewhere)")
-        self.gather_bytes = gather_bytes
-        self.bytes_per_key = 2 * config.n_embd * self.pool.element_size()  # K and V of one token, one layer
+        self._gather_bytes = bound
+        self.scratch = None if bound is None else torch.empty(
+            max(bound // (self.block_size * self.bytes_per_key), self.max_decode_width), *self.layers[0].shape[1:],
+            device=self.pool.device, dtype=self.pool.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -264,6 +285,11 @@ class PagedKVCache:
             1, self.gather_bytes // (keys_per_row * self.bytes_per_key))
         return [slice(a, a + rows) for a in range(0, num_decodes, rows)]
 
+    def gather_buffer(self, num_blocks: int) -> torch.Tensor | None:
+        """Where a group of decodes gathers its `num_blocks` blocks: the first of the kept scratch's blocks
+        when the decodes go in groups; None (a fresh buffer) when they go in one call."""
+        return None if self.scratch is None else self.scratch[:num_blocks]
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v: (1, H, N, D) for the N tokens of the step, decodes first, then prefill chunks."""
         m, pool = self.metadata, self.layers[layer_idx]
@@ -275,7 +301,7 @@ class PagedKVCache:
             q_dec = (q if n == q.shape[2] else q[:, :, :n]).transpose(0, 2)  # queries (n, H, 1, D)
             tables, groups = m.decode_tables, []
             for rows in self.decode_groups(n, tables.shape[1] * self.block_size):
-                keys, values = gather_kv(pool, tables[rows], m.decode_len)  # (rows, H, L, D)
+                keys, values = gather_kv(pool, tables[rows], m.decode_len, self.gather_buffer(tables[rows].numel()))
                 mask = None if m.mask is None else m.mask[rows]
                 groups.append(causal_attention(q_dec[rows], keys, values, mask))
             out = groups[0] if len(groups) == 1 else torch.cat(groups)

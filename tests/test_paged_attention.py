@@ -104,9 +104,9 @@ def test_decodes_gathered_in_groups_give_the_contiguous_logits(rows_per_gather, 
         blocks.append_slots(holders[s.seq_id], s.num_new)
     meta = cache.prepare(segments)
     assert meta.decode_tables.shape == (5, slots // 4)
-    gathered = []
-    monkeypatch.setattr(paged_attention, "gather_kv", lambda pool, tables, n: gathered.append(tables.numel())
-                        or gather_kv(pool, tables, n))
+    gathered, buffers = [], []
+    monkeypatch.setattr(paged_attention, "gather_kv", lambda pool, tables, n, out=None: gathered.append(
+        tables.numel()) or buffers.append(None if out is None else out.data_ptr()) or gather_kv(pool, tables, n, out))
     ids = [seqs[i][n] for i, n in enumerate(lens)] + seqs[5][4:10]
     paged = model(torch.tensor([ids]), meta.positions, cache=cache, logits_indices=torch.tensor([0, 1, 2, 3, 4, 10]))
     expected = _contiguous_logits(model, [(seqs[i][:n + 1], [n, 1]) for i, n in enumerate(lens)]
@@ -115,18 +115,31 @@ def test_decodes_gathered_in_groups_give_the_contiguous_logits(rows_per_gather, 
     per_layer = [min(rows_per_gather, len(lens) - a) * slots // 4 for a in range(0, len(lens), rows_per_gather)]
     assert gathered == (per_layer + [10 // 4 + 1]) * CFG.n_layer, "the decodes' groups, then the chunk's blocks"
     assert all(n * 4 * key_bytes <= cache.gather_bytes for n in per_layer)
+    # Every group, in every layer, copies into the one buffer the cache keeps; the chunk into a fresh one.
+    assert buffers == ([cache.scratch.data_ptr()] * len(per_layer) + [None]) * CFG.n_layer
+    assert cache.scratch.shape == (max(rows_per_gather * slots // 4, blocks.blocks_for(CFG.n_ctx)), 4, 2,
+                                   CFG.n_head, CFG.head_dim)  # a group's blocks, or one row's longest context
 
 
 def test_a_cpu_cache_bounds_its_gathers_and_other_devices_gather_at_once():
     blocks = BlockManager(num_blocks=8, block_size=4)
     cpu = PagedKVCache(CFG, blocks)
     assert cpu.gather_bytes == GATHER_BYTES and cpu.bytes_per_key == 2 * 64 * 4
-    assert [(r.start, r.stop) for r in cpu.decode_groups(200, 100)] == [(0, 81), (81, 162), (162, 243)]  # 4 MiB
-    assert cpu.decode_groups(3, 100) == [slice(0, 81)]
+    assert [(r.start, r.stop) for r in cpu.decode_groups(700, 100)] == [(0, 327), (327, 654), (654, 981)]  # 16 MiB
+    assert cpu.decode_groups(3, 100) == [slice(0, 327)]
     assert len(cpu.decode_groups(7, GATHER_BYTES)) == 7  # a row past the bound goes alone, copied whole
     assert PagedKVCache(CFG, blocks, dtype=torch.bfloat16).bytes_per_key == 2 * 64 * 2
     assert PagedKVCache(CFG, blocks, device="meta").gather_bytes is None  # a GPU's allocator keeps its blocks
     assert PagedKVCache(CFG, blocks, gather_bytes=None).decode_groups(10_000, 100) == [slice(0, 10_000)]
+    # The groups gather into one scratch the cache keeps, sized with the bound; with none, into a fresh buffer.
+    assert cpu.scratch.shape == (GATHER_BYTES // (4 * 512), 4, 2, CFG.n_head, CFG.head_dim)
+    assert cpu.gather_buffer(3).data_ptr() == cpu.scratch.data_ptr() and cpu.gather_buffer(3).shape[0] == 3
+    cpu.gather_bytes = None
+    assert cpu.scratch is None and cpu.gather_buffer(3) is None
+    cpu.gather_bytes = 1  # one row a group: room for the longest context's blocks
+    assert cpu.scratch.shape[0] == cpu.max_decode_width
+    with pytest.raises(ValueError, match="gather_bytes=0 must be"):
+        cpu.gather_bytes = 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "4MiB"])
