@@ -98,11 +98,13 @@ class Decode:
     @torch.inference_mode()
     def gather(self):
         """Only the copy paging adds: every layer's K and V gathered through the block tables, in the groups of
-        rows attention gathers them in (`PagedKVCache.decode_groups`: on a CPU, a few MiB at a time)."""
+        rows attention gathers them in, into the buffer it gathers into (`PagedKVCache.decode_groups` and
+        `gather_buffer`: on a CPU, up to 16 MiB at a time into a buffer the cache keeps)."""
         groups = self.cache.decode_groups(len(self.tables), self.tables.shape[1] * self.cache.block_size)
         for layer in range(self.model.config.n_layer):
             for rows in groups:
-                gather_kv(self.cache.pool[layer], self.tables[rows], self.ctx + 1)
+                gather_kv(self.cache.pool[layer], self.tables[rows], self.ctx + 1,
+                          self.cache.gather_buffer(self.tables[rows].numel()))
 
 
 def compare(model, ctx: int, block_size: int, repeats: int, until=None) -> dict:
