@@ -6,9 +6,10 @@ Prefill is compute-bound and decode memory-bound (lesson 01), and one engine
 serving both makes them interfere: a long prompt's prefill shares a step with
 the running decodes, and every stream stalls (lesson 07). DistServe, Splitwise
 and Mooncake, and vLLM's disaggregated prefill, run the phases on separate
-workers and move each prompt's KV cache between them (`minillm/kv_connector.py`:
-a prefill worker and a decode worker, each an `LLMEngine` in its own process on
-its own core, joined by torch.distributed). Four predictions:
+workers and move each prompt's KV cache between them (`minillm/kv_producer.py`
+and `minillm/kv_consumer.py`: a prefill worker and a decode worker, each an
+`LLMEngine` in its own process on its own core, joined by torch.distributed).
+Four predictions:
 
     interference    colocated, a long prompt raises the running streams' p99 ITL
                     (≥ 2× their ITL before it arrived); disaggregated, the decode
@@ -52,7 +53,6 @@ import time
 from common import make_parser, ms, plot_checks, plt, predict, print_table, run, save_plot, start, write_results
 from minillm.bench.disagg import build_model, burst, goodput, mixed_trace, stall_trace
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
-from minillm.kv_connector import kv_bytes_per_token
 from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.disaggregated import WorkerConfig, Workers, split_cores
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
     lesson = start(NAME, args, ceilings=False)
     c = lesson.config
     s = sizes(c.n_ctx, args.quick)
-    per_token = kv_bytes_per_token(c, lesson.dtype)
+    per_token = c.kv_bytes_per_token(lesson.dtype)
     streams = s["streams"] * s["stream_prompt"]
     moved = (streams + s["long_prompt"] + s["burst"] * s["burst_prompt"]
              + sum(streams + n * s["long_prompt"] for n in s["mixes"])) * per_token

@@ -1,4 +1,4 @@
-"""Disaggregated prefill (minillm/kv_connector.py): a request prefilled on one worker and decoded on another gets
+"""Disaggregated prefill (kv_producer.py, kv_consumer.py): a request prefilled on one worker and decoded on another gets
 exactly the tokens one engine gives it, every byte counted, and no block is left behind on either side, whether
 the request finishes, is aborted while its KV is on the way, can never fit, or its prefill step fails.
 
@@ -12,7 +12,6 @@ import torch
 
 from minillm import PRESETS
 from minillm.engine import LLMEngine
-from minillm.kv_connector import kv_bytes_per_token
 from minillm.kv_pool import CacheConfig
 from minillm.sampling_params import SamplingParams
 from minillm.sequence import CompletionOutput, RequestMetrics, RequestOutput
@@ -81,7 +80,7 @@ def test_tokens_are_the_colocated_engines_at_and_off_block_boundaries(pair):
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     assert all(o.finish_reason == "length" for o in got)
     after = pair.stats()
-    moved = sum(lengths) * kv_bytes_per_token(CFG, torch.float32)  # 2 · n_layer · n_embd · 4 bytes per token
+    moved = sum(lengths) * CFG.kv_bytes_per_token(torch.float32)  # 2 · n_layer · n_embd · 4 bytes per token
     assert after["prefill"]["bytes_sent"] - before["prefill"]["bytes_sent"] == moved
     assert after["decode"]["bytes_received"] - before["decode"]["bytes_received"] == moved
     assert_no_block_held(pair)

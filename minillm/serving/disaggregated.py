@@ -61,7 +61,7 @@ class WorkerConfig:
 
 def _context():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "minillm.engine", "minillm.kv_connector"])
+    ctx.set_forkserver_preload(["torch", "minillm.engine", "minillm.kv_producer", "minillm.kv_consumer"])
     return ctx
 
 
@@ -94,11 +94,13 @@ def _worker(role: str, factory: Callable, cfg: WorkerConfig, init_method: str | 
         if role != "colocated":
             import torch.distributed as dist
             from .. import kv_connector as kv
+            from ..kv_consumer import KVConsumer
+            from ..kv_producer import KVProducer
             dist.init_process_group(kv.backend_for(cfg.device), init_method=init_method,
                                     rank=kv.PREFILL_RANK if role == "prefill" else kv.DECODE_RANK, world_size=2,
                                     timeout=GROUP_TIMEOUT)
-            connector = (kv.KVProducer(engine) if role == "prefill"
-                         else kv.KVConsumer(engine, notify=lambda: inbox.put(("kv",))))
+            connector = (KVProducer(engine) if role == "prefill"
+                         else KVConsumer(engine, notify=lambda: inbox.put(("kv",))))
         outbox.put(("ready", role, engine.block_manager.num_blocks))
         _serve(role, engine, connector, inbox, outbox)
     except BaseException:  # the router raises it, naming the worker
