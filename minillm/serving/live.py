@@ -43,7 +43,7 @@ on the HTTP side, only for someone watching.
 
     cost per step, nobody watching ≈ one tuple per row (in the engine) + the running and waiting ids
 
-`python -m minillm.bench.recording` measures it: the engine's time with
+`python -m minillm.serving.recording` measures it: the engine's time with
 recording and without, in interleaved rounds; the claim is at most 1%.
 
 The feed, `GET /v1/engine/events`, is server-sent events: first an `engine`

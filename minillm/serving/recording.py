@@ -1,6 +1,6 @@
 """Does the live page cost the engine anything when nobody watches? Stepping with recording and without, in turns.
 
-    python -m minillm.bench.recording [--model tiny] [--requests 32] [--max-tokens 64] [--rounds 15]
+    python -m minillm.serving.recording [--model tiny] [--requests 32] [--max-tokens 64] [--rounds 15]
 
 Recording is two pieces of work per step. The engine keeps the step's rows in
 `last_step` (`record_steps`, a tuple per row, inside the step), and the server's
@@ -13,13 +13,13 @@ Recording is switched on and off step by step: within one run every other step
 is recorded, and the steps around it are not. Two neighbouring steps have nearly
 the same batch and meet nearly the same load, so on a machine that other
 programs keep busy the comparison stays sharp (whole runs with and without
-recording, in turns, scatter by ±10% there: no 1% could be seen). Each round
+recording, in turns, scatter there by far more than the 1% looked for). Each round
 runs the workload twice, recording the even steps in one run and the odd steps
 in the other, and its value is the mean recorded step ÷ the mean other step,
 the recorder's time included. The workload is `--requests` prompts of 16–64
 random tokens, `--max-tokens` each, all queued at once, prefix caching on, and
 every run's prompts new, so no run finds another's blocks cached. The claim
-holds when the interval of the median ratio (`verdict.py`) lies at or below
+holds when the interval of the median ratio (`bench/verdict.py`) lies at or below
 1.01; when the rounds scatter too much, the verdict is INCONCLUSIVE and says so.
 What this design cannot see: the garbage collector's extra work for the ring's
 records falls on recorded and other steps alike, so half of it is hidden; the
@@ -29,8 +29,8 @@ It prints the CPU, the step time, the time spent inside the recorder per step
 (timed in the recording half of each round), the verdict and the machine's load
 while it measured; `--json` also writes them. The default model is `tiny`, the
 smallest step and so the hardest case: the recorder's cost does not grow with
-the model, the step does. It needs the [serve] extra (the recorder lives in the
-server's package).
+the model, the step does. It lives in the server's package, beside the
+recorder it measures, and needs the [serve] extra.
 """
 from __future__ import annotations
 
@@ -42,16 +42,16 @@ import time
 
 import torch
 
+from ..bench.threads import apply_threads, choose_threads
+from ..bench.timing import device_name
+from ..bench.verdict import Check, MachineLoad, interleave, judge, print_verdict, read_load, settled
 from ..checkpoints.load import add_model_arguments, load_model
 from ..device import resolve_device, resolve_dtype
 from ..engine import LLMEngine
 from ..kv_pool import CacheConfig
 from ..sampling_params import SamplingParams
 from ..scheduler import SchedulerConfig
-from ..serving.live import StepRecorder
-from .threads import apply_threads, choose_threads
-from .timing import device_name
-from .verdict import Check, MachineLoad, interleave, judge, print_verdict, read_load, settled
+from .live import StepRecorder
 
 LINE = 1.01  # recording may add at most 1% to the engine's time
 
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minillm.bench.recording", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m minillm.serving.recording", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     with torch.inference_mode():
