@@ -25,6 +25,7 @@ import sys
 import time
 
 from ..paged_attention import GATHER_BYTES
+from .workloads import add_random_arguments
 
 
 def serve_once(model_name: str, num_prompts: int, input_len: int, output_len: int, gather_bytes: int | None,
@@ -63,11 +64,7 @@ def serve_once(model_name: str, num_prompts: int, input_len: int, output_len: in
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt2")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    add_random_arguments(p, input_len=128)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: the cores free as "
                                                                  "this run starts), the same for both sides")
     p.add_argument("--gather-bytes", type=int, default=None,

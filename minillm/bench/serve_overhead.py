@@ -10,7 +10,7 @@ client) and through an `LLMEngine` of the same configuration in this process
 to the last token; the ratio served ÷ offline is taken within each round, and
 its median and range are printed. What the server adds: HTTP and JSON per
 request, one server-sent event per token, and the asyncio loop beside the
-engine thread, all on the cores the engine computes on. The aim (issue 34):
+engine thread, all on the cores the engine computes on. The aim:
 served ≥ 0.9 × offline. Both sides take the cores free as they start and
 OpenMP's passive policy (`threads.py`); the server runs while the offline
 engine does not, and the reverse.
@@ -27,7 +27,7 @@ import time
 
 from .replay import replay
 from .serve import benchmark
-from .workloads import Workload
+from .workloads import Workload, add_random_arguments
 
 AIM = 0.9
 
@@ -50,12 +50,8 @@ def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
 
 def main(argv=None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt2")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
+    add_random_arguments(p, input_len=64)
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
     args = p.parse_args(argv)
     if args.port is None:

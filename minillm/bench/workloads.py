@@ -12,6 +12,7 @@ server over HTTP.
         stutter        `input_len`-token prompts, and a share `long_fraction` of `long_prompt_len`-token
                        ones: the long prefills that stall running streams (lessons 07, 12)
         shared-prefix  a system prompt of `prefix_len` tokens shared by all, then `input_len` of its own
+    add_random_arguments(parser)    the knobs of a `random` workload on a command line (bench.gather, bench.serve_overhead)
     arrivals(n, rate)               a Poisson process of `rate` requests/s, or all at t = 0 (rate = inf)
     lognormal_trace(n, ...)         the lessons' log-normal trace (05, 08), arrivals drawn with the lengths
     shared_prefix_workload, multi_turn_workload, no_sharing_workload
@@ -24,6 +25,7 @@ output ~ LogNormal(ln output_median, σ) in [1, max_len − prompt], σ = 0.7.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import statistics
@@ -98,6 +100,16 @@ class Workload:
     def requests(self, rate: float) -> list[Request]:
         """The trace, arriving at `rate` requests per second (`arrivals`)."""
         return [Request(p, o, t) for (p, o), t in zip(self, arrivals(self.num_prompts, rate, self.seed))]
+
+
+def add_random_arguments(p: argparse.ArgumentParser, input_len: int, output_len: int = 64, num_prompts: int = 32,
+                         rounds: int = 3) -> None:
+    """A `random` workload's knobs, vLLM's names: --model, --num-prompts, --input-len, --output-len, --rounds."""
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--rounds", type=int, default=rounds, help="rounds, each side once per round")
 
 
 def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
