@@ -33,10 +33,11 @@ It is served under one KV budget, room for 4 full reservations (4·M tokens):
   the budget) and is charged a full slab per running sequence;
 - paged: blocks of 16 from the same budget, as many sequences as fit.
 Both use the same `LLMEngine`, scheduler and attention kernel, so the
-difference is the memory policy alone. After every step we record the real
-tokens held (Σ cached tokens of the running sequences) against the memory
-allocated (contiguous: running · M; paged: blocks in use · 16), and the running
-and waiting sequences. Then the same trace is served again per block size.
+difference is the memory policy alone (`minillm/bench/kv_waste.py`). After
+every step we record the real tokens held (Σ cached tokens of the running
+sequences) against the memory allocated (contiguous: running · M; paged:
+blocks in use · 16), and the running and waiting sequences. Then the same
+trace is served again per block size.
 
 Waste is a property of token counts: the scheduler and the block manager never
 look at the model's width. So the trace is replayed through a 1-layer, 8-wide
@@ -77,67 +78,20 @@ from dataclasses import replace
 from matplotlib.ticker import MaxNLocator
 
 from common import make_parser, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
+from minillm.bench.kv_waste import narrow_model, paged_engine, serve_in_budget
+from minillm.bench.replay import replay_samples
 from minillm.bench.verdict import Check, judge, print_verdict
-from minillm.bench.replay import replay, replay_samples
 from minillm.bench.workloads import describe_trace, lognormal_trace
-
-from minillm.engine import LLMEngine
-from minillm.kv_pool import CacheConfig
-from minillm.model import GPT2
 from minillm.parallel_sampling import group_blocks
-from minillm.scheduler import SchedulerConfig
 
 NAME = "05_fragmentation"
 VLLM_CONTIGUOUS_WASTE = (0.60, 0.80)  # vLLM paper: earlier systems used 20–38% of KV memory for tokens
 PAGED_WASTE_LIMIT = 0.04              # ... and PagedAttention wastes under 4%
 CONCURRENCY_FACTOR = 2.0              # paged must sustain ≥ 2× the contiguous concurrent sequences
 REQUESTS, RESERVATIONS, BLOCK_SIZE = 20, 4, 16
-MAX_NUM_SEQS = 256                    # vLLM's default cap on running sequences
+POLICIES = {"contiguous": RESERVATIONS, "paged": None}  # policy: its contiguous slabs (None: paged blocks)
 SAMPLES, SHARED_PROMPTS = 4, 8        # n samples of each of the trace's first 8 prompts
 PAPER_SHARING_SAVING = 0.061          # vLLM paper: parallel sampling saves 6.1–9.8% of KV memory
-
-
-def narrow_model(model) -> GPT2:
-    """A 1-layer, 8-wide GPT-2 of the same context and vocabulary: the same memory behaviour, cheap to run."""
-    return GPT2(model.config.with_(n_layer=1, n_head=1, n_embd=8), seed=0).eval()
-
-
-def paged_engine(model, blocks: int, block_size: int, max_num_seqs: int = MAX_NUM_SEQS) -> LLMEngine:
-    """The engine every replay here runs: prefill-first, whole prompts, `blocks` blocks of `block_size`."""
-    return LLMEngine(model, SchedulerConfig(max_num_batched_tokens=max(2048, model.config.n_ctx),
-                                            max_num_seqs=max_num_seqs, enable_chunked_prefill=False),
-                     cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=blocks))
-
-
-def serve(model, trace, budget_tokens: int, block_size: int, contiguous: bool, desc: str | None = None) -> dict:
-    """Replay the trace under the budget; snapshot real tokens against allocated memory after every step."""
-    M = model.config.n_ctx
-    engine = paged_engine(model, budget_tokens // block_size, block_size,
-                          RESERVATIONS if contiguous else MAX_NUM_SEQS)
-    snapshots = []
-
-    def snapshot(engine, outputs):
-        running, blocks = engine.scheduler.running, engine.block_manager
-        allocated = len(running) * M if contiguous else (blocks.num_blocks - blocks.num_free_blocks) * block_size
-        snapshots.append({"real_tokens": sum(s.num_computed_tokens for s in running), "allocated_tokens": allocated,
-                          "running": len(running), "waiting": len(engine.scheduler.waiting)})
-
-    served = replay(engine, trace, on_step=snapshot, desc=desc)
-    return {"snapshots": snapshots, **served.summary(), **kv_use(snapshots, budget_tokens)}
-
-
-def kv_use(snapshots: list[dict], budget_tokens: int) -> dict:
-    """Waste and concurrency over a run, every step's snapshot weighing the same.
-
-    waste: share of allocated KV memory (free blocks excluded) not holding a real token;
-    sustained_running: mean running sequences while requests still wait (the
-    queue is full, so memory is the limit); peak_running: the most at once.
-    """
-    used = [s for s in snapshots if s["allocated_tokens"]]
-    real, allocated = sum(s["real_tokens"] for s in used), sum(s["allocated_tokens"] for s in used)
-    saturated = [s["running"] for s in snapshots if s["waiting"]] or [s["running"] for s in snapshots]
-    return {"waste": 1 - real / allocated, "real_share_of_budget": real / (budget_tokens * len(used)),
-            "peak_running": max(s["running"] for s in snapshots), "sustained_running": statistics.mean(saturated)}
 
 
 def sharing(lesson, trace: list, budget_tokens: int, cap: int | None, real_model: bool) -> dict:
@@ -200,14 +154,13 @@ def measure(lesson, s: dict, trace: list, budget_tokens: int, budget_bytes: int)
     model, name = lesson.model, lesson.args.model
     narrow = narrow_model(model)
     with one_thread():
-        runs = {policy: serve(narrow, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous")
-                for policy in ("contiguous", "paged")}
-        sweep = [{"block_size": bs, **serve(narrow, trace, budget_tokens, bs, contiguous=False)}
-                 for bs in s["block_sizes"]]
+        runs = {policy: serve_in_budget(narrow, trace, budget_tokens, BLOCK_SIZE, slabs)
+                for policy, slabs in POLICIES.items()}
+        sweep = [{"block_size": bs, **serve_in_budget(narrow, trace, budget_tokens, bs)} for bs in s["block_sizes"]]
     real = {}
     if s["real_model"]:  # the same trace through the lesson's model: the same waste, and real tokens/s
-        real = {policy: serve(model, trace, budget_tokens, BLOCK_SIZE, policy == "contiguous",
-                              desc=f"{policy}, {name}") for policy in ("contiguous", "paged")}
+        real = {policy: serve_in_budget(model, trace, budget_tokens, BLOCK_SIZE, slabs, desc=f"{policy}, {name}")
+                for policy, slabs in POLICIES.items()}
     shown = real or runs
     print_table(["policy", "waste of allocated", "real / budget", "peak seqs", "sustained seqs", "steps", "preemptions"]
                 + (["tokens/s", "time"] if real else []),

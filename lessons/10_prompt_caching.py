@@ -18,19 +18,19 @@ at least 5× lower, a workload of requests sharing that system prompt gets at
 least 2× the throughput, and on traffic that shares nothing, caching (hashing
 every block, looking every prompt up) keeps throughput within 3% of caching off.
 
-That last line is a small difference between two noisy runs: on a quiet 2-core
-CPU two runs of the same work differ by ±7%, so their ratio cannot tell 3%
-from 0 in any number of rounds a lesson can afford. But the control computes
-the same tokens in the same forward passes either way (the lesson checks
-that); all caching adds is host work, between the passes. So the line is
-judged on the host's time alone: each run's makespan less its forward passes
-and sampling (`bench.replay.serve`'s `host_s`), which puts both runs on the
-same forward time, and the raw ratio is shown beside it.
+That last line is a small difference between two noisy runs: two runs of the
+same work on a CPU differ by more than 3% (docs/lessons_notes.md), so their
+ratio cannot tell 3% from 0 in any number of rounds a lesson can afford. But
+the control computes the same tokens in the same forward passes either way
+(the lesson checks that); all caching adds is host work, between the passes.
+So the line is judged on the host's time alone: each run's makespan less its
+forward passes and sampling (`bench.replay.serve`'s `host_s`), which puts both
+runs on the same forward time, and the raw ratio is shown beside it.
 
 What this lesson measures
 -------------------------
 Every run gets a fresh engine whose pool holds its whole workload (nothing is preempted:
-caching is the only difference), greedy answers of fixed length.
+caching is the only difference; `minillm/bench/caching.py`), greedy answers of fixed length.
 
     TTFT sweep  one request at a time (no queue), max_tokens 1: one request warms
                 the system prompt, then one request per shared length S ∈ {96, 192,
@@ -45,28 +45,25 @@ caching is the only difference), greedy answers of fixed length.
                 each prefill at the matmul ceiling, each decode step at its bytes
                 over the copy bandwidth.
     control     2 requests of 416 distinct tokens at once, answers of 32: nothing to share.
-    turns       2 conversations of 3 turns (a 128-token first message, then 64 per turn), each
-                resending the history: served once each way, shown (hit rate, prefill saved), not judged.
+    turns       2 conversations of 3 turns (128 tokens, then 64 a turn), each resending the
+                history: served once each way, shown (hit rate, prefill saved), not judged.
 
-Sizes scale with the context (gpt2's above); --quick keeps the proportions that decide each
-line, so the same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again (S + U) / U = 25
-at the checked point); `shared` of 6 requests with a 96-token system prompt, 4 tokens of each
-request's own and 4-token answers (prompt ÷ answer = 25, as in the full run); the control of
-100-token prompts; turns of 32 then 8 tokens. The sweep, shared and control runs go in turns,
-caching off and on, five rounds (--quick too), the sweep's apart from the workloads' so that rounds
-one line still needs do not re-run the other; every ratio is taken within a round. Five is the
-fewest rounds whose range holds the median of the rounds' ratios with ≥ 90% probability (1 − 2/2⁵
-= 94%): two rounds, whose range holds it only half the time, let a line within the noise be
-decided either way, and this lesson's verdict came out differently quiet and beside a busy core. On a
-CPU the model runs on one thread: on shared cores, a second thread would make each small step
-wait, and a round's runs would differ more than caching does.
+Sizes scale with the context (gpt2's above); --quick keeps the proportions that decide each line, so the
+same lines apply: the sweep at S ∈ {96, 384} with U = 16 (again (S + U) / U = 25 at the checked point);
+`shared` of 6 requests with a 96-token system prompt, 4 tokens of each request's own and 4-token answers
+(prompt ÷ answer = 25, as in the full run); the control of 100-token prompts; turns of 32 then 8 tokens.
+The sweep, shared and control runs go in turns, caching off and on, five rounds (--quick too), the sweep's
+apart from the workloads' so that rounds one line still needs do not re-run the other; every ratio is
+taken within a round. Five is the fewest rounds whose range holds the median of the rounds' ratios with ≥
+90% probability (1 − 2/2⁵ = 94%): two rounds, whose range holds it only half the time, let a line within
+the noise be decided either way. On a CPU the model runs on one thread: on shared cores, a second thread
+would make each small step wait, and a round's runs would differ more than caching does.
 
-The verdict: per round, the checked TTFT off ÷ on ≥ 5, shared throughput on ÷ off ≥ 2,
-control throughput on ÷ off with the forward time set equal,
-off's makespan ÷ (off's makespan + on's host time − off's), ≥ 0.97. Where a line is missed, the lesson computes why
-from the run: the share of the uncached run's time spent in steps that prefill, and
-the share of prefill tokens caching saved, bound the throughput gain at
-1 / (1 − share · saved) even if saved tokens cost nothing.
+The verdict: per round, the checked TTFT off ÷ on ≥ 5, shared throughput on ÷ off ≥ 2, control
+throughput on ÷ off with the forward time set equal (off's makespan ÷ (off's makespan + on's host
+time − off's)) ≥ 0.97. Where a line is missed, the lesson computes why from the run: the share of
+the uncached run's time spent in steps that prefill, and the share of prefill tokens caching
+saved, bound the throughput gain at 1 / (1 − share · saved) even if saved tokens cost nothing.
 
 Predict before you run: a gpt2 prefill of 800 tokens costs about as much as
 how many decode steps? With 32-token answers, what throughput gain can caching
@@ -79,20 +76,15 @@ import statistics
 
 from common import (make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, start, ticks_at,
                     write_results)
+from minillm.bench.caching import BLOCK_SIZE, caching_bound, gains, runner, same_forward_gains, throughput_bound
 from minillm.bench.cost import decode_cost, prefill_cost
-from minillm.bench.replay import serve
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
-from minillm.bench.workloads import (Conversation, conversation_blocks, multi_turn_workload, no_sharing_workload,
-                                     shared_prefix_workload)
-from minillm.engine import LLMEngine
-from minillm.kv_pool import CacheConfig
-from minillm.scheduler import SchedulerConfig
+from minillm.bench.workloads import multi_turn_workload, no_sharing_workload, shared_prefix_workload, ttft_sweep
 
 NAME = "10_prompt_caching"
 TTFT_LINE = 5.0        # SGLang's "up to 5×", on the TTFT of a hit
 THROUGHPUT_LINE = 2.0  # the shared-prompt workload's throughput, on ÷ off
 CONTROL_LINE = 0.97    # nothing shared: within 3% of caching off
-BLOCK_SIZE = 16
 DECIDING_ROUNDS = 5    # the fewest rounds whose whole range is a ≥ 90% interval of their median (verdict.py)
 
 
@@ -107,23 +99,6 @@ def sizes(n_ctx: int, quick: bool) -> dict:
     return {"sweep": [3 * u, 6 * u, 12 * u, 24 * u], "sweep_suffix": u, "requests": 8, "prefix": 24 * u, "suffix": u,
             "answer": u, "control_requests": 2, "control_prompt": 13 * u, "conversations": 2, "turns": 3,
             "first": 4 * u, "user": 2 * u, "repeats": DECIDING_ROUNDS}
-
-
-def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3) -> list[Conversation]:
-    """One request with the longest system prompt (it fills the cache), then one per shared length, max_tokens 1."""
-    longest = shared_prefix_workload(len(prefixes) + 1, max(prefixes), suffix, 1, vocab_size, seed)
-    return [longest[0]] + [Conversation([c.turns[0][:s] + c.turns[0][-suffix:]], 1)
-                           for s, c in zip(prefixes, longest[1:])]
-
-
-def make_engine(model, conversations: list[Conversation], caching: bool) -> LLMEngine:
-    pool = CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=conversation_blocks(conversations, BLOCK_SIZE),
-                       enable_prefix_caching=caching)
-    return LLMEngine(model, SchedulerConfig(max_num_seqs=len(conversations)), pool)
-
-
-def runner(model, conversations: list[Conversation], caching: bool, concurrency: int | None = None):
-    return lambda: serve(make_engine(model, conversations, caching), conversations, concurrency)
 
 
 def make_checks(s: dict, ttft_speedups: list[float], shared_gains: list[float], control_gains: list[float]) -> list[Check]:
@@ -144,18 +119,8 @@ def predicted_bound(cfg, s: dict, ceilings, dtype) -> dict:
     n, P = s["requests"], s["prefix"] + s["suffix"]
     prefill = n * prefill_cost(cfg, P, 1, dtype).flops / ceilings.matmul_flops
     decode = s["answer"] * decode_cost(cfg, P, n, dtype).bytes / ceilings.bandwidth
-    share = prefill / (prefill + decode)
     saved = (n - 1) * (s["prefix"] // BLOCK_SIZE * BLOCK_SIZE) / (n * P)
-    return {"prefill_share": share, "tokens_saved": saved, "bound": 1 / (1 - share * saved),
-            "prefill_s": prefill, "decode_s": decode}
-
-
-def throughput_bound(off: dict, on: dict) -> dict:
-    """The most caching can gain in throughput: the uncached run's prefill-step share × the prefill tokens saved,
-    as if the saved tokens' time fell to zero and the rest stayed (Amdahl's law)."""
-    share = off["prefill_steps_s"] / (off["prefill_steps_s"] + off["decode_steps_s"])
-    saved = 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"]
-    return {"prefill_share": share, "tokens_saved": saved, "bound": 1 / (1 - share * saved)}
+    return caching_bound(prefill, decode, saved) | {"prefill_s": prefill, "decode_s": decode}
 
 
 def explain(checks: list[Check], bound: dict, s: dict, ttft: dict, raw_control: list[float]) -> list[str]:
@@ -207,18 +172,6 @@ def speedups(r) -> list[float]:
     return [a / b for a, b in zip(off, on)]
 
 
-def gains(r, w: str) -> list[float]:
-    """Throughput on ÷ off of workload `w`, one per round."""
-    return [b["throughput"] / a["throughput"] for a, b in zip(r.results(f"{w} off"), r.results(f"{w} on"))]
-
-
-def same_forward_gains(r, w: str) -> list[float]:
-    """Throughput on ÷ off of workload `w` with both runs given off's forward time, one per round: off's makespan ÷
-    (off's makespan + on's host time − off's). What caching's host work costs, without the noise of the passes."""
-    return [a["makespan_s"] / (a["makespan_s"] + b["host_s"] - a["host_s"])
-            for a, b in zip(r.results(f"{w} off"), r.results(f"{w} on"))]
-
-
 def checks_of(sweep, loads, s: dict) -> list[Check]:
     """The three checks, from the sweep's rounds and the throughput workloads' rounds (timed apart: see measure)."""
     return make_checks(s, speedups(sweep), gains(loads, "shared"), same_forward_gains(loads, "control"))
@@ -239,9 +192,7 @@ def measure(lesson, s: dict):
            for name, convs in served.items()}
     with one_thread() if lesson.device.type == "cpu" else contextlib.nullcontext():
         runner(model, no_sharing_workload(2, 32, 2, cfg.vocab_size), True)()  # the first passes allocate: unshown
-        # The sweep and the throughput workloads go in rounds of their own, each adding rounds only while its own
-        # checks straddle their lines: the control's 3% line may need more rounds than the TTFT's, and need not
-        # re-run the sweep's uncached prefills for them.
+        # rounds of their own (the docstring says why), each adding rounds only while its own checks straddle
         sweep = interleave({n: f for n, f in fns.items() if n.startswith("sweep")}, s["repeats"], warmup=0,
                            device=lesson.device, desc="TTFT sweep, caching off and on, in turns",
                            until=settled(lambda r: make_checks(s, speedups(r), [THROUGHPUT_LINE], [1.0])[:1]))

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -41,12 +42,12 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only, never a window: lessons run headless and in tests
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
 from minillm.bench.verdict import LABELS, LoadReading, MachineLoad, Verdict, read_load  # noqa: E402
 from minillm.classroom.regions import stub_of  # noqa: E402  (the one stub detector)
 from minillm.config import HF_CHECKPOINTS, PRESETS  # noqa: E402
 from minillm.bench.roofline import Ceilings, measure_ceilings  # noqa: E402
+from plots import plot_checks, plot_roofline, ticks_at  # noqa: E402,F401  (the figures' helpers, lessons/plots.py)
 from minillm.bench.timing import environment, si  # noqa: E402
 from minillm.bench.threads import ThreadChoice, apply_threads, choose_threads  # noqa: E402
 from minillm.checkpoints.load import add_model_arguments, load_model, locate, random_model  # noqa: E402
@@ -242,7 +243,6 @@ def save_plot(lesson: Lesson, fig, verdict: Verdict | None = None) -> Path:
     """Save the figure with the verdict as its title; every panel title is kept for the results file
     (so that a test can check each number in them against the figures)."""
     if verdict is not None:
-        import textwrap
         fig.suptitle("\n".join(textwrap.wrap(verdict_title(verdict), 150)), fontsize=11,
                      color={"HOLDS": "darkgreen", "NOT SUPPORTED": "firebrick"}.get(verdict.outcome, "black"))
     lesson.plot_titles = [t for t in ([fig._suptitle.get_text()] if fig._suptitle else [])
@@ -253,58 +253,6 @@ def save_plot(lesson: Lesson, fig, verdict: Verdict | None = None) -> Path:
     plt.close(fig)
     print(f"plot:    {path}")
     return path
-
-
-def ticks_at(ax, values, axis: str = "x") -> None:
-    """Ticks exactly at `values`, labelled plainly (1, 2, 4, 8), also on a log axis."""
-    values = sorted(set(values))
-    a = ax.xaxis if axis == "x" else ax.yaxis
-    a.set_major_locator(FixedLocator(values))
-    a.set_minor_locator(NullLocator())
-    a.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{v:g}" for v in values]))
-
-
-def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], list[float]]]) -> None:
-    """A roofline on log-log axes: the roof min(peak, I·bandwidth), and groups of (intensity, FLOP/s) points."""
-    xs = [x for pts in groups.values() for x in pts[0]] + [ceilings.ridge]
-    lo, hi = min(xs) / 4, max(xs) * 4
-    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.loglog(grid, [ceilings.attainable(i) for i in grid], "k-", label="measured roofline")
-    ax.axvline(ceilings.ridge, color="grey", ls=":", label=f"ridge {ceilings.ridge:.1f} FLOP/B")
-    for (label, (intensity, flops)), marker in zip(groups.items(), "os^dv"):
-        ax.loglog(intensity, flops, marker, label=label)
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("achieved FLOP/s")
-    ax.legend(fontsize=8, loc="lower right")
-
-
-def plot_checks(ax, verdict: Verdict) -> None:
-    """Every check of the verdict on one axis: its rounds (dots), the median (bar) and its interval, each divided
-    by the claim's line, so that the line is 1 for all of them; the side the claim wants is shaded."""
-    checks = [c for c in verdict.checks if c.line > 0]  # a count against 0 (tokens differing) has no ratio
-    colors = {"HOLDS": "darkgreen", "NOT SUPPORTED": "firebrick", "INCONCLUSIVE": "darkorange"}
-    for i, c in enumerate(checks):
-        scale = c.line
-        vals = [v / scale for v in c.values]
-        lo, hi = (x / scale for x in c.interval())
-        color = colors[c.outcome()]
-        ax.plot([i] * len(vals), vals, ".", color="grey", alpha=0.7, label="one round" if i == 0 else None)
-        ax.errorbar([i], [c.median / scale], yerr=[[c.median / scale - lo], [hi - c.median / scale]], fmt="_",
-                    markersize=18, capsize=6, color=color, label="median, interval" if i == 0 else None)
-    ax.axhline(1.0, color="k", ls="--", lw=1, label="the claim's line")
-    ax.set_xticks(range(len(checks)), [textwrap_fill(c.name, 22) for c in checks], fontsize=7)
-    ax.set_xlim(-0.6, len(checks) - 0.4)
-    ax.set_ylabel("value ÷ the claim's line")
-    ax.set_title("the checks: rounds, median, interval\n(≥ checks hold above 1, ≤ checks below)", fontsize=9)
-    ax.legend(fontsize=7, loc="best")
-    ys = [v / c.line for c in checks for v in c.values] + [1.0]
-    if min(ys) > 0 and max(ys) / min(ys) > 20:
-        ax.set_yscale("log")
-
-
-def textwrap_fill(text: str, width: int) -> str:
-    import textwrap
-    return "\n".join(textwrap.wrap(text, width)[:4])
 
 
 def run(main) -> None:

@@ -5,6 +5,7 @@ import torch
 
 from minillm import PRESETS
 from minillm.bench import workloads
+from minillm.bench.kv_waste import kv_use
 from minillm.checkpoints.load import random_model
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
@@ -38,7 +39,7 @@ def test_kv_use_counts_only_allocated_memory_and_waiting_steps():
     snaps = [{"real_tokens": 30, "allocated_tokens": 40, "running": 3, "waiting": 2},
              {"real_tokens": 10, "allocated_tokens": 10, "running": 1, "waiting": 0},
              {"real_tokens": 0, "allocated_tokens": 0, "running": 0, "waiting": 0}]  # the pool after the end
-    use = frag.kv_use(snaps, budget_tokens=100)
+    use = kv_use(snaps, budget_tokens=100)
     assert use["waste"] == pytest.approx(1 - 40 / 50)
     assert use["real_share_of_budget"] == pytest.approx(40 / 200)
     assert use["peak_running"] == 3 and use["sustained_running"] == 3
@@ -48,7 +49,7 @@ def test_05_waste_of_a_replay_follows_the_formula(one_thread):
     """Paged waste ≈ running · block/2 ÷ (tokens + running · block/2): larger blocks, more waste; contiguous most."""
     model = frag.narrow_model(random_model(PRESETS["tiny"], "cpu", torch.float32))
     trace = workloads.lognormal_trace(12, 128, 512, 20, 8, seed=0)
-    wastes = [frag.serve(model, trace, 4 * 128, bs, contiguous=False)["waste"] for bs in (1, 8, 32)]
-    contiguous = frag.serve(model, trace, 4 * 128, 8, contiguous=True)
+    wastes = [frag.serve_in_budget(model, trace, 4 * 128, bs)["waste"] for bs in (1, 8, 32)]
+    contiguous = frag.serve_in_budget(model, trace, 4 * 128, 8, slabs=frag.RESERVATIONS)
     assert wastes[0] == 0 < wastes[1] < wastes[2] < contiguous["waste"]
     assert contiguous["peak_running"] == frag.RESERVATIONS

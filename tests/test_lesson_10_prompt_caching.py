@@ -16,7 +16,8 @@ from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, MachineLoad, judge  # noqa: E402
 from minillm.bench.replay import serve  # noqa: E402
-from minillm.bench.workloads import multi_turn_workload, no_sharing_workload, shared_prefix_workload  # noqa: E402
+from minillm.bench.workloads import multi_turn_workload, no_sharing_workload, shared_prefix_workload, ttft_sweep  # noqa: E402
+from minillm.bench.caching import gains, make_engine, same_forward_gains, throughput_bound  # noqa: E402
 
 lesson = load_lesson("10_prompt_caching")
 
@@ -45,8 +46,8 @@ def test_workloads_are_seeded_and_share_only_what_they_say():
 
 def test_shared_prompt_prefills_the_system_prompt_once(model):
     work = shared_prefix_workload(4, 40, 8, 3, CFG.vocab_size)
-    off = serve(lesson.make_engine(model, work, caching=False), work)
-    on = serve(lesson.make_engine(model, work, caching=True), work)
+    off = serve(make_engine(model, work, caching=False), work)
+    on = serve(make_engine(model, work, caching=True), work)
     assert off["prefill_tokens_computed"] == 4 * 48 and off["hit_rate"] == 0
     # All four arrive at once and share the step: the first computes 48, the others their last 48 − 32.
     assert on["prefill_tokens_computed"] == 48 + 3 * 16
@@ -59,7 +60,7 @@ def test_shared_prompt_prefills_the_system_prompt_once(model):
 
 def test_each_turn_of_a_conversation_reuses_the_history(model):
     work = multi_turn_workload(2, 3, 20, 6, 5, CFG.vocab_size)
-    records = serve(lesson.make_engine(model, work, caching=True), work)["records"]
+    records = serve(make_engine(model, work, caching=True), work)["records"]
     assert [(r["conversation"], r["turn"], r["prompt_tokens"]) for r in records] == \
         [(c, t, 20 + t * 11) for c in range(2) for t in range(3)]
     for r in records:  # what the previous turn computed: its prompt and answer but the last token, whole blocks
@@ -68,7 +69,7 @@ def test_each_turn_of_a_conversation_reuses_the_history(model):
 
 def test_the_control_shares_nothing_and_one_client_sends_one_request_at_a_time(model):
     work = no_sharing_workload(3, 20, 4, CFG.vocab_size)
-    engine = lesson.make_engine(model, work, caching=True)
+    engine = make_engine(model, work, caching=True)
     on = serve(engine, work, concurrency=1)
     assert on["hit_rate"] == 0 and on["prefill_tokens_computed"] == 60
     assert max(s.num_seqs for s in engine.timeline) == 1
@@ -76,27 +77,27 @@ def test_the_control_shares_nothing_and_one_client_sends_one_request_at_a_time(m
 
 def test_the_ttft_sweep_hits_exactly_the_shared_length(model):
     prefixes = [16, 32, 48]
-    sweep = lesson.ttft_sweep(prefixes, 5, CFG.vocab_size)
+    sweep = ttft_sweep(prefixes, 5, CFG.vocab_size)
     first = sweep[0].turns[0]
     assert len(first) == 53 and all(c.max_tokens == 1 for c in sweep)
     for s, c in zip(prefixes, sweep[1:]):
         p = c.turns[0]
         assert len(p) == s + 5 and p[:s] == first[:s] and p[s] != first[s]
-    on = serve(lesson.make_engine(model, sweep, caching=True), sweep, concurrency=1)
+    on = serve(make_engine(model, sweep, caching=True), sweep, concurrency=1)
     assert [r["cached_tokens"] for r in on["records"]] == [0] + prefixes
-    off = serve(lesson.make_engine(model, sweep[1:], caching=False), sweep[1:], concurrency=1)
+    off = serve(make_engine(model, sweep[1:], caching=False), sweep[1:], concurrency=1)
     assert off["prefill_tokens_computed"] == sum(prefixes) + 3 * 5
 
 
 def test_the_throughput_bound_is_amdahls_law_on_prefill_saved():
     off = {"prefill_steps_s": 6.0, "decode_steps_s": 4.0, "prefill_tokens_computed": 1000}
-    b = lesson.throughput_bound(off, {"prefill_tokens_computed": 250})
+    b = throughput_bound(off, {"prefill_tokens_computed": 250})
     assert b["prefill_share"] == pytest.approx(0.6) and b["tokens_saved"] == pytest.approx(0.75)
     assert b["bound"] == pytest.approx(1 / (1 - 0.45))  # 1.82×: the 2× line cannot be met
     s = lesson.sizes(1024, quick=False)
     low = lesson.explain(lesson.make_checks(s, [10.0], [1.7], [1.0]), b, s, SWEEP, [1.0])[1]
     assert "at most 1.82× faster, which cannot reach the 2× line" in low and "60% of the shared" in low
-    b = lesson.throughput_bound({**off, "prefill_steps_s": 9.0, "decode_steps_s": 1.0}, {"prefill_tokens_computed": 50})
+    b = throughput_bound({**off, "prefill_steps_s": 9.0, "decode_steps_s": 1.0}, {"prefill_tokens_computed": 50})
     assert b["bound"] == pytest.approx(1 / (1 - 0.9 * 0.95))
     high = lesson.explain(lesson.make_checks(s, [10.0], [2.5], [1.0]), b, s, SWEEP, [1.0])[1]
     assert "leaves room for the 2× line" in high
@@ -118,12 +119,12 @@ def test_the_control_is_judged_on_the_host_time_caching_adds_not_on_the_passes_n
     on = [{"makespan_s": 1.145, "host_s": 0.045, "throughput": 10 / 1.145},
           {"makespan_s": 0.945, "host_s": 0.045, "throughput": 10 / 0.945}]
     r = Rounds({"control off": off, "control on": on})
-    raw, judged = lesson.gains(r, "control"), lesson.same_forward_gains(r, "control")
+    raw, judged = gains(r, "control"), same_forward_gains(r, "control")
     assert raw[0] < 0.82 and raw[1] > 1.19
     assert judged == pytest.approx([0.93 / 0.945, 1.13 / 1.145])
     s = lesson.sizes(1024, quick=False)
     checks = lesson.make_checks(s, [12.0] * 2, [2.2] * 2, judged)
-    note = lesson.explain(checks, lesson.throughput_bound({"prefill_steps_s": 6.0, "decode_steps_s": 4.0,
+    note = lesson.explain(checks, throughput_bound({"prefill_steps_s": 6.0, "decode_steps_s": 4.0,
                                                            "prefill_tokens_computed": 1000},
                                                           {"prefill_tokens_computed": 250}), s, SWEEP, raw)[2]
     assert "same forward passes" in note and "0.812–1.196" in note

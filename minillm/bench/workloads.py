@@ -15,7 +15,7 @@ server over HTTP.
     add_random_arguments(parser)    the knobs of a `random` workload on a command line (bench.gather, bench.serve_overhead)
     arrivals(n, rate)               a Poisson process of `rate` requests/s, or all at t = 0 (rate = inf)
     lognormal_trace(n, ...)         the lessons' log-normal trace (05, 08), arrivals drawn with the lengths
-    shared_prefix_workload, multi_turn_workload, no_sharing_workload
+    shared_prefix_workload, multi_turn_workload, no_sharing_workload, ttft_sweep
                                     `Conversation`s, traffic that repeats itself (lesson 10), served by
                                     closed-loop clients (`replay.serve`)
 
@@ -189,3 +189,10 @@ def no_sharing_workload(n: int, prompt_len: int, max_tokens: int, vocab_size: in
 def conversation_blocks(conversations: list[Conversation], block_size: int = 16) -> int:
     """Blocks for every conversation at its longest (its last turn's prompt and answer) at once: never preempts."""
     return sum(-(-(sum(len(t) for t in c.turns) + len(c.turns) * c.max_tokens) // block_size) for c in conversations)
+
+
+def ttft_sweep(prefixes: list[int], suffix: int, vocab_size: int, seed: int = 3) -> list[Conversation]:
+    """One request with the longest system prompt (it fills the cache), then one per shared length, max_tokens 1."""
+    longest = shared_prefix_workload(len(prefixes) + 1, max(prefixes), suffix, 1, vocab_size, seed)
+    return [longest[0]] + [Conversation([c.turns[0][:s] + c.turns[0][-suffix:]], 1)
+                           for s, c in zip(prefixes, longest[1:])]
