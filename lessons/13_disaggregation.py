@@ -121,11 +121,9 @@ def one_round(workers: Workers, s: dict, vocab: int, trace: bool = True) -> dict
     return out
 
 
-def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)
+def predict_transfer(lesson, s: dict) -> dict:
+    """The four predictions; returns the KV bytes per token and the bytes each round must move, exactly."""
     c = lesson.config
-    s = sizes(c.n_ctx, args.quick)
     per_token = c.kv_bytes_per_token(lesson.dtype)
     streams = s["streams"] * s["stream_prompt"]
     moved = (streams + s["long_prompt"] + s["burst"] * s["burst_prompt"]
@@ -138,54 +136,65 @@ def main(argv=None) -> dict:
             f"goodput under a tight ITL target ({TARGET:g}× the fastest ITL with no long prompt): lower "
             f"disaggregated with no long prompt (one core decodes, against the best of both), higher with "
             f"{s['mixes'][-1]} long prompts per stream life; the boundary lies between")
+    return {"per_token": per_token, "moved": moved}
 
+
+def make_checks(rounds, s: dict, moved: int) -> list[Check]:
+    """The six checks, one value per round: the stall, the flat decode ITL, the burst, goodput at the heaviest and
+    the lightest mix, and the bytes moved."""
+    c1, c2, d = (rounds.results(m) for m in MODES)
+    target = itl_target({m: rounds.results(m) for m in MODES})
+    light, heavy = s["mixes"][0], s["mixes"][-1]
+    med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+    good = {n: [statistics.median(goodput(r[f"mix_{n}"], target) for r in runs) for runs in (c1, c2, d)]
+            for n in (light, heavy)}  # per mix: the three servers' median goodput (the JSON's goodput_tokens_per_s)
+    return [
+        Check("colocated (1 thread): streams' p99 ITL in the long prompt's window ÷ ITL before",
+              [r["window_p99_itl_s"] / r["itl_before_median_s"] for r in c1], STALL_LINE, ">=", fmt="{:.2f}",
+              why=f"the window's p99 gap was {ms(med(c1, 'window_p99_itl_s'))} against "
+                  f"{ms(med(c1, 'itl_before_median_s'))} before: the long prefill took "
+                  f"{ms(med(c1, 'long_ttft_s'))}, too short to stand out from a decode step here"),
+        Check("disaggregated: decode worker's p99 ITL in the same window ÷ ITL before",
+              [r["window_p99_itl_s"] / r["itl_before_median_s"] for r in d], FLAT_LINE, "<=", fmt="{:.2f}",
+              why=f"the decode worker's p99 gap was {ms(med(d, 'window_p99_itl_s'))} against "
+                  f"{ms(med(d, 'itl_before_median_s'))} before: receiving {s['long_prompt']} tokens of KV "
+                  f"({ms(med(d, 'long_transfer_s'))}) and the prefill worker's core were not free of it"),
+        Check("burst tokens/s: disaggregated ÷ best colocated (1 or 2 threads)",
+              [x["throughput"] / max(a["throughput"], b["throughput"]) for a, b, x in zip(c1, c2, d)],
+              THROUGHPUT_LINE, "<=", fmt="{:.2f}",
+              why=f"disaggregated served {med(d, 'throughput'):.1f} tokens/s against "
+                  f"{med(c1, 'throughput'):.1f} and {med(c2, 'throughput'):.1f} colocated"),
+        Check(f"goodput under a {ms(target)} ITL target, {heavy} long prompts per stream life: "
+              "disaggregated ÷ best colocated", goodput_ratios({m: rounds.results(m) for m in MODES}, heavy, target),
+              GOODPUT_LINE, ">=", fmt="{:.2f}",
+              why=f"the decode worker kept {good[heavy][2]:.1f} stream tokens/s within the target against "
+                  f"{max(good[heavy][:2]):.1f} for the best colocated engine: the long prompts' prefills did not "
+                  "stall the colocated streams past the target often enough to outweigh its single core"),
+        Check(f"goodput under the same target, {light} long prompts: disaggregated ÷ best colocated",
+              goodput_ratios({m: rounds.results(m) for m in MODES}, light, target),
+              GOODPUT_LINE, "<=", fmt="{:.2f}",
+              why=f"with nothing to interfere, the decode worker's own core kept {good[light][2]:.1f} stream "
+                  f"tokens/s within the target against {max(good[light][:2]):.1f} for the best colocated engine"),
+        Check("bytes moved per round − Σ prompt_len · 2 · n_layer · n_embd · dtype bytes",
+              [abs(r["bytes_sent"] - moved) for r in d], 0, "<=", timed=False, fmt="{:.0f}",
+              why=f"the connector counted {d[0]['bytes_sent']:,} bytes against {moved:,}")]
+
+
+def measure(lesson, s: dict, moved: int) -> dict:
+    """The three servers, started once and warmed up, served in turns until the checks are decided; a table of
+    their medians. The workers are closed whatever happens."""
+    c = lesson.config
     started = time.perf_counter()
-    servers = start_workers(args, c, str(lesson.device))
+    servers = start_workers(lesson.args, c, str(lesson.device))
     try:
         for w in servers.values():  # warm-up, untimed: the first forward passes of each worker
             burst(w, s | {"burst": 2, "burst_tokens": 2}, c.vocab_size)
         startup_s = time.perf_counter() - started
         print(f"five worker processes built their models and served a first burst in {startup_s:.1f} s")
-
-        def make_checks(rounds) -> list[Check]:
-            c1, c2, d = (rounds.results(m) for m in MODES)
-            target = itl_target({m: rounds.results(m) for m in MODES})
-            light, heavy = s["mixes"][0], s["mixes"][-1]
-            med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
-            return [
-                Check("colocated (1 thread): streams' p99 ITL in the long prompt's window ÷ ITL before",
-                      [r["window_p99_itl_s"] / r["itl_before_median_s"] for r in c1], STALL_LINE, ">=", fmt="{:.2f}",
-                      why=f"the window's p99 gap was {ms(med(c1, 'window_p99_itl_s'))} against "
-                          f"{ms(med(c1, 'itl_before_median_s'))} before: the long prefill took "
-                          f"{ms(med(c1, 'long_ttft_s'))}, too short to stand out from a decode step here"),
-                Check("disaggregated: decode worker's p99 ITL in the same window ÷ ITL before",
-                      [r["window_p99_itl_s"] / r["itl_before_median_s"] for r in d], FLAT_LINE, "<=", fmt="{:.2f}",
-                      why=f"the decode worker's p99 gap was {ms(med(d, 'window_p99_itl_s'))} against "
-                          f"{ms(med(d, 'itl_before_median_s'))} before: receiving {s['long_prompt']} tokens of KV "
-                          f"({ms(med(d, 'long_transfer_s'))}) and the prefill worker's core were not free of it"),
-                Check("burst tokens/s: disaggregated ÷ best colocated (1 or 2 threads)",
-                      [x["throughput"] / max(a["throughput"], b["throughput"]) for a, b, x in zip(c1, c2, d)],
-                      THROUGHPUT_LINE, "<=", fmt="{:.2f}",
-                      why=f"disaggregated served {med(d, 'throughput'):.1f} tokens/s against "
-                          f"{med(c1, 'throughput'):.1f} and {med(c2, 'throughput'):.1f} colocated"),
-                Check(f"goodput under a {ms(target)} ITL target, {heavy} long prompts per stream life: "
-                      "disaggregated ÷ best colocated", goodput_ratios({m: rounds.results(m) for m in MODES},
-                                                                         heavy, target),
-                      GOODPUT_LINE, ">=", fmt="{:.2f}",
-                      why="the long prompts' prefills did not stall the colocated streams past the target often "
-                          "enough to outweigh the decode worker's single core"),
-                Check(f"goodput under the same target, {light} long prompts: disaggregated ÷ best colocated",
-                      goodput_ratios({m: rounds.results(m) for m in MODES}, light, target),
-                      GOODPUT_LINE, "<=", fmt="{:.2f}",
-                      why="with nothing to interfere, the decode worker's own core beat the best colocated engine"),
-                Check("bytes moved per round − Σ prompt_len · 2 · n_layer · n_embd · dtype bytes",
-                      [abs(r["bytes_sent"] - moved) for r in d], 0, "<=", timed=False, fmt="{:.0f}",
-                      why=f"the connector counted {d[0]['bytes_sent']:,} bytes against {moved:,}")]
-
         rounds = interleave({m: functools.partial(one_round, servers[m], s, c.vocab_size, m != MODES[1])
                              for m in MODES},
                             s["repeats"], warmup=0, device=lesson.device, desc="three servers, in turns",
-                            until=settled(make_checks), max_repeats=s["max_repeats"])
+                            until=settled(lambda r: make_checks(r, s, moved)), max_repeats=s["max_repeats"])
         stats = {m: w.stats() for m, w in servers.items()}
     finally:
         for w in servers.values():
@@ -200,12 +209,20 @@ def main(argv=None) -> dict:
                  for m in MODES],
                 f"{s['streams']} streams when a {s['long_prompt']}-token prompt arrives; a burst of {s['burst']} "
                 f"(medians of {rounds.count} rounds):")
-    checks = make_checks(rounds)
+    return {"rounds": rounds, "runs": runs, "stats": stats, "startup_s": startup_s}
+
+
+def judge_claim(lesson, s: dict, m: dict, cost: dict):
+    """The verdict, with the transfer's price and where disaggregation pays as notes; returns it and what the
+    notes read (the fitted link, the ITL target, goodput by mix)."""
+    runs = m["runs"]
+    med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     verdict = judge(f"colocated, a long prompt raises the streams' p99 ITL ≥ {STALL_LINE:g}×; disaggregated, it "
                     f"stays ≤ {FLAT_LINE:g}×; the bytes moved are exactly 2·n_layer·n_embd·dtype bytes per prompt "
-                    f"token; disaggregation does not raise throughput; and its goodput under a tight ITL target passes colocated "
-                    "serving's once long prompts arrive", checks, lesson.load(), [rounds])
-    transfer_s, long_bytes = med("disaggregated", "long_transfer_s"), s["long_prompt"] * per_token
+                    "token; disaggregation does not raise throughput; and its goodput under a tight ITL target "
+                    "passes colocated serving's once long prompts arrive", make_checks(m["rounds"], s, cost["moved"]),
+                    lesson.load(), [m["rounds"]])
+    transfer_s, long_bytes = med("disaggregated", "long_transfer_s"), s["long_prompt"] * cost["per_token"]
     bandwidth = long_bytes / transfer_s
     verdict.notes.append(f"the transfer's price: the long prompt's {long_bytes:,} bytes landed "
                          f"{ms(transfer_s)} after its prefill worker sampled its first token, a link of "
@@ -213,8 +230,8 @@ def main(argv=None) -> dict:
                          f"{ms(med('disaggregated', 'long_ttft_s'))} disaggregated against "
                          f"{ms(med('colocated, 1 thread', 'long_ttft_s'))} colocated on 1 thread")
     target = itl_target(runs)
-    good = {m: {n: statistics.median(goodput(r[f"mix_{n}"], target) for r in runs[m]) for n in s["mixes"]}
-            for m in MODES}
+    good = {mode: {n: statistics.median(goodput(r[f"mix_{n}"], target) for r in runs[mode]) for n in s["mixes"]}
+            for mode in MODES}
     ratios = {n: statistics.median(goodput_ratios(runs, n, target)) for n in s["mixes"]}
     pays = [n for n in s["mixes"] if ratios[n] > GOODPUT_LINE]
     verdict.notes.append(
@@ -222,7 +239,14 @@ def main(argv=None) -> dict:
         f"is {', '.join(f'{ratios[n]:.2f} at {n}' for n in s['mixes'])} long prompts per stream life (medians of "
         f"rounds); " + (f"it first passes 1 at {pays[0]}" if pays else "it never passes 1 in the mixes measured"))
     print_verdict(verdict)
+    return verdict, {"long_prompt_bytes": long_bytes, "long_transfer_s": transfer_s,
+                     "fitted_bandwidth_Bps": bandwidth,
+                     "itl_target_s": target, "goodput_tokens_per_s": good, "goodput_ratio_median": ratios,
+                     "goodput_first_mix_where_disaggregated_wins": pays[0] if pays else None}
 
+
+def plot(lesson, s: dict, runs: dict, read: dict, verdict) -> None:
+    good, target = read["goodput_tokens_per_s"], read["itl_target_s"]
     fig, grid = plt.subplots(2, 2, figsize=(14, 10))
     axes = [grid[0][0], grid[0][1], grid[1][1]]
     for m in MODES:
@@ -250,10 +274,17 @@ def main(argv=None) -> dict:
     plot_checks(axes[2], verdict)
     save_plot(lesson, fig, verdict)
 
-    figures = {"setup": s, "kv_bytes_per_token": per_token, "bytes_moved_per_round": moved, "runs": runs,
-               "long_prompt_bytes": long_bytes, "long_transfer_s": transfer_s, "fitted_bandwidth_Bps": bandwidth,
-               "workers_after": stats, "startup_s": startup_s, "itl_target_s": target, "goodput_tokens_per_s": good,
-               "goodput_ratio_median": ratios, "goodput_first_mix_where_disaggregated_wins": pays[0] if pays else None}
+
+def main(argv=None) -> dict:
+    args = make_parser(__doc__).parse_args(argv)
+    lesson = start(NAME, args, ceilings=False)
+    s = sizes(lesson.config.n_ctx, args.quick)
+    cost = predict_transfer(lesson, s)
+    m = measure(lesson, s, cost["moved"])
+    verdict, read = judge_claim(lesson, s, m, cost)
+    plot(lesson, s, m["runs"], read, verdict)
+    figures = {"setup": s, "kv_bytes_per_token": cost["per_token"], "bytes_moved_per_round": cost["moved"],
+               "runs": m["runs"], **read, "workers_after": m["stats"], "startup_s": m["startup_s"]}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

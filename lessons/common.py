@@ -139,7 +139,7 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
 @contextlib.contextmanager
 def one_thread():
     """Run a model of tiny matrices on one thread: its kernels gain nothing from more, and on shared cores
-    the extra threads only wait for each other (30× slower on a busy 2-core machine)."""
+    the extra threads only wait for each other (docs/lessons_notes.md)."""
     before = torch.get_num_threads()
     set_num_threads(1)
     try:

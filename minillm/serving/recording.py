@@ -13,17 +13,18 @@ Recording is switched on and off step by step: within one run every other step
 is recorded, and the steps around it are not. Two neighbouring steps have nearly
 the same batch and meet nearly the same load, so on a machine that other
 programs keep busy the comparison stays sharp (whole runs with and without
-recording, in turns, scatter there by far more than the 1% looked for). Each round
-runs the workload twice, recording the even steps in one run and the odd steps
-in the other, and its value is the mean recorded step ÷ the mean other step,
-the recorder's time included. The workload is `--requests` prompts of 16–64
-random tokens, `--max-tokens` each, all queued at once, prefix caching on, and
-every run's prompts new, so no run finds another's blocks cached. The claim
-holds when the interval of the median ratio (`bench/verdict.py`) lies at or below
-1.01; when the rounds scatter too much, the verdict is INCONCLUSIVE and says so.
-What this design cannot see: the garbage collector's extra work for the ring's
-records falls on recorded and other steps alike, so half of it is hidden; the
-records are built of plain tuples, which the collector stops tracking.
+recording, in turns, scatter there by far more than the 1% looked for;
+docs/lessons_notes.md). Each round runs the workload twice, recording the even
+steps in one run and the odd steps in the other, and its value is the mean
+recorded step ÷ the mean other step, the recorder's time included. The workload
+is `--requests` prompts of 16–64 random tokens, `--max-tokens` each, all queued
+at once, prefix caching on, and every run's prompts new, so no run finds
+another's blocks cached. The claim holds when the interval of the median ratio
+(`bench/verdict.py`) lies at or below 1.01; when the rounds scatter too much,
+the verdict is INCONCLUSIVE and says so. What this design cannot see: the
+garbage collector's extra work for the ring's records falls on recorded and
+other steps alike, so half of it is hidden; the records are built of plain
+tuples, which the collector stops tracking.
 
 It prints the CPU, the step time, the time spent inside the recorder per step
 (timed in the recording half of each round), the verdict and the machine's load
