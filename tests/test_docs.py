@@ -110,3 +110,10 @@ def test_every_link_from_the_readme_into_docs_resolves_and_every_page_is_linked(
     pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
     unlinked = sorted(pages - set(links))
     assert not unlinked, f"pages of docs/ that README.md never links, so no reader finds them: {unlinked}"
+
+
+def test_every_relative_link_in_docs_resolves():
+    broken = [f"{page.relative_to(ROOT)}: {target}" for page in sorted((ROOT / "docs").rglob("*.md"))
+              for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+              if "://" not in target and not (page.parent / target).exists()]
+    assert not broken, f"links in docs/ to files that do not exist: {broken}"
