@@ -36,7 +36,7 @@ A bucket's graph is captured the first time a step of its shape runs (the
 largest bucket's first of all), all in one memory pool, on one stream of the
 runner's own: the graph memory is about the activations of the largest step,
 and an engine that only ever decodes a few sequences at short contexts
-captures a few graphs, not all of them (gpt2-xl's 245 take about 20 s). vLLM needs no width buckets, because its
+captures a few graphs, not all of them (gpt2-xl has 245 buckets). vLLM needs no width buckets, because its
 attention kernel stops at each sequence's own length; here attention gathers
 the whole padded width (paged_attention.py), so a short context must not pay
 for the longest one.
@@ -257,8 +257,8 @@ class DecodeRunner:
     def _record(self, batch: int, width: int) -> torch.cuda.CUDAGraph:
         """Warm up and capture one bucket's step on padding rows (the addresses every step of it fills), both on
         the runner's own stream: lazy initialisation stays outside the graph, and no other runner's capture or
-        freed graph shares the stream (PyTorch issue 193402: replays on a shared capture stream can crash with an
-        illegal address once another graph captured there is freed)."""
+        freed graph shares the stream: replays on a shared capture stream can crash with an illegal address once
+        another graph captured there is freed (https://github.com/pytorch/pytorch/issues/193402)."""
         device = self.model.device
         self._stream = self._stream or torch.cuda.Stream(device)
         self.inputs.prepare([], batch, width)

@@ -42,16 +42,12 @@ OpenMP threads (bench/threads.py). So on a CPU the decodes are gathered and
 attended in groups of rows whose copies stay within `gather_bytes`
 (`GATHER_BYTES`, 16 MiB; a row whose context alone passes it goes alone), each
 group into the same scratch buffer, which the cache keeps from layer to layer
-and step to step. Measured on the 2-core Xeon with AMX (2026-12-04, gpt2-shaped
-fp32, 32 decodes of 129 to 192 tokens, `python -m minillm.bench.gather
---gather-bytes N`, the full-batch decode step's median): a fresh buffer in
-groups of 4 MiB, 134–136 ms on two threads; one kept buffer in groups of 16
-MiB, 104 ms. On one thread, 157–158 against 142–145 ms; there groups of 32 MiB
-and more lost, as the copy no longer stayed in the core's cache before
-attention read it. On the 2-core EPYC, one fresh copy of 33
-MiB took 101,388 page faults a step once the contexts reached 161 tokens; the
-groups, none. A GPU gathers in one call, into a fresh buffer: its allocator
-caches blocks, and each group would cost launches.
+and step to step: no page is faulted in twice, and a group's copy is still in
+the core's cache when attention reads it (so groups much larger than the cache
+lose). `python -m minillm.bench.gather --gather-bytes N` times both ways on a
+served workload; docs/bench.md has what it measured. A GPU gathers in one call,
+into a fresh buffer: its allocator caches blocks, and each group would cost
+launches.
 
 One step
 --------

@@ -7,7 +7,7 @@ It runs the course twice, quiet and then beside the busy loop, and holds both ha
 QUIET_LIMIT_S and all but three lessons decisive (HOLDS or NOT SUPPORTED); busy, within twice the quiet time, all but
 four decisive, and no decisive verdict that differs from the quiet run's. Its figures are printed (-s).
 
-The bounds are this machine's, measured (README, "Lessons"): on the quiet 2-core AVX2 EPYC the 13 lessons took 364 s
+The bounds are this machine's, measured (docs/lessons.md): on the quiet 2-core AVX2 EPYC the 13 lessons took 364 s
 with 10 decisive, and 419 s with 11 beside the busy core, none flipped. Lessons 12 and 13 judge served traffic on two
 cores and come out INCONCLUSIVE as often as not; lesson 04's batch-4 line sits inside this CPU's noise.
 """
@@ -52,7 +52,7 @@ def test_one_busy_core_slows_the_course_but_flips_no_verdict(tmp_path):
     print(f"busy:  {busy['total_s']:.1f} s, {busy['decisive']} decisive: {b}")
     assert all(row["rc"] == 0 for row in quiet["lessons"] + busy["lessons"]), (quiet["lessons"], busy["lessons"])
     assert quiet["total_s"] <= QUIET_LIMIT_S, (f"quiet run_all --quick took {quiet['total_s']:.0f} s, over "
-                                               f"{QUIET_LIMIT_S} s (the README says 271 s; 364 s before the "
+                                               f"{QUIET_LIMIT_S} s (docs/lessons.md has 271 s; 364 s before the "
                                                "grouped gather)")
     assert quiet["decisive"] >= len(q) - 3, q
     assert busy["total_s"] <= 2 * quiet["total_s"], (busy["total_s"], quiet["total_s"])

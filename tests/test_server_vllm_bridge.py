@@ -7,7 +7,7 @@
     minillm bench-serve ──▶ vllm serve      `vllm_like_app` answers as vLLM's OpenAI server
                                             does (its ModelCard, its stream chunks)
 
-What each side needs of the other (the README's table says the same):
+What each side needs of the other (docs/serving.md's table says the same):
   * vLLM's client reads /v1/models' data[0].id and data[0].root (when --model is
     left out); splits the stream on blank lines, drops the "data: " prefix (with its
     space), skips ":" comments, stops at [DONE]; times an event with a non-empty

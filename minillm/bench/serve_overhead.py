@@ -10,10 +10,11 @@ client) and through an `LLMEngine` of the same configuration in this process
 to the last token; the ratio served ÷ offline is taken within each round, and
 its median and range are printed. What the server adds: HTTP and JSON per
 request, one server-sent event per token, and the asyncio loop beside the
-engine thread, all on the cores the engine computes on. The aim:
+engine thread, all on the cores the engine computes on. The aim (`AIM`):
 served ≥ 0.9 × offline. Both sides take the cores free as they start and
 OpenMP's passive policy (`threads.py`); the server runs while the offline
-engine does not, and the reverse.
+engine does not, and the reverse. docs/serving.md has what it measured, and
+on which machines.
 """
 from __future__ import annotations
 
