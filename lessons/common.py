@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-import minillm  # noqa: E402,F401  (before torch: importing it sets OpenMP's wait policy, bench/threads.py)
+import minillm  # noqa: E402,F401  (before torch: idle threads sleep, `minillm.let_idle_threads_sleep` says why)
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only, never a window: lessons run headless and in tests

@@ -225,7 +225,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_attention` for one query per row, (B, H, 1, D), which sees every key its mask allows: the scores
     as one batched matmul, their softmax, and the weighted values as another, in fp32 whatever q's dtype (as
-    the fused kernel accumulates: scores rounded to bf16 would err 3–5× as much), the output in q's.
+    the fused kernel accumulates: scores rounded to bf16 would err several times as much), the output in q's.
 
     `mask` is boolean, True where a key is seen, as every cache builds it, and each row sees at least its own
     key (a row that saw none would give NaN here where the fused kernel gives zeros). More than one query per
