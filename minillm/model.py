@@ -226,7 +226,7 @@ class GPT2(nn.Module):
         super().__init__()
         self.config = config
         # Embeddings built from empty tensors: their values come from init_weights or a checkpoint. (Letting
-        # nn.Embedding draw its own init on the meta device, where the loader builds, imports torch's compiler: 2 s.)
+        # nn.Embedding draw its own init on the meta device, where the loader builds, imports torch's compiler: seconds.)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd))
         self.wpe = nn.Embedding(config.n_ctx, config.n_embd, _weight=torch.empty(config.n_ctx, config.n_embd))
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
