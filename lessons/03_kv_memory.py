@@ -29,7 +29,7 @@ What this lesson measures
 - how many tokens of context fit after the weights, per size, in this device's
   memory (on the CPU the budget is the machine's total RAM, a stated budget).
   "The weights" are what the loader keeps: on a CPU in fp32 that is the
-  checkpoint's bytes and the copies its layout adds (`weight_layout.py`: the
+  checkpoint's bytes and the copies its layout adds (`cpu_layout.py`: the
   head's [C, V] copy and oneDNN-packed copies, 1.3× the weights again for gpt2);
 - bytes read per decode step, split into weights and KV, as context grows, and
   the context × batch at which KV reads overtake weight reads (arithmetic from
@@ -55,6 +55,7 @@ from minillm.config import HF_CHECKPOINTS, PRESETS, dtype_bytes
 from minillm.kv_cache import KVCache
 from minillm.bench.cost import decode_cost
 from minillm.bench.memory import layout_copy_bytes_of, memory_budget, resident_bytes
+from minillm.cpu_layout import layout_of
 from minillm.device import synchronize
 
 NAME = "03_kv_memory"
@@ -124,8 +125,8 @@ def measure(lesson, budget: dict) -> list[dict]:
     rows = []
     for name, c in configs.items():
         per_token = c.kv_bytes_per_token(dtype)
-        copies = layout_copy_bytes_of(c, dtype, lesson.model.lm_head_t is not None,
-                                      lesson.model.h[0].mlp.c_fc.packed is not None)  # the layout chosen here
+        layout = layout_of(lesson.model)  # the layout chosen here
+        copies = layout_copy_bytes_of(c, dtype, layout["head_copy"], layout["packed"])
         row = {"model": name, "kv_bytes_per_token": per_token, "weight_bytes": c.weight_bytes(dtype),
                "layout_copy_bytes": copies, "n_ctx": c.n_ctx,
                "tokens_that_fit": tokens_that_fit(usable, c.weight_bytes(dtype) + copies, per_token)}

@@ -51,6 +51,7 @@ from minillm.bench.cost import decode_cost
 from minillm.bench.memory import memory_budget
 from minillm.bench.roofline import achieved, ceiling_kernels
 from minillm.bench.steps import decode_step
+from minillm.cpu_layout import layout_of, linear_in_layout, linears_layout
 from minillm.model import Conv1D
 
 NAME = "04_memory_bound_decode"
@@ -110,19 +111,17 @@ def matrix_probes(lesson, b_star: int) -> dict:
     them to stream from memory (128 MiB, past any CPU's cache; at most 64 of them), so the time per matrix is what
     a step pays."""
     cfg, device, dtype = lesson.config, lesson.device, lesson.dtype
-    packed = lesson.model.h[0].mlp.c_fc.packed is not None
+    layout = layout_of(lesson.model)  # the loader's: packed copies, and one row by the library it chose
     count = min(64, -(-(128 << 20) // (cfg.n_embd * 4 * cfg.n_embd * torch.finfo(dtype).bits // 8)))
-    layers = [Conv1D(cfg.n_embd, 4 * cfg.n_embd).to(device, dtype) for _ in range(count)]
-    for layer in layers:
-        layer.pack(packed)
-        layer.numpy_one_row = lesson.model.numpy_one_row  # and one row by the library the loader chose
+    layers = [linear_in_layout(Conv1D(cfg.n_embd, 4 * cfg.n_embd).to(device, dtype), layout["packed"],
+                               layout["numpy_one_row"]) for _ in range(count)]
     rows = sorted({1, b_star, 2 * b_star})
     xs = {r: torch.randn(r, cfg.n_embd, device=device, dtype=dtype) for r in rows}
 
     def apply_all(x):
         with torch.inference_mode():
             return [layer(x) for layer in layers]
-    return {"weight": layers[0].weight.detach(), "count": count, "rows": rows, "layout": lesson.model.linears_layout,
+    return {"weight": layers[0].weight.detach(), "count": count, "rows": rows, "layout": linears_layout(lesson.model),
             "fns": {f"matmul {r} rows": (lambda x=xs[r]: apply_all(x)) for r in rows}}
 
 

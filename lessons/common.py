@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-import minillm  # noqa: E402,F401  (before torch: importing it sets OpenMP's wait policy, bench/threads.py)
+import minillm  # noqa: E402,F401  (before torch: idle threads sleep, `minillm.let_idle_threads_sleep` says why)
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only, never a window: lessons run headless and in tests
@@ -52,7 +52,8 @@ from minillm.bench.timing import environment, si  # noqa: E402
 from minillm.bench.threads import ThreadChoice, apply_threads, choose_threads  # noqa: E402
 from minillm.checkpoints.load import add_model_arguments, load_model, locate, random_model  # noqa: E402
 from minillm.device import resolve_device, resolve_dtype  # noqa: E402
-from minillm.weight_layout import set_num_threads  # noqa: E402
+from minillm.cpu_layout import kernels  # noqa: E402
+from minillm.device import set_num_threads  # noqa: E402
 
 DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
 STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written
@@ -106,8 +107,7 @@ def quiet_load_model(name: str, device, dtype):
 
 def weights_layout(model) -> str:
     """How the loader laid the weights out for this device: the kernel path every step the lesson times takes."""
-    return (f"LM head {model.lm_head_layout}; block projections {model.linears_layout}; "
-            f"attention {model.attention_layout}")
+    return kernels(model)
 
 
 def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:

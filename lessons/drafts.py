@@ -22,9 +22,8 @@ def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
     with torch.device("meta"):
         draft = GPT2(target.config.with_(n_layer=n_layer), seed=None)
     draft.wte, draft.wpe, draft.ln_f = target.wte, target.wpe, target.ln_f
-    draft.lm_head_t, draft.lm_head_packed = target.lm_head_t, target.lm_head_packed  # the loader's layout, shared
+    draft.lm_head = target.lm_head  # in the layout the loader chose for the target, shared
     draft.h = torch.nn.ModuleList(target.h[:n_layer])
-    draft.numpy_one_row = target.numpy_one_row  # its blocks are the target's: they compute one row as the target's do
     draft.weights_source = f"the target's first {n_layer} of {target.config.n_layer} blocks"
     return draft.eval()
 

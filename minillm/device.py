@@ -9,6 +9,13 @@ decided in one place:
     synchronize(device)     → wait for queued GPU work, which a timer must do before it reads the clock
     available_memory(device)→ what a new allocation could take: the KV pool's ceiling
 
+and what a CPU is, for the kernels that run on it (`cpu_layout.py`) and the threads that run them:
+
+    cpuinfo("flags")        → a field of /proc/cpuinfo (the ISA extensions: avx2, avx512_bf16, amx_bf16, ...)
+    numpy_blas()            → the BLAS numpy links ("openblas"), whose thread pool is not torch's
+    set_num_threads(n)      → n threads for torch's kernels and numpy's BLAS alike
+    wait_policy()           → how idle threads wait, as `minillm.let_idle_threads_sleep` left it
+
 The invariant its tests hold: an unknown or absent device or dtype is a ValueError that names it and
 the choices, never a silent fallback.
 """
@@ -16,8 +23,15 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 
+import numpy  # noqa: F401  loaded before threadpoolctl looks for numpy's BLAS
 import torch
+
+try:
+    import threadpoolctl
+except ImportError:  # a machine with fixed packages (the GPU one's): numpy's BLAS is then never chosen
+    threadpoolctl = None
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -100,3 +114,56 @@ def available_memory(device: torch.device) -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return math.inf
+
+
+# ---- the CPU and its threads ------------------------------------------------------------------------------------
+
+def cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("vendor_id", "model name", "flags"); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), "")
+    except OSError:
+        return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("AuthenticAMD", "GenuineIntel"; on other systems what `platform` says)."""
+    return cpuinfo("vendor_id") or platform.processor()
+
+
+def numpy_blas() -> str:
+    """Which BLAS numpy computes with ("openblas", "mkl", ...: threadpoolctl's name), "" if none it knows.
+
+    (torch's MKL is linked into torch itself, where threadpoolctl does not look: the BLAS it finds is numpy's.
+    Without threadpoolctl, "": its threads could not be sized, so the loader keeps torch's BLAS.)"""
+    if threadpoolctl is None:
+        return ""
+    return next((lib["internal_api"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"), "")
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for torch's kernels and for numpy's BLAS alike: a one-row product may run on either library."""
+    torch.set_num_threads(n)
+    if threadpoolctl is not None:
+        threadpoolctl.threadpool_limits(n, user_api="blas")
+
+
+def wait_policy() -> str:
+    """How this process's OpenMP threads wait at a barrier: what OMP_WAIT_POLICY held as torch loaded."""
+    value = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    if value == "PASSIVE":
+        return "sleep at barriers (OMP_WAIT_POLICY=PASSIVE)"
+    if value == "ACTIVE":
+        return "spin at barriers (OMP_WAIT_POLICY=ACTIVE)"
+    return "spin, then sleep, at barriers (OMP_WAIT_POLICY unset: the runtime's default)"
+
+
+def openblas_threads_sleep() -> bool:
+    """Whether numpy's OpenBLAS threads sleep as soon as they are idle: OPENBLAS_THREAD_TIMEOUT held 4 (its least,
+    2⁴ cycles of spinning) as numpy loaded, as `minillm.let_idle_threads_sleep` sees to. By default they spin for
+    2²⁸ cycles after each product, on the core torch's next kernel needs."""
+    try:
+        return int(os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")) <= 4
+    except ValueError:
+        return False

@@ -36,10 +36,10 @@ Prefill needs the next-token distribution only at each sequence's last
 position, so `forward(..., logits_indices=idx)` applies `ln_f` and the head to
 those rows of the flattened (B·T) batch and nothing else.
 
-Weight layouts for a CPU (`weight_layout.py`): once the weights are in, the
-loader may give the head a [C, V] copy of `wte` (`use_lm_head_copy`) and the
-head and every `Conv1D` oneDNN-packed copies for steps of several rows
-(`pack_linears`); `lm_head_layout` and `linears_layout` name what is in use.
+Kernels for a CPU are not chosen here: once the weights are in, the loader may
+replace each `Conv1D` and the `LMHead` with a module that computes the same
+product from a copy laid out for a CPU's kernels (`cpu_layout.py`, as
+gpt-fast's quantize.py swaps modules in). This file stays as written.
 
 What it costs: about 2 FLOPs per weight per token (`config.py` has the exact
 count), and one read of every weight per forward pass, whatever T is.
@@ -59,8 +59,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPT2Config
-from .weight_layout import (bf16_decode_by_hand_pays, cpuinfo, deepcopy_repacking, numpy_product, onednn_pack,
-                            serves_one_row, serves_packed)
 
 
 class AttentionCache(Protocol):
@@ -83,42 +81,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T = L = 1,024 in fp32 that is 4 MiB per head neither written nor read
     back. Every cache ends here; tests/test_model.py holds it equal to
     `attention_by_hand`.
-
-    One case is computed otherwise: a decode step (one query per row) in bf16
-    on a CPU with AVX512_BF16 but no AMX (`BF16_DECODE_BY_HAND`), where
-    torch's fused kernel is the slow path. Written out in fp32
-    (`decode_attention`) the same step takes a quarter to a half of its time,
-    and errs no more (16 rows of gpt2's 12 heads over 129 keys: 0.42
-    ms against 1.71; over 513 keys 2.5 against 6.6; 2-core EPYC, Zen 4, two
-    threads). With AMX the fused kernel is the fast one (on a 2-core Xeon
-    with AMX, 0.30 ms against 7.4 written out), so it is kept there.
     """
     T, L = q.shape[-2], k.shape[-2]
-    if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and BF16_DECODE_BY_HAND:
-        return decode_attention(q, k, v, mask)
     if mask is None and T not in (1, L):  # queries at the end of a longer context: the triangle starts at L − T
         mask = causal_mask(torch.arange(L - T, L, device=q.device), L)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
 
 
-# This CPU's answer, read once (`weight_layout.bf16_decode_by_hand_pays`); tests set it to take either path.
-BF16_DECODE_BY_HAND = bf16_decode_by_hand_pays(cpuinfo("flags"))
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """`causal_attention` for one query per row, (B, H, 1, D), which sees every key its mask allows: the scores
-    as one batched matmul, their softmax, and the weighted values as another, in fp32 whatever q's dtype (as
-    the fused kernel accumulates: scores rounded to bf16 would err 3–5× as much), the output in q's.
-
-    `mask` is boolean, True where a key is seen, as every cache builds it, and each row sees at least its own
-    key (a row that saw none would give NaN here where the fused kernel gives zeros)."""
-    if mask is not None and mask.dtype != torch.bool:
-        raise TypeError(f"decode_attention takes a boolean mask (True: the key is seen), not {mask.dtype}")
-    scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, 1, L)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+# The kernel every cache's attention ends in: torch's fused one. Another with its arguments and its numbers may
+# take its place where it runs faster (cpu_layout.py swaps one in for a CPU); this file never chooses.
+scaled_dot_product_attention = F.scaled_dot_product_attention
 
 
 def attention_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -176,12 +148,6 @@ class Conv1D(nn.Module):
     loading is a copy, never a transpose. Which layout a CPU's BLAS streams
     faster depends on the library and the machine; time both with
     `timing.time_fn` before preferring one.
-
-    Packed for a CPU (`weight_layout.py`): W serves one row, streamed at the
-    bandwidth; a oneDNN-packed copy serves several (on the 2-core EPYC, one
-    thread, 12 c_fc layers at batch 16: 65 ms against MKL's 119 over W), at the
-    cost of a second copy of W (in·out·bytes). In bf16, on a CPU that computes
-    it natively, the packed copy serves one row too.
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -189,23 +155,8 @@ class Conv1D(nn.Module):
         w = torch.empty(in_features, out_features)  # GPT-2's init, except on the meta device (no values to draw)
         self.weight = nn.Parameter(w if w.is_meta else w.normal_(std=0.02))
         self.bias = nn.Parameter(torch.zeros(out_features))
-        self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of W (`pack`); never saved, never moved
-        self.numpy_one_row = False  # one row through numpy's BLAS, over W itself (`GPT2.use_numpy_blas`)
-
-    def __deepcopy__(self, memo):
-        return deepcopy_repacking(self, memo, "packed", lambda twin: onednn_pack(twin.weight.detach().t()))
-
-    @torch.no_grad()
-    def pack(self, on: bool = True) -> None:
-        """Reorder a copy of W, as it is now, into oneDNN's layout (on: `serves_packed` says for which rows), or
-        drop it."""
-        self.packed = onednn_pack(self.weight.t()) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if serves_packed(x, self.packed):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.numpy_one_row and serves_one_row(x):
-            return numpy_product(x, self.weight, self.bias)
         # linear computes x·Aᵀ + b; A = Wᵀ is a free view, so this is one addmm over W as stored, and one
         # op dispatched from Python where a reshape, an addmm and a view would be three.
         return F.linear(x, self.weight.t(), self.bias)
@@ -257,6 +208,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class LMHead(nn.Module):
+    """logits = x·wteᵀ: the head is tied to the token embedding, so the same matrix embeds a token and scores it.
+
+    It owns no weight: the model hands it wte [V, C] at each call. A module of its own only so that a kernel
+    layout can take its place (`cpu_layout.py`); state_dict holds wte once, as the checkpoint does.
+    """
+
+    def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, wte)  # (..., C) → (..., V)
+
+
 class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, seed: int | None = 0):
         """Build the model with GPT-2's initialisation, seeded; seed=None skips it: the weights are about to be
@@ -264,16 +226,12 @@ class GPT2(nn.Module):
         super().__init__()
         self.config = config
         # Embeddings built from empty tensors: their values come from init_weights or a checkpoint. (Letting
-        # nn.Embedding draw its own init on the meta device, where the loader builds, imports torch's compiler: 2 s.)
+        # nn.Embedding draw its own init on the meta device, where the loader builds, imports torch's compiler: seconds.)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size, config.n_embd))
         self.wpe = nn.Embedding(config.n_ctx, config.n_embd, _weight=torch.empty(config.n_ctx, config.n_embd))
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        # The LM head is tied to wte: the same matrix embeds a token and scores it. `lm_head_t`, when set,
-        # is a contiguous [C, V] copy of it that the head reads instead (`use_lm_head_copy`).
-        self.register_buffer("lm_head_t", None, persistent=False)
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN's packed copy of wte, for several rows
-        self.numpy_one_row = False  # the head's one row through numpy's BLAS (`use_numpy_blas`)
+        self.lm_head = LMHead()  # tied to wte
         if seed is not None and not any(p.is_meta for p in self.parameters()):
             self.init_weights(seed)
 
@@ -317,69 +275,7 @@ class GPT2(nn.Module):
         if logits_indices is not None:
             x = x.reshape(B * T, -1)[logits_indices]  # (N, C): only the rows we will sample from
         x = self.ln_f(x)
-        if serves_packed(x, self.lm_head_packed):  # several rows, or bf16: oneDNN's packed copy (`pack_linears`)
-            return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
-        if self.numpy_one_row and serves_one_row(x):  # one row: numpy's BLAS (`use_numpy_blas`)
-            return numpy_product(x, self.wte.weight.t() if self.lm_head_t is None else self.lm_head_t)
-        return F.linear(x, self.wte.weight) if self.lm_head_t is None else x @ self.lm_head_t
-
-    @torch.no_grad()
-    def use_lm_head_copy(self, on: bool = True) -> None:
-        """Score tokens through a contiguous [C, V] copy of wte made now (on), or through wte itself (off).
-
-        Call it after the weights are final: the copy does not follow later changes to wte."""
-        self.lm_head_t = self.wte.weight.detach().t().contiguous() if on else None
-
-    def __deepcopy__(self, memo):
-        return deepcopy_repacking(self, memo, "lm_head_packed", lambda twin: onednn_pack(twin.wte.weight.detach()))
-
-    @torch.no_grad()
-    def pack_linears(self, on: bool = True) -> None:
-        """Give every block projection and the LM head a oneDNN-packed copy for steps of several rows, and in
-        bf16 for every step (`Conv1D.pack`; the head's: 61 ms against F.linear's 126 at batch 16), or drop them.
-
-        Call it after the weights are final: the copies do not follow later changes."""
-        for module in self.modules():
-            if isinstance(module, Conv1D):
-                module.pack(on)
-        self.lm_head_packed = onednn_pack(self.wte.weight) if on else None
-
-    def use_numpy_blas(self, on: bool = True) -> None:
-        """Compute every one-row product (the block projections' and the head's, fp32 on a CPU) with numpy's
-        BLAS over the weights as they are (on), or with torch's (off). See weight_layout.py for when it pays."""
-        self.numpy_one_row = on
-        for module in self.modules():
-            if isinstance(module, Conv1D):
-                module.numpy_one_row = on
-
-    @property
-    def lm_head_layout(self) -> str:
-        if self.lm_head_packed is not None and self.lm_head_packed.dtype == torch.bfloat16:
-            return "a oneDNN-packed copy of wte, for every row count"
-        layout = "tied wte [V, C] via F.linear" if self.lm_head_t is None else "a [C, V] copy of wte via x @ W"
-        return layout + (", numpy's BLAS for one row" if self.numpy_serves else "")
-
-    @property
-    def linears_layout(self) -> str:
-        one_row = "numpy" if self.numpy_serves else "F.linear"
-        packed = self.h[0].mlp.c_fc.packed
-        if packed is not None and packed.dtype == torch.bfloat16:
-            return "a oneDNN-packed copy of W for every row count (LM head too)"
-        if packed is not None:
-            return f"W [in, out] via {one_row} for one row, a oneDNN-packed copy for several (LM head too)"
-        return "W [in, out] via numpy for one row, F.linear for several" if self.numpy_serves else \
-            "W [in, out] as stored, via F.linear"
-
-    @property
-    def numpy_serves(self) -> bool:
-        """Whether numpy's BLAS computes this model's one-row products: chosen, and fp32 on the CPU (`serves_one_row`)."""
-        return self.numpy_one_row and self.device.type == "cpu" and self.dtype == torch.float32
-
-    @property
-    def attention_layout(self) -> str:
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and BF16_DECODE_BY_HAND:
-            return "torch's fused kernel, one query per row written out in fp32 (decode_attention)"
-        return "torch's fused kernel (scaled_dot_product_attention)"
+        return self.lm_head(x, self.wte.weight)
 
     @property
     def device(self) -> torch.device:

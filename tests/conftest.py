@@ -25,14 +25,16 @@ from minillm.bench.alarm import time_limit
 
 @pytest.fixture(autouse=True)
 def one_kernel_path_on_every_machine(monkeypatch):
-    """The loader's CPU-dependent choices (`checkpoints.load.choose_layout`: numpy's BLAS for one row on an AMD
-    CPU, bf16 packing where the CPU has native bf16) are pinned, in this process, to what every x86 CPU takes:
-    torch's BLAS for one row, packed copies in fp32 only. So a test takes the same path on every machine; the
+    """The loader's CPU-dependent choices (`cpu_layout.choose_layout`: numpy's BLAS for one row on an AMD
+    CPU, bf16 packing and bf16 decode attention by hand where the CPU has native bf16) are pinned, in this
+    process, to what every x86 CPU takes: torch's BLAS for one row, packed copies in fp32 only, torch's fused
+    attention (whatever a test swaps in is put back after it). So a test takes the same path on every machine; the
     other paths are asked for by name (`choose_layout(numpy_one_row=..., packed=...)`) and tested the same way
     everywhere, and the choices themselves are tested as pure functions of the flags."""
-    from minillm.checkpoints import load
-    monkeypatch.setattr(load, "numpy_blas_pays", lambda *args: False)
-    monkeypatch.setattr(load, "cpuinfo", lambda field: "")
+    from minillm import cpu_layout, model
+    monkeypatch.setattr(cpu_layout, "cpu_vendor", lambda: "")      # no vendor: numpy's BLAS never pays
+    monkeypatch.setattr(cpu_layout, "cpuinfo", lambda field: "")    # no flags: no native bf16
+    monkeypatch.setattr(model, "scaled_dot_product_attention", model.scaled_dot_product_attention)  # restored after
 
 
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends

@@ -5,6 +5,7 @@ import torch
 from minillm import PRESETS
 from minillm.bench import offline as bench
 from minillm.checkpoints.load import random_model
+from minillm.cpu_layout import lay_out, layout_of, lm_head_layout
 
 
 def test_bench_reports_its_threads_load_and_aims_against_named_measured_ceilings(monkeypatch):
@@ -35,7 +36,7 @@ def test_the_sweep_times_each_batch_in_turns_against_its_own_roofline_and_batch_
     model = random_model(PRESETS["tiny"], "cpu", torch.float32)
     ceilings = measure_ceilings("cpu", torch.float32, quick=True)
     r = sweep.sweep(model, (1, 4, 16), context_len=8, ceilings=ceilings, rounds=3)
-    assert [row["batch"] for row in r["rows"]] == [1, 4, 16] and r["lm_head_layout"] == model.lm_head_layout
+    assert [row["batch"] for row in r["rows"]] == [1, 4, 16] and r["lm_head_layout"] == lm_head_layout(model)
     for row in r["rows"]:
         cost = decode_cost(model.config, 8, row["batch"], torch.float32)
         assert len(row["times_s"]) == 3
@@ -47,7 +48,7 @@ def test_the_sweep_times_each_batch_in_turns_against_its_own_roofline_and_batch_
         assert row["roofline_times_batch1"] == row["roofline_s"] / r["rows"][0]["roofline_s"]
     assert r["rows"][0]["times_batch1"] == 1.0
     lines = sweep.report(r)
-    assert "LM head: " + model.lm_head_layout in lines[0] and len(lines) == 5
+    assert "LM head: " + lm_head_layout(model) in lines[0] and len(lines) == 5
     assert lines[3].startswith("  batch  16:") and f"{r['rows'][2]['times_batch1']:.2f}× batch 1" in lines[3]
     assert "batch 16 within 1.5× batch 1: this run" in lines[-1]
 
@@ -81,11 +82,11 @@ def test_the_blas_check_times_both_libraries_in_turns_quiet_and_busy_and_restore
     per-round figures; each timing ran on the library it names; the loader's choice is left as it was."""
     from minillm.bench import sweep
     model = random_model(PRESETS["tiny"], "cpu", torch.float32)
-    model.use_numpy_blas(chosen)
-    from minillm import model as model_module
+    lay_out(model, numpy_one_row=chosen)
+    from minillm import cpu_layout
     libraries, products = [], []
-    real_time_fn, real_product = sweep.time_fn, model_module.numpy_product
-    monkeypatch.setattr(model_module, "numpy_product", lambda *a: products.append(1) or real_product(*a))
+    real_time_fn, real_product = sweep.time_fn, cpu_layout.numpy_product
+    monkeypatch.setattr(cpu_layout, "numpy_product", lambda *a: products.append(1) or real_product(*a))
 
     def timed(*args, **kwargs):   # which library each timing's products ran on
         before = len(products)
@@ -94,7 +95,7 @@ def test_the_blas_check_times_both_libraries_in_turns_quiet_and_busy_and_restore
         return result
     monkeypatch.setattr(sweep, "time_fn", timed)
     r = sweep.blas_check(model, context_len=8, rounds=2)
-    assert model.numpy_one_row == chosen and model.h[0].mlp.c_fc.numpy_one_row == chosen
+    assert layout_of(model)["numpy_one_row"] == chosen and getattr(model.lm_head, "numpy_one_row", False) == chosen
     t = r["times_s"]
     assert set(t) == {"numpy, quiet", "torch, quiet", "numpy, busy", "torch, busy"}
     assert all(len(v) == 2 for v in t.values())

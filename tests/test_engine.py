@@ -14,7 +14,7 @@ import torch
 
 from minillm import PRESETS, SamplingParams
 from minillm import engine as engine_module
-from minillm import model as model_module
+from minillm import cpu_layout as cpu_layout_module
 from minillm import kv_cache, naive_decode
 from minillm.cuda_graphs import DecodeRunner
 from minillm.engine import LLMEngine
@@ -22,7 +22,7 @@ from minillm.kv_pool import CacheConfig
 from minillm.sampling import NonFiniteLogitsError
 from minillm.scheduler import SchedulerConfig
 from minillm.sequence import Sequence
-from minillm.checkpoints.load import choose_layout
+from minillm.cpu_layout import choose_layout, use_decode_attention_by_hand
 from models import context_model, random_prompts
 
 CFG = PRESETS["tiny"]
@@ -96,24 +96,24 @@ def test_engine_logits_equal_the_contiguous_cache(model, chunked, cpu_layout, mo
     (on a CPU: the LM head's [C, V] copy, packed projections, and on an AMD one numpy's BLAS for one-row steps,
     which this run must take), against a recompute through the weights as stored.
 
-    bf16 (its decode attention written out, `model.decode_attention`, and torch's fused kernel, which the CPU's
-    flags choose between; the head's [C, V] copy, unpacked, since oneDNN packs bf16 only on AVX-512 CPUs) is
+    bf16 (its decode attention written out, `cpu_layout.decode_attention`, and torch's fused kernel, which the
+    CPU's flags choose between; the head's [C, V] copy, unpacked, since oneDNN packs bf16 only on AVX-512 CPUs) is
     held to a recompute in bf16 within 2% of the row's largest logit: bf16 keeps 8 bits of mantissa, so each rounding moves a value by up to 2⁻⁹ of itself, and the
     engine's steps (decodes, chunks, other rows beside them) round at other places than one recompute does;
     a logit near the largest (11 here) is itself rounded by up to 0.03, ~0.3% of it. Measured: 0.11 at most,
     1% of 11; the same weights in fp32 differ from bf16's by 0.22, and a step over the wrong keys by far more."""
     reference_model, tol = model, lambda full: {"atol": 1e-4, "rtol": 1e-4}
     if cpu_layout and cpu_layout.startswith("bf16"):
-        monkeypatch.setattr(model_module, "BF16_DECODE_BY_HAND", cpu_layout == "bf16")
         reference_model = context_model().to(torch.bfloat16)
         tol = lambda full: {"atol": 0.02 * full.abs().max().item(), "rtol": 0}  # noqa: E731
         model = choose_layout(context_model().to(torch.bfloat16), numpy_one_row=False, packed=False)
+        use_decode_attention_by_hand(cpu_layout == "bf16")  # after the loader's choice (conftest restores it)
     elif cpu_layout:
         model = choose_layout(context_model(), numpy_one_row=cpu_layout == "numpy's BLAS")
     one_row_steps, written_out = [], []
-    real_product, real_attention = model_module.numpy_product, model_module.decode_attention
-    monkeypatch.setattr(model_module, "numpy_product", lambda *a: one_row_steps.append(1) or real_product(*a))
-    monkeypatch.setattr(model_module, "decode_attention", lambda *a: written_out.append(1) or real_attention(*a))
+    real_product, real_attention = cpu_layout_module.numpy_product, cpu_layout_module.decode_attention
+    monkeypatch.setattr(cpu_layout_module, "numpy_product", lambda *a: one_row_steps.append(1) or real_product(*a))
+    monkeypatch.setattr(cpu_layout_module, "decode_attention", lambda *a: written_out.append(1) or real_attention(*a))
     seen = []
     real_sample = engine_module.sample
 

@@ -59,13 +59,13 @@ def test_the_shallow_draft_shares_the_targets_weights_and_runs_its_first_blocks(
 
 
 def test_the_shallow_draft_reads_its_head_in_the_targets_layout():
-    from minillm.checkpoints.load import choose_layout
+    from minillm.cpu_layout import choose_layout, linears_layout, lm_head_layout
     target = choose_layout(context_model())
     draft = drafts.shallow_draft(target, 1)
-    assert draft.lm_head_layout == target.lm_head_layout and draft.lm_head_t is target.lm_head_t
-    assert draft.lm_head_packed is target.lm_head_packed and draft.linears_layout == target.linears_layout
+    assert lm_head_layout(draft) == lm_head_layout(target) and draft.lm_head is target.lm_head
+    assert linears_layout(draft) == linears_layout(target)
     numpy_blas = choose_layout(context_model(), numpy_one_row=True)   # one row through numpy
-    assert drafts.shallow_draft(numpy_blas, 1).lm_head_layout == numpy_blas.lm_head_layout
+    assert lm_head_layout(drafts.shallow_draft(numpy_blas, 1)) == lm_head_layout(numpy_blas)
 
 
 def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):

@@ -11,6 +11,7 @@ from minillm.bench import roofline
 from minillm.bench import steps
 from minillm.bench import timing
 from minillm.config import PRESETS
+from minillm.cpu_layout import lay_out, layout_of
 from minillm.kv_cache import KVCache
 from minillm.bench.cost import StepCost, decode_cost, prefill_cost, step_cost
 from minillm.bench.roofline import Ceilings
@@ -161,11 +162,10 @@ def test_accounted_memory_counts_weights_and_caches():
     assert m["weights"] == TINY.num_params() * 4
     assert m["kv_cache"] == 2 * 32 * TINY.kv_bytes_per_token()
     head = TINY.vocab_size * TINY.n_embd * 4  # the [C, V] copy the CPU layout keeps, and more if it packs
-    assert m["layout_copies"] >= head * (model.lm_head_t is not None)
+    assert m["layout_copies"] >= head * layout_of(model)["head_copy"]
     assert m["total"] == m["weights"] + m["layout_copies"] + m["kv_cache"]
     for head_copy, packed in ((True, True), (True, False), (False, False)):  # the shape's formula, as built
-        model.use_lm_head_copy(head_copy)
-        model.pack_linears(packed)
+        lay_out(model, head_copy=head_copy, packed=packed)
         assert memory.layout_copy_bytes(model) == memory.layout_copy_bytes_of(TINY, torch.float32, head_copy, packed)
     assert memory.accounted_memory(model, [cache])["layout_copies"] == 0
 

@@ -6,7 +6,9 @@ import torch
 from minillm import GPT2, GPT2Config, PRESETS, SamplingParams
 from minillm import kv_cache, naive_decode
 from minillm.kv_cache import KVCache, Segment
-from minillm.model import attention_by_hand, causal_attention, causal_mask
+from minillm.cpu_layout import (CPUConv1D, CPULMHead, attention_layout, choose_layout, decode_attention, lay_out,
+                                 layout_of, linears_layout, lm_head_layout)
+from minillm.model import Conv1D, LMHead, attention_by_hand, causal_attention, causal_mask
 from minillm.sampling import NonFiniteLogitsError, apply_top_k, apply_top_p, sample
 from minillm.sampling_params import finish_reason
 from models import context_model
@@ -98,25 +100,23 @@ def test_logits_only_at_chosen_positions(model):
 def test_the_lm_head_copy_scores_as_the_tied_weight_does(dtype, tol):
     """The [C, V] copy the loader keeps on a CPU gives wte's logits, at every row and at chosen rows, in fp32
     (rounding only: the same products, summed in another order) and in bf16 (its 8-bit mantissa)."""
-    tied, copied = context_model().to(dtype), context_model().to(dtype)
-    copied.use_lm_head_copy()
-    assert copied.lm_head_t.shape == (CFG.n_embd, CFG.vocab_size) and copied.lm_head_t.is_contiguous()
-    assert tied.lm_head_layout != copied.lm_head_layout
+    tied, copied = context_model().to(dtype), lay_out(context_model().to(dtype), head_copy=True)
+    assert copied.lm_head.wte_t.shape == (CFG.n_embd, CFG.vocab_size) and copied.lm_head.wte_t.is_contiguous()
+    assert lm_head_layout(tied) != lm_head_layout(copied)
     x = ids(2, 9)
     with torch.no_grad():
         torch.testing.assert_close(copied(x), tied(x), atol=tol, rtol=tol)
         rows = torch.tensor([3, 17])
         torch.testing.assert_close(copied(x, logits_indices=rows), tied(x, logits_indices=rows), atol=tol, rtol=tol)
-    assert "lm_head_t" not in copied.state_dict(), "the copy is derived from wte, never saved"
+    assert copied.state_dict().keys() == tied.state_dict().keys(), "the copy is derived from wte, never saved"
 
 
 def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several_rows():
     """oneDNN-packed copies of the block projections (fp32, the loader's choice on a CPU) give the logits of W as
     stored, for prefills, ragged rows and single tokens; a packed copy that disagrees with W changes only what
     several rows compute, so the copy is what those steps read, and one row reads W."""
-    plain, packed = context_model(), context_model()
-    packed.pack_linears()
-    assert packed.linears_layout != plain.linears_layout
+    plain, packed = context_model(), lay_out(context_model(), packed=True)
+    assert linears_layout(packed) != linears_layout(plain)
     x, one = ids(2, 9), ids(1, 1, seed=1)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
@@ -125,20 +125,19 @@ def test_packed_projections_give_the_same_logits_and_serve_only_steps_of_several
         fc.packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(fc.weight.t()).contiguous(), 16)
         assert not torch.allclose(packed(x), plain(x), atol=1e-3)
         torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
-        packed.pack_linears()  # the head's packed copy likewise serves several rows only
-        packed.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(packed.wte.weight), 16)
+        lay_out(packed, packed=True)  # the head's packed copy likewise serves several rows only
+        packed.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn_like(packed.wte.weight), 16)
         assert not torch.allclose(packed(x), plain(x), atol=1e-3)
         torch.testing.assert_close(packed(one), plain(one), atol=1e-5, rtol=1e-5)
-    packed.pack_linears(False)
-    assert packed.lm_head_packed is None
-    assert all(m.packed is None for m in packed.modules() if hasattr(m, "packed"))
+    lay_out(packed, packed=False)   # nothing left to swap in: model.py's own modules again
+    assert type(packed.lm_head) is LMHead and all(type(m) is Conv1D for m in packed.modules() if isinstance(m, Conv1D))
 
 
 def count_numpy_products(monkeypatch) -> list:
     """Record the row count of every product numpy's BLAS computes in the model."""
-    import minillm.model as model_module
-    calls, real = [], model_module.numpy_product
-    monkeypatch.setattr(model_module, "numpy_product", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or
+    from minillm import cpu_layout
+    calls, real = [], cpu_layout.numpy_product
+    monkeypatch.setattr(cpu_layout, "numpy_product", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or
                         real(x, *a))
     return calls
 
@@ -156,10 +155,8 @@ def test_numpy_blas_gives_the_same_logits_for_one_row_and_leaves_several_rows_to
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    fast.use_lm_head_copy(head_copy)
-    fast.pack_linears(packed)
-    fast.use_numpy_blas()
-    assert "numpy" in fast.linears_layout and "numpy" in fast.lm_head_layout and "numpy" not in plain.linears_layout
+    lay_out(fast, head_copy=head_copy, packed=packed, numpy_one_row=True)
+    assert "numpy" in linears_layout(fast) and "numpy" in lm_head_layout(fast) and "numpy" not in linears_layout(plain)
     calls = count_numpy_products(monkeypatch)
     one, several = ids(1, 1, seed=1), ids(2, 9)
     with torch.inference_mode():
@@ -178,17 +175,50 @@ def test_numpy_blas_gives_the_same_logits_for_one_row_and_leaves_several_rows_to
     with torch.inference_mode():
         fast.to(torch.bfloat16)(one)
     assert calls == [], "numpy has no bf16 BLAS: torch computes it"
-    fast.use_numpy_blas(False)
-    assert fast.linears_layout == plain.linears_layout or packed
+    lay_out(fast, numpy_one_row=False)
+    assert linears_layout(fast) == linears_layout(plain) or packed
+
+
+@pytest.mark.parametrize("dtype, tol, layout", [
+    (torch.float32, 1e-5, {"head_copy": True, "packed": True, "numpy_one_row": False}),   # the loader's on a CPU
+    (torch.float32, 1e-5, {"head_copy": True, "packed": True, "numpy_one_row": True}),    # ... on an AMD one
+    (torch.float32, 1e-5, {"head_copy": False, "packed": False, "numpy_one_row": True}),
+    (torch.bfloat16, 5e-2, {"head_copy": True, "packed": False, "numpy_one_row": False})])
+def test_a_layout_swaps_modules_into_the_model_and_gives_its_logits(dtype, tol, layout):
+    """A layout replaces modules, as gpt-fast's quantize.py does: every Conv1D that reads a copy or numpy becomes a
+    CPUConv1D holding the same W and b, the head a CPULMHead; the logits are the plain model's (fp32: 1e-5; bf16:
+    its 8-bit mantissa), prefill and one row; state_dict is unchanged; with nothing on, model.py's modules return."""
+    plain, fast = context_model().to(dtype), lay_out(context_model().to(dtype), **layout)
+    assert layout_of(fast) == layout
+    convs = [m for m in fast.modules() if isinstance(m, Conv1D)]
+    swapped = layout["packed"] or layout["numpy_one_row"]
+    assert len(convs) == 4 * CFG.n_layer and {type(m) for m in convs} == {CPUConv1D if swapped else Conv1D}
+    assert type(fast.lm_head) is CPULMHead and type(plain.lm_head) is LMHead
+    assert fast.h[0].mlp.c_fc.weight is dict(fast.named_parameters())["h.0.mlp.c_fc.weight"]
+    assert fast.state_dict().keys() == plain.state_dict().keys()
+    with torch.inference_mode():
+        for x in (ids(2, 9), ids(1, 1, seed=1)):
+            torch.testing.assert_close(fast(x), plain(x), atol=tol, rtol=tol)
+    lay_out(fast, head_copy=False, packed=False, numpy_one_row=False)
+    assert type(fast.lm_head) is LMHead and {type(m) for m in fast.modules() if isinstance(m, Conv1D)} == {Conv1D}
+
+
+def test_the_loader_swaps_the_cpu_modules_in_and_the_model_file_knows_none_of_them():
+    """After loading on a CPU the projections and the head are the layout's modules; model.py's GPT2 built alone
+    holds its own, and computes with F.linear whatever CPU it runs on."""
+    from minillm.checkpoints.load import random_model
+    loaded, built = random_model(CFG, "cpu", torch.float32), GPT2(CFG)
+    assert type(loaded.lm_head) is CPULMHead and type(loaded.h[0].attn.c_attn) is CPUConv1D
+    assert type(built.lm_head) is LMHead and type(built.h[0].attn.c_attn) is Conv1D
 
 
 def test_in_tests_the_loader_takes_one_path_on_every_machine():
     """tests/conftest.py pins the loader's CPU-dependent defaults: torch's BLAS for one row, no bf16 packing,
     whatever this CPU is; without the pin an AMD CPU would take numpy's BLAS here, and an AVX-512 one bf16 copies."""
-    from minillm.checkpoints.load import choose_layout
     fp32, bf16 = choose_layout(context_model()), choose_layout(context_model().to(torch.bfloat16))
-    assert not fp32.numpy_one_row and fp32.h[0].mlp.c_fc.packed is not None
-    assert bf16.h[0].mlp.c_fc.packed is None and bf16.lm_head_packed is None and bf16.lm_head_t is not None
+    assert layout_of(fp32) == {"head_copy": True, "packed": True, "numpy_one_row": False}
+    assert layout_of(bf16) == {"head_copy": True, "packed": False, "numpy_one_row": False}
+    assert "written out" not in attention_layout(bf16)
 
 
 def test_the_loader_chooses_numpy_blas_for_fp32_on_an_amd_cpu_whose_openblas_threads_sleep():
@@ -196,8 +226,8 @@ def test_the_loader_chooses_numpy_blas_for_fp32_on_an_amd_cpu_whose_openblas_thr
     sleep, computes one row with it; Intel's keeps torch's MKL, as does another BLAS, spinning threads, another
     dtype, or a GPU. This machine's own answers are named; numpy is expected to link OpenBLAS (PyPI's wheels
     do): the thread tests below depend on it."""
-    from minillm.checkpoints.load import choose_layout
-    from minillm.weight_layout import cpu_vendor, numpy_blas, numpy_blas_pays
+    from minillm.cpu_layout import numpy_blas_pays
+    from minillm.device import cpu_vendor, numpy_blas
     cpu, gpu, fp32 = torch.device("cpu"), torch.device("cuda"), torch.float32
     assert numpy_blas_pays(cpu, fp32, "AuthenticAMD", "openblas", True)
     assert not numpy_blas_pays(cpu, fp32, "GenuineIntel", "openblas", True)
@@ -205,8 +235,8 @@ def test_the_loader_chooses_numpy_blas_for_fp32_on_an_amd_cpu_whose_openblas_thr
     assert not numpy_blas_pays(cpu, fp32, "AuthenticAMD", "openblas", False)
     assert not numpy_blas_pays(cpu, torch.bfloat16, "AuthenticAMD", "openblas", True)
     assert not numpy_blas_pays(gpu, fp32, "AuthenticAMD", "openblas", True)
-    assert choose_layout(context_model(), numpy_one_row=True).numpy_one_row
-    assert not choose_layout(context_model(), numpy_one_row=False).numpy_one_row
+    assert layout_of(choose_layout(context_model(), numpy_one_row=True))["numpy_one_row"]
+    assert not layout_of(choose_layout(context_model(), numpy_one_row=False))["numpy_one_row"]
     assert cpu_vendor(), "the CPU's vendor could not be read from /proc/cpuinfo"
     assert numpy_blas() == "openblas", f"numpy links {numpy_blas()!r}, not OpenBLAS: install numpy's PyPI wheel"
 
@@ -216,8 +246,8 @@ def test_packed_copies_are_kept_in_fp32_and_in_bf16_where_the_cpu_computes_it_na
     (AVX512_BF16 or AMX, read from /proc/cpuinfo's flags, as vLLM's CPU backend checks); in bf16 they then
     serve one row as well (oneDNN's bf16 kernel streams faster than MKL's), in fp32 several rows only. A bf16
     model without them (this test's: every CPU can run it) keeps the head's [C, V] copy."""
-    from minillm.checkpoints.load import choose_layout
-    from minillm.weight_layout import cpuinfo, native_bf16, packing_pays, serves_packed
+    from minillm.cpu_layout import native_bf16, packing_pays, serves_packed
+    from minillm.device import cpuinfo
     cpu, gpu, bf16, fp32 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, torch.float32
     zen4, zen3, spr = "fpu avx2 avx512f avx512_bf16", "fpu avx2 fma", "avx512f amx_bf16 amx_tile"
     assert native_bf16(zen4) and native_bf16(spr) and not native_bf16(zen3) and not native_bf16("avx512_bf16x")
@@ -228,7 +258,7 @@ def test_packed_copies_are_kept_in_fp32_and_in_bf16_where_the_cpu_computes_it_na
         assert serves_packed(one.bfloat16(), torch.ones(8, 8, dtype=bf16)) and serves_packed(two, torch.ones(8, 8))
         assert not serves_packed(one, torch.ones(8, 8)) and not serves_packed(two, torch.ones(8, 8, dtype=bf16))
     half = choose_layout(context_model().to(bf16), numpy_one_row=False, packed=False)
-    assert half.lm_head_t is not None and half.lm_head_packed is None and half.h[0].mlp.c_fc.packed is None
+    assert layout_of(half) == {"head_copy": True, "packed": False, "numpy_one_row": False}
     assert "avx2" in cpuinfo("flags").split(), f"no avx2 among this CPU's flags: {cpuinfo('flags')!r}"
 
 
@@ -237,7 +267,7 @@ import sys, time, resource
 for name in sys.argv[1:]:
     __import__(name)
 import numpy, threadpoolctl
-from minillm.weight_layout import openblas_threads_sleep
+from minillm.device import openblas_threads_sleep
 threadpoolctl.threadpool_limits(2, user_api="blas")
 a = numpy.ones((4096, 768), numpy.float32)
 for _ in range(20):
@@ -276,7 +306,7 @@ def test_set_num_threads_sizes_torch_and_numpys_blas_together():
     """A one-row product may run on numpy's BLAS, which keeps a thread pool of its own: counting free cores must
     size both, or OpenBLAS's threads fight torch's (and another process's) for the cores."""
     import threadpoolctl
-    from minillm.weight_layout import set_num_threads
+    from minillm.device import set_num_threads
     blas_threads = lambda: [lib["num_threads"] for lib in threadpoolctl.threadpool_info()  # noqa: E731
                             if lib["user_api"] == "blas"]
     before = torch.get_num_threads()
@@ -290,15 +320,14 @@ def test_set_num_threads_sizes_torch_and_numpys_blas_together():
 
 def test_a_deep_copy_of_a_packed_model_makes_its_own_copies_from_its_own_weights():
     import copy
-    from minillm.checkpoints.load import choose_layout
     model = choose_layout(context_model())
-    twin = copy.deepcopy(model)   # oneDNN's opaque copies cannot be copied: the twin packs its own
-    assert twin.lm_head_packed is not model.lm_head_packed and twin.h[0].attn.c_attn.packed is not None
+    twin = copy.deepcopy(model)   # oneDNN's opaque copies have no storage to copy: the twin clones them whole
+    assert twin.lm_head.packed is not model.lm_head.packed and twin.h[0].attn.c_attn.packed is not None
     x = ids(2, 9)
     with torch.inference_mode():
         torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
         twin.h[0].mlp.c_fc.weight.mul_(2)
-        twin.pack_linears()      # the twin's weights changed: its copies follow once made again
+        lay_out(twin, packed=True)   # the twin's weights changed: its copies follow once made again
         assert not torch.allclose(twin(x), model(x), atol=1e-3)
         torch.testing.assert_close(model(x), context_model()(x), atol=1e-5, rtol=1e-5)
 
@@ -518,28 +547,31 @@ def test_the_fused_kernel_computes_attention_by_hand(B, H, T, L, D, ends):
 
 @pytest.mark.parametrize("B, L, ends", [(3, 7, None), (2, 6, [2, 5]), (4, 129, [129, 40, 1, 77])])
 def test_a_bf16_decode_on_the_cpu_is_written_out_and_errs_as_the_fused_kernel_does(B, L, ends, monkeypatch):
-    """One query per row in bf16 on a CPU with AVX512_BF16 and no AMX (`BF16_DECODE_BY_HAND`, set here to take
-    each path on every machine) goes through `decode_attention` (torch's fused kernel is slow there), which
-    computes in fp32 like the fused kernel: against the math in fp64 on the same bf16 inputs it errs by the
-    output's own rounding (bf16: 2⁻⁹ of a value, here of size ≤ 3), as the fused kernel does. Elsewhere the
-    fused kernel computes it."""
-    import minillm.model as model_module
-    from minillm.weight_layout import bf16_decode_by_hand_pays
+    """One query per row in bf16 on a CPU with AVX512_BF16 and no AMX (where `choose_layout` swaps
+    `attention_with_decode_by_hand` in; swapped in here to take each path on every machine) goes through
+    `decode_attention` (torch's fused kernel is slow there), which computes in fp32 like the fused kernel: against
+    the math in fp64 on the same bf16 inputs it errs by the output's own rounding (bf16: 2⁻⁹ of a value, here of
+    size ≤ 3), as the fused kernel does. Elsewhere the fused kernel computes it."""
+    from minillm import cpu_layout
+    from minillm.cpu_layout import bf16_decode_by_hand_pays, use_decode_attention_by_hand
     zen4, zen3, spr = "fpu avx2 avx512f avx512_bf16", "fpu avx2 fma", "avx512f avx512_bf16 amx_bf16 amx_tile"
     assert bf16_decode_by_hand_pays(zen4) and not bf16_decode_by_hand_pays(spr) and not bf16_decode_by_hand_pays(zen3)
     g = torch.Generator().manual_seed(B + L)
     q, k, v = (torch.randn(B, 12, n, 64, generator=g).bfloat16() for n in (1, L, L))
     mask = None if ends is None else causal_mask(torch.tensor(ends)[:, None] - 1, L)
     calls = []
-    real = model_module.decode_attention
-    monkeypatch.setattr(model_module, "decode_attention", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(model_module, "BF16_DECODE_BY_HAND", False)
-    fused = causal_attention(q, k, v, mask)
+    real = cpu_layout.decode_attention
+    monkeypatch.setattr(cpu_layout, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    fused = causal_attention(q, k, v, mask)   # tests/conftest.py: torch's fused kernel, as model.py has it
     assert not calls
-    monkeypatch.setattr(model_module, "BF16_DECODE_BY_HAND", True)
+    use_decode_attention_by_hand(True)        # conftest puts model.py's kernel back after the test
     got = causal_attention(q, k, v, mask)
+    assert calls
+    calls.clear()
+    causal_attention(q.expand(B, 12, 2, 64), k, v)  # several queries per row: the fused kernel's
+    assert not calls
     exact = attention_by_hand(q.double(), k.double(), v.double(), mask)
-    assert calls and got.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=8e-3, rtol=0)
     assert (got.double() - exact).abs().max() <= (fused.double() - exact).abs().max() + 1e-3
 
@@ -547,10 +579,18 @@ def test_a_bf16_decode_on_the_cpu_is_written_out_and_errs_as_the_fused_kernel_do
 def test_decode_attention_refuses_an_additive_mask():
     """The caches build boolean masks (True: seen); an additive float mask, which the fused kernel also takes,
     would be read the other way round by `~mask`, so decode_attention names what it takes instead."""
-    from minillm.model import decode_attention
     q, k = torch.ones(1, 1, 1, 4), torch.ones(1, 1, 3, 4)
     with pytest.raises(TypeError, match="boolean mask .* not torch.float32"):
         decode_attention(q, k, k, torch.zeros(1, 1, 1, 3))
+
+
+def test_decode_attention_refuses_more_than_one_query_per_row():
+    """It applies no causal triangle: given T > 1 queries per row it would let each see every key, later ones
+    included, so it names the shape it got and the function that takes several queries instead."""
+    q, k = torch.ones(2, 1, 3, 4), torch.ones(2, 1, 5, 4)
+    with pytest.raises(ValueError, match=r"one query per row, q of shape \(B, H, 1, D\), not \(2, 1, 3, 4\); "
+                                         r"use model.causal_attention"):
+        decode_attention(q, k, k)
 
 
 def test_seeded_generation_is_reproducible(model):

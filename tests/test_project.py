@@ -93,8 +93,8 @@ def test_the_book_has_no_import_cycle_and_the_model_knows_only_its_config():
         done.add(m)
     for m in book():
         visit(m)
-    assert graph["model"] == {"config", "weight_layout"}, "the model must learn nothing about caches, blocks or steps"
-    assert graph["weight_layout"] == set(), "a layout is a kernel's business: it knows no model, cache or step"
+    assert graph["model"] == {"config"}, "the model must learn nothing about caches, blocks or steps"
+    assert graph["cpu_layout"] <= {"model", "config", "device"}, "a layout swaps modules: it knows no cache or step"
 
 
 def test_the_scheduler_side_needs_no_torch_all_the_way_down():

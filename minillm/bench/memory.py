@@ -40,13 +40,15 @@ def tensor_bytes(module_or_tensors) -> int:
 
 
 def layout_copy_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the copies a CPU weight layout keeps beside the weights (`weight_layout.py`): the head's [C, V]
+    """Bytes of the copies a CPU weight layout keeps beside the weights (`cpu_layout.py`): the head's [C, V]
     copy and each oneDNN-packed copy, each as large as the matrix it copies."""
-    head_t = getattr(model, "lm_head_t", None)
+    head = getattr(model, "lm_head", None)
+    head_t = getattr(head, "wte_t", None)
     total = head_t.nbytes if head_t is not None else 0
-    if getattr(model, "lm_head_packed", None) is not None:
+    if getattr(head, "packed", None) is not None:
         total += model.wte.weight.nbytes
-    return total + sum(m.weight.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+    return total + sum(m.weight.nbytes for m in model.modules() if getattr(m, "packed", None) is not None
+                       and m is not head)
 
 
 def layout_copy_bytes_of(config, dtype: torch.dtype, head_copy: bool, packed: bool) -> int:

@@ -20,7 +20,7 @@ median of the per-round ratios with their range.
 
 What is timed is `steps.decode_step`, the eager step over the contiguous cache
 (the engine's paged step adds a gather of each row's blocks), with the model
-in the layout the loader chose (`model.lm_head_layout`).
+in the layout the loader chose (`cpu_layout.lm_head_layout`).
 
 `--busy-check` also times the batch-16 step beside a core kept busy by a
 Python loop this run starts and stops, in turns with the quiet step and with
@@ -38,7 +38,8 @@ import time
 
 from .cost import decode_cost
 from .roofline import Ceilings
-from ..weight_layout import set_num_threads
+from ..cpu_layout import attention_layout, lay_out, layout_of, linears_layout, lm_head_layout
+from ..device import set_num_threads
 from .steps import decode_step
 from .timing import time_fn
 
@@ -87,8 +88,8 @@ def sweep(model, batches, context_len: int, ceilings: Ceilings, rounds: int = 5,
                      "times_weight_floor": seconds / weight_floor, "times_roofline": seconds / max(memory, compute),
                      "times_batch1": statistics.median(ratios), "times_batch1_range": [min(ratios), max(ratios)],
                      "roofline_times_batch1": max(memory, compute) / rows[0]["roofline_s"] if rows else 1.0})
-    return {"context_len": context_len, "rounds": rounds, "rows": rows, "lm_head_layout": model.lm_head_layout,
-            "block_linears": model.linears_layout, "attention": model.attention_layout,
+    return {"context_len": context_len, "rounds": rounds, "rows": rows, "lm_head_layout": lm_head_layout(model),
+            "block_linears": linears_layout(model), "attention": attention_layout(model),
             "dtype": str(model.dtype).removeprefix("torch.")}
 
 
@@ -130,23 +131,23 @@ def beside_busy_core(model, batch: int, context_len: int, rounds: int = 5) -> di
 
 def blas_check(model, context_len: int, rounds: int = 5) -> dict:
     """The batch-1 step with its one-row products on numpy's BLAS and on torch's, in turns, quiet and beside a
-    busy core, `rounds` times: what the loader's choice of library (`GPT2.use_numpy_blas`) gains, and what a core
+    busy core, `rounds` times: what the loader's choice of library (`cpu_layout.numpy_blas_pays`) gains, and what a core
     taken by another process after the threads were counted costs each. The model's choice is restored."""
     import torch
-    step, threads, chosen = decode_step(model, context_len, 1), torch.get_num_threads(), model.numpy_one_row
+    step, threads, chosen = decode_step(model, context_len, 1), torch.get_num_threads(), layout_of(model)["numpy_one_row"]
     times = {f"{lib}, {load}": [] for load in ("quiet", "busy") for lib in ("numpy", "torch")}
     try:
         for lib in ("numpy", "torch"):
-            model.use_numpy_blas(lib == "numpy")
+            lay_out(model, numpy_one_row=lib == "numpy")
             time_fn(step, model.device, warmup=1, repeats=1)
         for _ in range(rounds):
             for load in ("quiet", "busy"):
                 with busy_core() if load == "busy" else contextlib.nullcontext():
                     for lib in ("numpy", "torch"):
-                        model.use_numpy_blas(lib == "numpy")
+                        lay_out(model, numpy_one_row=lib == "numpy")
                         times[f"{lib}, {load}"].append(time_fn(step, model.device, warmup=0, repeats=3).median_s)
     finally:
-        model.use_numpy_blas(chosen)
+        lay_out(model, numpy_one_row=chosen)
     ratio = lambda load: [t / n for t, n in zip(times[f"torch, {load}"], times[f"numpy, {load}"])]  # noqa: E731
     return {"threads": threads, "rounds": rounds, "context_len": context_len, "times_s": times,
             "torch_over_numpy_quiet": ratio("quiet"), "torch_over_numpy_busy": ratio("busy")}

@@ -3,24 +3,13 @@
 torch starts one thread per core it can see. On a machine that other programs
 share, that is the wrong number: a parallel kernel splits its work evenly and
 then waits at a barrier for its slowest thread, so a thread that shares its
-core with a busy process holds every other thread back. On a 2-core machine
-with one core kept busy by another program, lesson 07's trace took 16.1 s on
-two threads and 2.3 s on one (1.2 s on two threads when the machine was quiet).
-
-And a thread that finishes its share early must not spin: by default the
-OpenMP runtime torch uses (GNU libgomp) keeps a waiting thread busy-polling
-its barrier for a while before it sleeps, and on a core shared with another
-process that spinning takes the very time slices the slow thread needs. With
-`OMP_WAIT_POLICY=PASSIVE` waiting threads sleep at once. On the 2-core EPYC,
-other engineers' jobs holding a load average of 3 to 6, a gpt2 decode step of
-16 sequences took 1,768 ms on two spinning threads, 590 ms on two passive ones
-(and 3,672 against 850 ms with a busy loop added). The runtime reads the
-policy once, as it loads with torch, and torch has no setter, so importing
-`minillm` sets it (unless torch was imported first, or the variable is
-already set); child processes inherit it. `wait_policy()` says which policy
-this process runs under, and every report prints it with the thread count.
-Threads are not pinned to cores: the kernel moves a thread off a core that
-another process takes, which pinning would forbid.
+core with a busy process holds every other thread back. And a thread that
+finishes its share early must not spin on the core the slow thread needs:
+importing `minillm` makes idle threads sleep (`minillm.let_idle_threads_sleep`
+says why and how), and `device.wait_policy()` says which policy this process
+runs under; every report prints it with the thread count. Threads are not
+pinned to cores: the kernel moves a thread off a core that another process
+takes, which pinning would forbid. docs/cpu_kernels.md has the measurements.
 
 So lessons and `bench` count the cores that are free before they start:
 
@@ -33,13 +22,15 @@ for the busy count. `--threads N` overrides the choice, and the choice and its
 reason are printed and saved with the results.
 
     choice = choose_threads(requested=None)    # ThreadChoice(threads, reason, cpus, busy, ...)
-    apply_threads(choice)                      # torch.set_num_threads(choice.threads)
+    apply_threads(choice)                      # device.set_num_threads(choice.threads): torch's and numpy's BLAS
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import asdict, dataclass
+
+from ..device import set_num_threads, wait_policy
 
 WINDOW_S = 0.2  # long enough to see a busy loop (20 clock ticks at 100 Hz), short enough to go unnoticed
 
@@ -60,16 +51,6 @@ class ThreadChoice:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def wait_policy() -> str:
-    """How this process's OpenMP threads wait at a barrier: what OMP_WAIT_POLICY held as torch loaded."""
-    value = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
-    if value == "PASSIVE":
-        return "sleep at barriers (OMP_WAIT_POLICY=PASSIVE)"
-    if value == "ACTIVE":
-        return "spin at barriers (OMP_WAIT_POLICY=ACTIVE)"
-    return "spin, then sleep, at barriers (OMP_WAIT_POLICY unset: the runtime's default)"
 
 
 def affinity_cpus() -> list[int]:
@@ -141,6 +122,5 @@ def choose_threads(requested: int | None = None, window_s: float = WINDOW_S) -> 
 
 def apply_threads(choice: ThreadChoice) -> ThreadChoice:
     """Give torch, and numpy's BLAS (which computes one-row products on some CPUs), the chosen threads."""
-    from ..weight_layout import set_num_threads
     set_num_threads(choice.threads)
     return choice

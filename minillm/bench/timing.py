@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ..device import synchronize
-from ..weight_layout import cpuinfo
+from ..device import cpuinfo
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 What a checkpoint folder holds, and what its config.json may say, is checkpoint.py's;
 this file finds the folder (a path, or `<weights dir>/<preset>/`), checks it is
-complete, and places its tensors on a device in a dtype.
+complete, places its tensors on a device in a dtype, and hands the model to
+`cpu_layout.choose_layout`, which swaps in the modules this device's kernels read.
 
 What it costs
 -------------
@@ -43,7 +44,7 @@ from .hf_format import (CONFIG_FILE, REQUIRED_FILES, TOKENIZER_FILE, WEIGHTS_FIL
 from ..device import resolve_device, resolve_dtype
 from ..config import HF_CHECKPOINTS, PRESETS, GPT2Config
 from ..model import GPT2
-from ..weight_layout import cpu_vendor, cpuinfo, numpy_blas, numpy_blas_pays, openblas_threads_sleep, packing_pays
+from ..cpu_layout import choose_layout
 
 # ---- where, and in what precision -------------------------------------------
 
@@ -117,33 +118,8 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
         model = GPT2(config, seed=None)
     model.load_state_dict(state, strict=True, assign=True)
     model.weights_source = str(folder)
-    choose_layout(model)  # after the weights are in: the head's copy is made from them
+    choose_layout(model)  # after the weights are in: the copies a CPU's kernels read are made from them
     return model.eval()
-
-
-def choose_layout(model: GPT2, numpy_one_row: bool | None = None, packed: bool | None = None) -> GPT2:
-    """The layout the weights are read in, chosen for the device once the weights are final.
-
-    On a CPU the LM head reads a contiguous [C, V] copy of wte (`GPT2.use_lm_head_copy`): MKL streams
-    `x @ W` faster than `F.linear(x, wte)` at every batch size measured (model.py has the figures), for
-    V·C·bytes of memory. Each block projection of a CPU model in fp32 also keeps a oneDNN-packed copy for
-    steps of several rows (`Conv1D.pack`: about half the time of MKL's small matmuls at batch 4 to 64), for
-    one more copy of the block weights. In bf16 on a CPU that computes it natively (AVX512_BF16 or AMX) the
-    packed copies serve every product, one row too, and the head needs no [C, V] copy; elsewhere bf16 is left
-    to F.linear (`weight_layout.packing_pays`). On a GPU cuBLAS reads either layout at the same speed: no copy.
-    On an AMD CPU in fp32, one-row products (a batch-1 decode) go through numpy's OpenBLAS, which streams the
-    weights ~1.5× faster there than torch's MKL (`GPT2.use_numpy_blas`; `weight_layout.py` has the figures).
-    `numpy_one_row` and `packed` override those choices (None: this machine's, `weight_layout.numpy_blas_pays`
-    and `weight_layout.packing_pays`).
-    """
-    on_cpu = model.device.type == "cpu"
-    packs = packing_pays(model.device, model.dtype, cpuinfo("flags")) if packed is None else packed
-    model.pack_linears(packs)
-    model.use_lm_head_copy(on_cpu and not (packs and model.dtype == torch.bfloat16))  # bf16's packed copy serves all
-    if numpy_one_row is None:
-        numpy_one_row = numpy_blas_pays(model.device, model.dtype, cpu_vendor(), numpy_blas(), openblas_threads_sleep())
-    model.use_numpy_blas(numpy_one_row)
-    return model
 
 
 def random_model(config: GPT2Config, device: str | torch.device = "auto",
@@ -266,6 +242,6 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
     return random_model(PRESETS[preset], device, dtype, seed)
 
 
-__all__ = ["CheckpointError", "add_model_arguments", "choose_layout", "default_weights_dir", "load_checkpoint",
+__all__ = ["CheckpointError", "add_model_arguments", "default_weights_dir", "load_checkpoint",
            "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
            "config_from_hf", "config_to_hf", "is_complete", "missing_files", "warn_absent", "warn_once"]

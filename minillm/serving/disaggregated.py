@@ -86,7 +86,7 @@ def _worker(role: str, factory: Callable, cfg: WorkerConfig, init_method: str | 
     try:
         if cfg.cores is not None:
             os.sched_setaffinity(0, cfg.cores)
-        from ..weight_layout import set_num_threads
+        from ..device import set_num_threads
         set_num_threads(cfg.threads)
         from ..engine import LLMEngine
         engine = LLMEngine(factory(), cfg.scheduler_config, cfg.cache_config)

@@ -28,6 +28,7 @@ import time
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..cpu_layout import lm_head_layout
 from ..engine import LLMEngine, RequestOutput
 from ..kv_pool import CacheConfig
 from .api_server import ServerConfig, build_app, make_serving
@@ -206,7 +207,7 @@ def run(args) -> int:
           f"chunked prefill {'on' if args.enable_chunked_prefill else 'off'}, prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}, {engine.block_manager.num_blocks} KV blocks"
           f"{', prefill and decode on separate workers' if args.disaggregate else ''}; "
-          f"torch threads: {threads.reason}, {model.lm_head_layout}); "
+          f"torch threads: {threads.reason}, {lm_head_layout(model)}); "
           "Ctrl-C stops", flush=True)
     try:
         server.run()
