@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams
-from minillm import engine as engine_module
+from minillm import sampling as sampling_module  # the engine samples through sampling.sample
 from minillm import model as model_module
 from minillm import kv_cache, naive_decode
 from minillm.cuda_graphs import DecodeRunner
@@ -115,12 +115,12 @@ def test_engine_logits_equal_the_contiguous_cache(model, chunked, cpu_layout, mo
     monkeypatch.setattr(model_module, "numpy_product", lambda *a: one_row_steps.append(1) or real_product(*a))
     monkeypatch.setattr(model_module, "decode_attention", lambda *a: written_out.append(1) or real_attention(*a))
     seen = []
-    real_sample = engine_module.sample
+    real_sample = sampling_module.sample
 
     def recording_sample(logits, params, generators):
         seen.extend(zip(params, logits.clone()))
         return real_sample(logits, params, generators)
-    monkeypatch.setattr(engine_module, "sample", recording_sample)
+    monkeypatch.setattr(sampling_module, "sample", recording_sample)
     prompts = random_prompts(6, [5, 17, 26], seed=8)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, seed=i) for i in range(6)]  # one each
     engine = LLMEngine(model,
