@@ -15,12 +15,10 @@ schedule → copy → execute → update → record, data flowing one way:
               the one stop rule applied, the finished out of the queues with their blocks freed
     record    `last_step` (a StepStats: its rows, prefill chunk or decode) and the timeline, if asked
 
-The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`
-under a `SchedulerConfig`), the pool (`block_manager.py`, `paged_attention.py`,
-sized by `kv_pool.py` from a `CacheConfig`; `prefix_caching.py` when
-`enable_prefix_caching`), decode-only steps (`cuda_graphs.py`, a CUDA graph per
-bucket unless `enforce_eager=True`), `sampling.py`, and the n samples of one request
-(`parallel_sampling.py`: one prefill, shared blocks, copy-on-write). Names follow vLLM's.
+The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`), the pool
+(`block_manager.py`, `paged_attention.py`, sized by `kv_pool.py`; `prefix_caching.py`), the
+forward pass of a plan (`model_runner.py`; `cuda_graphs.py` for decode-only steps unless
+`enforce_eager=True`), `sampling.py`, and the n samples of one request (`parallel_sampling.py`).
 Cost per step: one forward pass over Σ tokens planned, plus bookkeeping linear
 in the running sequences; KV memory is blocks in use · block_size · KV bytes per token.
 
@@ -61,11 +59,9 @@ import torch
 from .block_manager import BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
 from .cuda_graphs import DecodeRunner
-from .device import to_device
-from .kv_cache import Segment
 from .kv_pool import CacheConfig, size_pool
-from .logprobs import prompt_rows, record_prompt_logprobs
 from .model import GPT2
+from .model_runner import forward_plan
 from .paged_attention import PagedKVCache
 from .parallel_sampling import abort_samples, check_shared_blocks, fan_out, group_output, sample_params
 from .prefix_caching import PrefixCachingBlockManager
@@ -82,8 +78,7 @@ class LLMEngine(RemotePrefill):
     """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
     step it, and hand it requests through a queue.Queue (the pattern is in `request_checks.py`)."""
 
-    # What the latest step did (rows, preemptions, free blocks, duration) while `record_timeline` or
-    # `record_steps` (the live page's) is on; without either, a step builds no record at all.
+    # The latest step's record while `record_timeline` or `record_steps` (the live page's) is on; else none is built.
     last_step: StepStats | None = None
     record_steps: bool = False
     on_plan: Callable[[SchedulerOutput], None] | None = None  # sees each step's plan, before it runs
@@ -263,12 +258,7 @@ class LLMEngine(RemotePrefill):
         for chunk in plan.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
-        if all(chunk.is_decode for chunk in plan.chunks):  # decode only: static buffers, a graph on CUDA
-            samplers = [chunk.seq for chunk in plan.chunks]
-            segments = [Segment(s.seq_id, s.num_computed_tokens, 1, True) for s in samplers]
-            logits = self.decoder.run(segments, [s.output_token_ids[-1] for s in samplers])
-        else:
-            logits, samplers = self._execute_eager(plan)
+        logits, samplers = forward_plan(self.model, self.cache, self.decoder, plan)
         logits, samplers = fan_out(logits, samplers)  # a prompt of n samples is done: each draws its first token
         try:
             sampled = sample_sequences(logits, samplers, self.config.eos_token_id)
@@ -281,26 +271,6 @@ class LLMEngine(RemotePrefill):
         for chunk in plan.chunks:  # their keys and values are in the cache now, and every token was sampled
             chunk.seq.num_computed_tokens += chunk.num_tokens
         return sampled
-
-    def _execute_eager(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """A step with prefill chunks: one ragged forward pass over the flattened batch, shaped for this step."""
-        ids, segments, sample_rows, samplers, scored = [], [], [], [], []
-        for chunk in plan.chunks:
-            seq, n, start = chunk.seq, chunk.num_tokens, chunk.seq.num_computed_tokens
-            scored += [(row, seq, pos) for row, pos in prompt_rows(seq, start, n, len(ids))]  # prompt_logprobs
-            # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
-            ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
-            segments.append(Segment(seq.seq_id, start, n, chunk.is_decode))
-            if start + n == seq.num_tokens:  # its last pending token is in: it samples this step
-                sample_rows.append(len(ids) - 1)
-                samplers.append(seq)
-        device = self.model.device
-        meta = self.cache.prepare(segments)
-        logits = self.model(to_device([ids], device), meta.positions, cache=self.cache,
-                            logits_indices=to_device(sample_rows + [row for row, _, _ in scored], device))
-        if scored:  # rows beyond the samplers' hold the prompt positions some requests score
-            record_prompt_logprobs([(seq, pos) for _, seq, pos in scored], logits[len(sample_rows):])
-        return logits[:len(sample_rows)], samplers
 
     def _report(self, seq: Sequence) -> RequestOutput:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""
