@@ -220,19 +220,12 @@ def test_a_step_that_preempts_admits_no_one(model):
                        cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=20))  # small chunks could fit
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    preempting_steps = 0
+    preempting_steps, plan_seqs = 0, []
+    engine.on_plan = plan_seqs.append  # the hook that sees each step's plan
     while engine.has_unfinished_requests():
         waiting_before = list(engine.scheduler.waiting)
-        plan_seqs = []
-        original = engine.scheduler.schedule
-
-        def spy():
-            plan = original()
-            plan_seqs.append(plan)
-            return plan
-        engine.scheduler.schedule = spy
+        plan_seqs.clear()
         engine.step()
-        engine.scheduler.schedule = original
         if plan_seqs and plan_seqs[0].preempted:
             preempting_steps += 1
             plan = plan_seqs[0]

@@ -13,7 +13,9 @@ gpu_check.py, with no import and no run:
 
 A scheduler is an expression that ends in `scheduler` (`engine.scheduler`, `self.scheduler`, a parameter
 `scheduler`), or a name bound to one; an engine one that ends in `engine`, or a name bound to an `LLMEngine(...)`.
-The checker is itself checked on snippets that break each rule, and on ones that must pass.
+The checker is itself checked on snippets that break each rule, and on ones that must pass. The verbs are
+checked last, on a fake block space that only counts: `update` appends, applies the one stop rule and removes the
+finished; `fork` seats samples after their parent while `max_num_seqs` allows; `requeue` and `start_running`.
 """
 from __future__ import annotations
 
@@ -180,3 +182,111 @@ def test_the_checker_names_every_way_to_touch_a_queue_or_a_private_field():
         assert not violations(source, wing=False), f"a book file may read its own engine's fields: {source!r}"
     for source in PASSES:
         assert not violations(source, wing=True), f"a false alarm: {source!r}: {violations(source, wing=True)}"
+
+
+# ---- the verbs, on a fake block space that only counts: the scheduler side needs no model ----------------------
+
+class CountingBlocks:
+    """A block space of one-token blocks: what each sequence holds, and who forked from whom."""
+    def __init__(self, size: int = 1000):
+        self.size, self.held, self.forks = size, {}, []
+
+    def match_prefix(self, seq): return 0
+    def can_append(self, seq, n): return sum(self.held.values()) + n <= self.size
+    def append_slots(self, seq, n): self.held[seq.seq_id] = self.held.get(seq.seq_id, 0) + n
+    def free(self, seq): self.held.pop(seq.seq_id, None)
+
+    def fork(self, parent, child):
+        self.forks.append((parent.request_id, child.index))
+        self.held[child.seq_id] = self.held[parent.seq_id]
+
+
+def make(max_num_seqs: int = 4, n_ctx: int = 64, eos: int | None = 0):
+    from minillm.chunked_prefill import ChunkedPrefillScheduler
+    from minillm.scheduler import SchedulerConfig
+    blocks = CountingBlocks()
+    return ChunkedPrefillScheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_num_seqs), blocks,
+                                   eos_token_id=eos, n_ctx=n_ctx), blocks
+
+
+def request(rid: str, prompt: int = 4, **kwargs):
+    from minillm.sampling_params import SamplingParams
+    from minillm.sequence import RequestMetrics, Sequence
+    params = SamplingParams(temperature=0.0, **kwargs)
+    return Sequence(rid, tuple(range(1, prompt + 1)), params, RequestMetrics(0.0))
+
+
+def test_update_appends_applies_the_one_stop_rule_and_removes_the_finished():
+    s, blocks = make(eos=0)
+    a, b, c = request("a", max_tokens=2), request("b", max_tokens=9), request("c", max_tokens=9, ignore_eos=True)
+    for seq in (a, b, c):
+        s.add(seq)
+    s.schedule()
+    for seq in (a, b, c):
+        seq.num_computed_tokens = seq.num_tokens  # the step ran
+    s.update([(a, 7, None), (b, 0, None), (c, 0, None)], now=1.0)  # b drew the end-of-text token; c ignores it
+    assert [x.request_id for x in s.running] == ["a", "c"] and b.finish_reason == "stop"
+    assert b.seq_id not in blocks.held and b.metrics.finished_time == 1.0 and b.output_token_ids == [0]
+    s.schedule()
+    a.num_computed_tokens, c.num_computed_tokens = a.num_tokens, c.num_tokens
+    s.update([(a, 8, None), (c, 9, None)], now=2.0)  # a reached max_tokens
+    assert [x.request_id for x in s.running] == ["c"] and a.finish_reason == "length"
+    assert a.metrics.token_times == [1.0, 2.0] and a.seq_id not in blocks.held and c.finish_reason is None
+
+
+def test_the_context_limit_is_the_stop_rule_too():
+    s, _ = make(n_ctx=5)
+    a = request("a", prompt=4, max_tokens=9, ignore_eos=True)
+    s.add(a)
+    s.schedule()
+    a.num_computed_tokens = 4
+    s.update([(a, 3, None)], now=0.0)
+    assert a.finish_reason is None  # 5 tokens: the next step feeds position 4, the last there is
+    s.schedule()
+    a.num_computed_tokens = 5
+    s.update([(a, 3, None)], now=0.0)
+    assert a.finish_reason == "length" and not s.has_unfinished()
+
+
+def test_fork_puts_the_samples_right_after_their_parent_and_the_rest_at_the_front_of_waiting():
+    s, blocks = make(max_num_seqs=3)
+    leader, other, late = request("a", max_tokens=9), request("b", max_tokens=9), request("z", max_tokens=9)
+    samples = [request("a", max_tokens=9) for _ in range(2)]
+    for j, seq in enumerate(samples, 1):
+        seq.index = j
+    leader.samples = samples
+    for seq in (leader, other, late):
+        s.add(seq)
+    s.schedule()  # a, b and z run: max_num_seqs = 3
+    assert len(s.running) == 3
+    s.requeue([late])  # make room for one sample: z waits again, holding nothing
+    assert [x.request_id for x in s.waiting] == ["z"] and late.seq_id not in blocks.held
+    leader.num_computed_tokens = leader.num_tokens
+    s.update([(leader, 5, None), (samples[0], 6, None), (samples[1], 7, None)], now=3.0)
+    assert [(x.request_id, x.index) for x in s.running] == [("a", 0), ("a", 1), ("b", 0)]
+    assert list(s.waiting) == [samples[1], late], "the sample with no seat waits first, before z"
+    assert blocks.forks == [("a", 1)] and samples[0].num_computed_tokens == leader.num_computed_tokens
+    assert samples[1].output_token_ids == [7] and samples[1].num_computed_tokens == 0
+
+
+def test_requeue_keeps_the_order_given_and_a_waiting_sequence_keeps_its_place():
+    s, blocks = make()
+    a, b, c = (request(r, max_tokens=9) for r in "abc")
+    for seq in (a, b, c):
+        s.add(seq)
+    s.schedule()
+    s.requeue([b])
+    s.requeue([a, b])  # b already waits: its place is kept, a goes in front of it
+    assert [x.request_id for x in s.waiting] == ["a", "b"] and [x.request_id for x in s.running] == ["c"]
+    assert a.num_computed_tokens == 0 and a.seq_id not in blocks.held
+
+
+def test_start_running_joins_a_sequence_whose_kv_is_held_and_update_may_end_it_at_once():
+    s, blocks = make(eos=0)
+    a = request("a", max_tokens=9)
+    blocks.append_slots(a, 4)
+    a.num_computed_tokens = 4
+    s.start_running(a)
+    assert s.running == [a] and not s.waiting
+    s.update([(a, 0, None)], now=5.0)  # its first token is the end-of-text token
+    assert a.finish_reason == "stop" and not s.has_unfinished() and a.seq_id not in blocks.held
