@@ -8,8 +8,8 @@ theirs from the same logits and *fork* from it (`Scheduler.fork`, which asks
 `BlockManager.fork`; only the scheduler moves a sequence between queues): each holds
 the very same blocks, one more reference apiece, and nothing is copied. This is
 the second use of the reference counts that prefix caching (lesson 10) counts
-with, and it comes from the PagedAttention paper itself (vLLM, SOSP 2023), which
-measured 6.1–9.8% of KV memory saved for parallel sampling and 37.6–55.2% for
+with, and it comes from the PagedAttention paper itself (Kwon et al.), which
+reports 6.1–9.8% of KV memory saved for parallel sampling and 37.6–55.2% for
 beam search, whose beams share far more.
 
 Copy-on-write. A full block never changes again, so n tables may hold it for

@@ -20,6 +20,11 @@ invariants hold again:
 
 It moves no sequence between queues itself: it asks the scheduler (`remove`,
 `finish_if_done`, the one stop rule, and `requeue`). Cost: O(requests + running).
+
+Invariants held by the tests: whichever call of a step raises, every request
+is reported exactly once, a finished one with the tokens it gets alone and an
+aborted one a prefix of them; the blocks check after every step, failed ones
+included, and none leaks.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ everyone else asks it with a verb, as vLLM's `update_from_output` does:
     update(sampled, now) after the step: each sequence that sampled gets its token, the
                          samples of a prompt just computed fork from it (`fork`), and THE stop
                          rule (`finish_if_done`) ends and removes those it ends
-    start_running        a sequence whose KV its blocks already hold (`kv_connector.py`) joins
+    start_running        a sequence whose KV its blocks already hold (`remote_prefill.py`) joins
     requeue              sequences whose KV a failed step left untrusted wait again (`rollback.py`)
 
 This policy is a plain object, queue state in, a plan for one step out. It
@@ -65,7 +65,9 @@ Invariants held by the tests: a step never holds more than
 `max_num_batched_tokens` tokens or `max_num_seqs` sequences; decodes come
 first in the plan; a sequence appears at most once per plan; a preempted
 sequence is not in the plan of the step that preempted it, and nothing is
-admitted in that step.
+admitted in that step; `update` ends a request exactly when the stop rule
+says so and frees its blocks at once; a forked sample sits right after its
+parent, or waits first in line.
 """
 from __future__ import annotations
 
@@ -202,7 +204,7 @@ class Scheduler:
 
     def start_running(self, seq: Sequence) -> None:
         """`seq`, whose computed tokens' KV its blocks already hold (a prompt prefilled elsewhere,
-        `kv_connector.py`), joins the running batch."""
+        `remote_prefill.py`), joins the running batch."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

@@ -1,8 +1,8 @@
 """Replaying a trace through an `LLMEngine`, in real time, and what the lessons read from the run.
 
     trace = lognormal_trace(20, max_len=1024, vocab_size=50257, prompt_median=160, output_median=64)
-    engine = LLMEngine(model, SchedulerConfig(2048, 256, enable_chunked_prefill=True),
-                       num_blocks=pool_blocks(trace))
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+                       cache_config=CacheConfig(num_gpu_blocks_override=pool_blocks(trace)))
     run = replay(engine, trace, desc="paged")
     run.throughput, run.percentile("ttft", 99), run.outputs["3"].metrics.token_times
 
@@ -18,7 +18,10 @@ through the engine's `on_plan` hook and its public `stats()`.
 
 `replay` keeps what it needs from the outputs `step()` returns: each finished
 request's `RequestOutput` carries its own token times. The engine forgets a
-request once it has reported it finished, so nothing here reads it back.
+request once it has reported it finished, so nothing here reads it back, and it
+reads the engine only through its public surface (`step`, `timeline`, `stats`).
+
+    cost: the engine's own steps; `replay_samples` adds one stats(tables=True) per step, O(blocks held)
 """
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ requests wait for a slot, and one more is Rejected with 429 (503 once
 stopping). So `max_queue=0` admits only what can start now. A step
 that raises fails every request it could have touched, and the thread goes on
 serving. `stop()` aborts what is unfinished, so no request is left without an end.
+
+The gauges are copied from `engine.stats()` after each step (O(running)); the
+thread never reads the engine's queues or private fields.
 """
 from __future__ import annotations
 
