@@ -80,6 +80,8 @@ def run_worker(role: str, factory: Callable, cfg: WorkerConfig, init_method: str
 
 
 def serve_commands(role, engine, connector, inbox, outbox) -> None:
+    """Take the inbox's commands, step while a request is held (the decode worker first starts what landed), and
+    put each step's outputs on the outbox with the engine's stats; return on ("stop",)."""
     while True:
         commands = []
         try:
@@ -125,6 +127,7 @@ def serve_commands(role, engine, connector, inbox, outbox) -> None:
 
 
 def handle(role, engine, connector, command, outbox) -> None:
+    """One command: add a request (through the connector when disaggregated), abort one, or report stats."""
     kind = command[0]
     if kind == "add":
         _, key, prompt, params, request_id, arrival = command
