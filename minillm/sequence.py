@@ -28,6 +28,12 @@ last piece of the prompt.
 What it costs: one list of token ids and a few integers per request; the KV
 memory it stands for is the block manager's business.
 
+What a caller reads back lives here too, as plain copies that share nothing the
+engine changes: `RequestOutput` per request, `StepStats` per step (its rows),
+and `EngineStats`, what the engine holds now (`LLMEngine.stats()`: the queues'
+request ids, the pool's blocks, the block tables), which the wings read instead
+of the engine's fields.
+
 Invariants held by the tests: 0 ≤ num_computed_tokens ≤ len(tokens); a
 sequence is decoding exactly when one token is pending and it has output;
 a preempted sequence restarts from num_computed_tokens = 0 with its output kept.
