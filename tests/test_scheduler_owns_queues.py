@@ -146,7 +146,7 @@ BREAKS = {
     "append to the running queue": "engine.scheduler.running.append(seq)",
     "a fork that inserts by hand": "def start(leader, scheduler):\n    scheduler.running.insert(1, leader)",
     "extendleft through an alias": "s, bm = engine.scheduler, engine.block_manager\ns.waiting.extendleft(back)",
-    "assign the queue": "def recover(engine):\n    s = engine.scheduler\n    s.running = [x for x in s.running]",
+    "assign the queue": "def recover(engine):\n    s = engine.scheduler\n    s.running = list(reversed(s.running))",
     "remove from waiting": "self.scheduler.waiting.remove(seq)",
     "popleft": "engine.scheduler.waiting.popleft()",
     "clear, through a name bound to the queue": "q = engine.scheduler.running\nq.clear()",
