@@ -114,10 +114,10 @@ def goodput_ratios(rounds_by_mode: dict[str, list[dict]], mix: int, target_s: fl
 
 def one_round(workers: Workers, s: dict, vocab: int, trace: bool = True) -> dict:
     """The stall trace (unless `trace` is False), the burst, the mixed traces; and the bytes the connector moved."""
-    before = workers.stats().get("prefill", {}).get("bytes_sent")
+    before = workers.worker_stats().get("prefill", {}).get("bytes_sent")
     out = (stall_trace(workers, s, vocab) if trace else {}) | burst(workers, s, vocab)
     out |= {f"mix_{n}": mixed_trace(workers, s, vocab, n) for n in s["mixes"]}
-    out["bytes_sent"] = None if before is None else workers.stats()["prefill"]["bytes_sent"] - before
+    out["bytes_sent"] = None if before is None else workers.worker_stats()["prefill"]["bytes_sent"] - before
     return out
 
 
@@ -195,7 +195,7 @@ def measure(lesson, s: dict, moved: int) -> dict:
                              for m in MODES},
                             s["repeats"], warmup=0, device=lesson.device, desc="three servers, in turns",
                             until=settled(lambda r: make_checks(r, s, moved)), max_repeats=s["max_repeats"])
-        stats = {m: w.stats() for m, w in servers.items()}
+        stats = {m: w.worker_stats() for m, w in servers.items()}
     finally:
         for w in servers.values():
             w.close()

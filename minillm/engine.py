@@ -2,25 +2,23 @@
 
 Requests join and leave the batch *between steps*: a finished request frees
 its blocks at once and a waiting one takes its place on the next step, instead
-of the whole batch waiting for its longest member. One step, data flowing one way:
+of the whole batch waiting for its longest member. One step reads
+schedule → copy → execute → update → record, data flowing one way:
 
-    scheduler.schedule()      → a plan: which sequences feed how many tokens, decodes first
-                                (and which were preempted); every planned token has a slot
-    cache.prepare(segments)   → the step's PagedMetadata: positions, slot mapping, block
-                                tables, built once (decodes only: in buffers allocated once)
-    model(ids, positions)     → one forward pass over the flattened ragged batch, logits
-                                only at the rows that will sample (and at the prompt rows a
-                                request with prompt_logprobs scores: `logprobs.py`)
-    sample, update, record    → new tokens (penalties first: `penalties.py`), their logprobs if
-                                asked, finished requests free their blocks, times, and
-                                (`record_steps`) `last_step`: its rows, prefill chunk or decode
+    schedule  scheduler.schedule() → a plan: which sequences feed how many tokens, decodes first
+              (and which were preempted); every planned token has a slot. `on_plan` sees it
+    copy      copy-on-write: a block the samples of a request share is copied before one writes
+    execute   cache.prepare(segments) → the step's PagedMetadata; model(ids, positions) → logits
+              only at the rows that sample (and the prompt rows a request scores: `logprobs.py`);
+              `sample_sequences` → each row's token (penalties first) and its logprobs if asked
+    update    scheduler.update(sampled) → tokens appended, the samples of a prompt just done forked,
+              the one stop rule applied, the finished out of the queues with their blocks freed
+    record    `last_step` (a StepStats: its rows, prefill chunk or decode) and the timeline, if asked
 
-The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`
-under a `SchedulerConfig`), the pool (`block_manager.py`, `paged_attention.py`,
-sized by `kv_pool.py` from a `CacheConfig`; `prefix_caching.py` when
-`enable_prefix_caching`), decode-only steps (`cuda_graphs.py`, a CUDA graph per
-bucket unless `enforce_eager=True`), `sampling.py`, and the n samples of one request
-(`parallel_sampling.py`: one prefill, shared blocks, copy-on-write). Names follow vLLM's.
+The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`), the pool
+(`block_manager.py`, `paged_attention.py`, sized by `kv_pool.py`; `prefix_caching.py`), the
+forward pass of a plan (`model_runner.py`; `cuda_graphs.py` for decode-only steps unless
+`enforce_eager=True`), `sampling.py`, and the n samples of one request (`parallel_sampling.py`).
 Cost per step: one forward pass over Σ tokens planned, plus bookkeeping linear
 in the running sequences; KV memory is blocks in use · block_size · KV bytes per token.
 
@@ -33,13 +31,13 @@ the queue holding no block, to be recomputed; a finished or aborted one is
 reported by the next step that returns (`rollback.py`). Non-finite logits abort
 only their own requests (NonFiniteLogitsError names them). None vanishes.
 
-A prompt prefilled on another worker (disaggregated prefill, `kv_connector.py`)
-enters through two calls: `allocate_remote_prefill` holds blocks for its KV
-outside the scheduler, and `start_remote_decode` puts it in the running batch
-at its first token once that KV has landed; `abort_request` frees it either way.
+A prompt prefilled on another worker enters through two calls of lesson 13's
+(`remote_prefill.py`, mixed in): `allocate_remote_prefill`, `start_remote_decode`.
 
 One engine, one thread: a call from a second thread while one runs raises; one
 thread owns the engine, others hand it requests through a queue (`request_checks.py`).
+Those who watch it read `stats()` (an EngineStats: the queues' request ids, the
+pool's blocks, the block tables), never its queues or fields.
 
 Invariants held by the tests: every request's greedy tokens, and their logits,
 are those of `kv_cache.generate` run on it alone, whatever the batch, arrivals,
@@ -54,36 +52,36 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import torch
 
 from .block_manager import BlockManager
 from .chunked_prefill import ChunkedPrefillScheduler
 from .cuda_graphs import DecodeRunner
-from .request_checks import check_fits, check_request, one_thread
-from .kv_cache import Segment
 from .kv_pool import CacheConfig, size_pool
 from .model import GPT2
+from .model_runner import forward_plan
 from .paged_attention import PagedKVCache
+from .parallel_sampling import abort_samples, check_shared_blocks, fan_out, group_output, sample_params
 from .prefix_caching import PrefixCachingBlockManager
+from .remote_prefill import RemotePrefill
+from .request_checks import check_fits, check_request, one_thread
 from .rollback import recover
-from .device import to_device
-from .logprobs import prompt_rows, record_prompt_logprobs, sample_logprobs
-from .parallel_sampling import abort_samples, check_shared_blocks, fan_out, group_output, sample_params, start_samples
-from .sampling import NonFiniteLogitsError, make_generator, sample
+from .sampling import NonFiniteLogitsError, make_generator, sample_sequences
 from .sampling_params import FINISH_ABORT, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus, StepStats
+from .sequence import EngineStats, RequestMetrics, RequestOutput, Sequence, StepStats
 
 
-class LLMEngine:
+class LLMEngine(RemotePrefill):
     """Continuous batching over the paged KV cache. One engine, one thread: let one thread own the engine and
     step it, and hand it requests through a queue.Queue (the pattern is in `request_checks.py`)."""
 
-    # What the latest step did (rows, preemptions, free blocks, duration) while `record_timeline` or
-    # `record_steps` (the live page's) is on; without either, a step builds no record at all.
+    # The latest step's record while `record_timeline` or `record_steps` (the live page's) is on; else none is built.
     last_step: StepStats | None = None
     record_steps: bool = False
+    on_plan: Callable[[SchedulerOutput], None] | None = None  # sees each step's plan, before it runs
 
     def __init__(self, model: GPT2, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None, enforce_eager: bool = False, record_timeline: bool = True):
@@ -105,7 +103,7 @@ class LLMEngine:
         self.decoder = DecodeRunner(model, self.cache, self.scheduler_config.max_num_seqs,
                                     "graph" if use_graphs else "eager")
         policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
-        self.scheduler = policy(self.scheduler_config, self.block_manager)
+        self.scheduler = policy(self.scheduler_config, self.block_manager, self.config.eos_token_id, self.config.n_ctx)
         self.requests: dict[str, Sequence] = {}  # sample 0 of each request unfinished, or finished and unreported
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline
@@ -191,6 +189,11 @@ class LLMEngine:
         reported by `step()`."""
         return self.scheduler.has_unfinished() or bool(self._unreported)
 
+    @one_thread
+    def stats(self, waiting_ids: int = 0, tables: bool = False, cached_ids: int = 0) -> EngineStats:
+        """What the engine holds now, copied (`EngineStats.of`): the wings read this, never its fields."""
+        return EngineStats.of(self.scheduler, self.block_manager, waiting_ids, tables, cached_ids)
+
     def check_invariants(self) -> None:
         """Every block is free (or, with prefix caching, evictable) or held, as often as the tables say, by
         exactly the running sequences, and each running sequence's table covers its computed tokens; a shared
@@ -203,62 +206,7 @@ class LLMEngine:
         """Prompt tokens found in the prefix cache ÷ prompt tokens of every request admitted so far."""
         return getattr(self.block_manager, "hit_rate", 0.0)  # 0 without prefix caching
 
-    # ---- a prompt prefilled elsewhere (disaggregated prefill, kv_connector.py) ---------------
-
-    @one_thread
-    def allocate_remote_prefill(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                                request_id: str | None = None, arrival_time: float | None = None) -> list[int] | None:
-        """Hold blocks for a request whose prompt's keys and values another worker computes and sends; returns
-        the block table that KV is to be written through, or None while the pool has not the room (ask again
-        after a step has freed some). The request waits outside the scheduler, holding its blocks, until
-        `start_remote_decode`; `abort_request` frees them. A request that could never fit is refused
-        (ValueError), as `add_request` refuses it."""
-        if request_id is not None and request_id in self._remote:
-            raise ValueError(f"request_id {request_id!r} already waits for its KV here; pick a new id")
-        if isinstance(self.block_manager, PrefixCachingBlockManager):
-            raise ValueError("a prompt whose KV comes from elsewhere cannot join the prefix cache here (its blocks "
-                             "would be hashed before their KV lands); build the decode engine with "
-                             "enable_prefix_caching=False")
-        seq = self._new_sequence(prompt_token_ids, params, request_id, arrival_time)
-        num_prompt = len(seq.prompt_token_ids)
-        if not self.block_manager.can_append(seq, num_prompt):
-            return None
-        self.block_manager.append_slots(seq, num_prompt)
-        self._remote[seq.request_id] = seq
-        return list(self.block_manager.block_tables[seq.seq_id])
-
-    @one_thread
-    def start_remote_decode(self, request_id: str, first_token: int, first_token_time: float | None = None
-                            ) -> RequestOutput:
-        """The prompt's KV of a request held by `allocate_remote_prefill` is in its blocks now, and `first_token`
-        is what the worker that prefilled it sampled: the request joins the running batch, decoding, and its
-        first token counts as made at `first_token_time` (by default now). Returns its output so far, finished
-        already if that token ended it."""
-        seq = self._remote.get(request_id)
-        if seq is None:
-            raise ValueError(f"request {request_id!r} holds no blocks for a remote prefill here; hold them with "
-                             "allocate_remote_prefill first")
-        if isinstance(first_token, bool) or not isinstance(first_token, int) \
-                or not 0 <= first_token < self.config.vocab_size:
-            raise ValueError(f"first_token={first_token!r} of request {request_id!r} is no token id of this "
-                             f"model's vocabulary (0 to {self.config.vocab_size - 1}); the two workers must "
-                             "serve the same model")
-        del self._remote[request_id]
-        now = time.perf_counter()
-        seq.num_computed_tokens, seq.num_cached_tokens = len(seq.prompt_token_ids), 0  # none from a prefix cache
-        seq.metrics.first_scheduled_time = now
-        seq.output_token_ids.append(first_token)
-        seq.metrics.token_times.append(now if first_token_time is None else first_token_time)
-        seq.status = SequenceStatus.RUNNING
-        self.requests[request_id] = seq
-        self.scheduler.running.append(seq)
-        reason = seq.end_reason(self.config.eos_token_id, self.config.n_ctx)
-        if reason:
-            self.scheduler.remove(seq)
-            seq.finish(reason, now)
-        return self._report(seq)
-
-    # ---- one step -----------------------------------------------------------
+    # ---- one step: schedule → copy → execute → update → record --------------
 
     @one_thread
     @torch.inference_mode()
@@ -273,13 +221,16 @@ class LLMEngine:
         try:
             stepped = self._step(start)
         except BaseException:  # Ctrl-C included: the next step must find the engine whole
-            recover(self)
+            finished = recover(self.scheduler, self.block_manager, self.requests)
+            self._unreported += [seq for seq in finished if seq not in self._unreported]
             raise
         reported, self._unreported = self._unreported + stepped, []
         return [self._report(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in reported)]
 
     def _step(self, start: float) -> list[Sequence]:
         plan = self.scheduler.schedule()
+        if self.on_plan is not None:
+            self.on_plan(plan)
         if not plan.chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests wait; this is a bug")
@@ -290,29 +241,12 @@ class LLMEngine:
         executed = time.perf_counter()
         sampled = self._execute(plan)
         executed = time.perf_counter() - executed
-        record = self.record_timeline or self.record_steps
-        rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
-                     for c in plan.chunks) if record else ()
         self.block_manager.commit()  # the step wrote its keys and values: the blocks it hashed can be shared
+        num_rows = len(sampled) - sum(len(s.samples) for s, _, _ in sampled if s.samples and not s.output_token_ids)
         now = time.perf_counter()
-        num_rows = len(sampled)  # rows of logits sampled: the samples of a prompt just done share one
-        for seq, _, _ in sampled:
-            if seq.samples and not seq.output_token_ids:  # its prompt is computed: its samples fork from it
-                start_samples(seq, self.scheduler, self.block_manager)
-                num_rows -= len(seq.samples)
-        for seq, token, logprobs in sampled:
-            seq.output_token_ids.append(token)
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs)
-            seq.metrics.token_times.append(now)
-            reason = seq.end_reason(self.config.eos_token_id, self.config.n_ctx)
-            if reason:
-                self.scheduler.remove(seq)
-                seq.finish(reason, now)
-        if record:
-            self.last_step = StepStats(start, now - start, plan.num_prefill_tokens, plan.num_decode_tokens,
-                                       len(plan.chunks), len(plan.preempted), self.block_manager.num_free_blocks,
-                                       rows, tuple(seq.request_id for seq in plan.preempted), num_rows, executed)
+        self.scheduler.update(sampled, now)
+        if self.record_timeline or self.record_steps:
+            self.last_step = StepStats.of(plan, start, now, executed, self.block_manager.num_free_blocks, num_rows)
             if self.record_timeline:
                 self.timeline.append(self.last_step)
         return [seq for seq, _, _ in sampled]
@@ -324,18 +258,10 @@ class LLMEngine:
         for chunk in plan.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = now
-        if all(chunk.is_decode for chunk in plan.chunks):  # decode only: static buffers, a graph on CUDA
-            samplers = [chunk.seq for chunk in plan.chunks]
-            segments = [Segment(s.seq_id, s.num_computed_tokens, 1, True) for s in samplers]
-            logits = self.decoder.run(segments, [s.output_token_ids[-1] for s in samplers])
-        else:
-            logits, samplers = self._execute_eager(plan)
+        logits, samplers = forward_plan(self.model, self.cache, self.decoder, plan)
         logits, samplers = fan_out(logits, samplers)  # a prompt of n samples is done: each draws its first token
         try:
-            history = {} if not any(s.params.reads_history for s in samplers) else dict(  # penalties, min_tokens
-                histories=[(s.prompt_token_ids, s.output_token_ids) for s in samplers],
-                eos_token_id=self.config.eos_token_id)
-            tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers], **history)
+            sampled = sample_sequences(logits, samplers, self.config.eos_token_id)
         except NonFiniteLogitsError as e:  # fail those requests; the rest redo this step's tokens next step
             bad = [samplers[i].request_id for i in e.rows]
             for request_id in bad:
@@ -344,27 +270,7 @@ class LLMEngine:
                                                "them") from None
         for chunk in plan.chunks:  # their keys and values are in the cache now, and every token was sampled
             chunk.seq.num_computed_tokens += chunk.num_tokens
-        return list(zip(samplers, tokens, sample_logprobs(logits, samplers, tokens)))
-
-    def _execute_eager(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """A step with prefill chunks: one ragged forward pass over the flattened batch, shaped for this step."""
-        ids, segments, sample_rows, samplers, scored = [], [], [], [], []
-        for chunk in plan.chunks:
-            seq, n, start = chunk.seq, chunk.num_tokens, chunk.seq.num_computed_tokens
-            scored += [(row, seq, pos) for row, pos in prompt_rows(seq, start, n, len(ids))]  # prompt_logprobs
-            # A decode feeds its last sampled token; only a prefill chunk needs the token list sliced.
-            ids.extend(seq.output_token_ids[-1:] if chunk.is_decode else seq.token_ids[start:start + n])
-            segments.append(Segment(seq.seq_id, start, n, chunk.is_decode))
-            if start + n == seq.num_tokens:  # its last pending token is in: it samples this step
-                sample_rows.append(len(ids) - 1)
-                samplers.append(seq)
-        device = self.model.device
-        meta = self.cache.prepare(segments)
-        logits = self.model(to_device([ids], device), meta.positions, cache=self.cache,
-                            logits_indices=to_device(sample_rows + [row for row, _, _ in scored], device))
-        if scored:  # rows beyond the samplers' hold the prompt positions some requests score
-            record_prompt_logprobs([(seq, pos) for _, seq, pos in scored], logits[len(sample_rows):])
-        return logits[:len(sample_rows)], samplers
+        return sampled
 
     def _report(self, seq: Sequence) -> RequestOutput:
         """The caller's copy of a request's state. A finished request is reported once, then forgotten."""

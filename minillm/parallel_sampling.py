@@ -4,11 +4,12 @@ The waste it removes. A request for n samples of one prompt (`SamplingParams.n`,
 OpenAI's `n`) could run as n requests: n prefills of the same prompt, and n
 copies of the same keys and values in the pool. Instead the prompt is prefilled
 once, by sample 0; when it samples its first token, the other samples draw
-theirs from the same logits and *fork* from it (`BlockManager.fork`): each holds
+theirs from the same logits and *fork* from it (`Scheduler.fork`, which asks
+`BlockManager.fork`; only the scheduler moves a sequence between queues): each holds
 the very same blocks, one more reference apiece, and nothing is copied. This is
 the second use of the reference counts that prefix caching (lesson 10) counts
-with, and it comes from the PagedAttention paper itself (vLLM, SOSP 2023), which
-measured 6.1–9.8% of KV memory saved for parallel sampling and 37.6–55.2% for
+with, and it comes from the PagedAttention paper itself (Kwon et al.), which
+reports 6.1–9.8% of KV memory saved for parallel sampling and 37.6–55.2% for
 beam search, whose beams share far more.
 
 Copy-on-write. A full block never changes again, so n tables may hold it for
@@ -79,23 +80,6 @@ def group_blocks(num_prompt: int, max_total: int, n: int, block_size: int) -> in
     """Blocks that n samples of a prompt hold at most, sharing its full blocks: ⌊P/bs⌋ + n · (own blocks)."""
     shared = num_prompt // block_size
     return shared + n * (-(-max_total // block_size) - shared)
-
-
-def start_samples(leader: Sequence, scheduler, blocks: BlockManager) -> None:
-    """Sample 0 has just computed its prompt: the other samples fork from it, into the running queue right
-    after it while `max_num_seqs` allows, else to the front of the waiting queue, to be recomputed."""
-    at, late = scheduler.running.index(leader) + 1, []
-    for seq in leader.samples:
-        seq.metrics.first_scheduled_time = leader.metrics.first_scheduled_time
-        seq.num_cached_tokens = leader.num_cached_tokens
-        if len(scheduler.running) < scheduler.config.max_num_seqs:
-            blocks.fork(leader, seq)
-            seq.num_computed_tokens, seq.status = leader.num_computed_tokens, SequenceStatus.RUNNING
-            scheduler.running.insert(at, seq)
-            at += 1
-        else:
-            late.append(seq)
-    scheduler.waiting.extendleft(reversed(late))
 
 
 def fan_out(logits, samplers: list[Sequence]):

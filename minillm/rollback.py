@@ -17,45 +17,45 @@ invariants hold again:
   front of the waiting queue, in arrival order, to be recomputed, its admission
   uncounted if the failed step was its first;
 - a sample of n that has not forked yet waits on, holding nothing.
+
+It moves no sequence between queues itself: it asks the scheduler (`remove`,
+`finish_if_done`, the one stop rule, and `requeue`). Cost: O(requests + running).
+
+Invariants held by the tests: whichever call of a step raises, every request
+is reported exactly once, a finished one with the tokens it gets alone and an
+aborted one a prefix of them; the blocks check after every step, failed ones
+included, and none leaks.
 """
 from __future__ import annotations
 
 import time
 
 from .parallel_sampling import is_unstarted
-from .sequence import SequenceStatus
+from .sequence import Sequence, SequenceStatus
 
 
-def recover(engine) -> None:
-    """After `engine`'s step raised, anywhere in it: make every request one the next step can run."""
-    s, bm, cfg, now = engine.scheduler, engine.block_manager, engine.config, time.perf_counter()
-    lost = set(bm.rollback(s.running))
-    running, waiting, back = set(s.running), set(s.waiting), []
-    for seq in [x for leader in engine.requests.values() for x in (leader, *leader.samples)]:
+def recover(scheduler, blocks, requests: dict[str, Sequence]) -> list[Sequence]:
+    """After a step raised, anywhere in it: make every request (`requests`, by id: each one's sample 0) one the
+    next step can run. Returns the sequences found finished, for the engine to report."""
+    now = time.perf_counter()
+    lost = set(blocks.rollback(scheduler.running))
+    running, finished, back = set(scheduler.running), [], []
+    for seq in [x for leader in requests.values() for x in (leader, *leader.samples)]:
         if is_unstarted(seq):  # it waits for sample 0's prompt, holding nothing
             continue
-        reason = not seq.is_finished and seq.output_token_ids and seq.end_reason(cfg.eos_token_id, cfg.n_ctx)
-        if reason:  # its last token ended it, but the step raised before it was marked finished
-            seq.finish(reason, now)
+        if not seq.is_finished and seq.output_token_ids:  # its last token may have ended it before the step raised
+            scheduler.finish_if_done(seq, now)
         if seq.is_finished:
-            bm.free(seq)  # nothing if the step's `remove` got that far
-            running.discard(seq)
-            if seq in waiting:
-                s.waiting.remove(seq)
-            if seq not in engine._unreported:
-                engine._unreported.append(seq)
+            scheduler.remove(seq)  # frees nothing if the step's own `remove` got that far
+            finished.append(seq)
             continue
         if seq in running and seq not in lost and seq.status is SequenceStatus.RUNNING \
                 and seq.num_cached_tokens is not None \
-                and len(bm.block_tables.get(seq.seq_id, ())) >= bm.blocks_for(seq.num_computed_tokens) \
-                and seq.num_remaining >= 1 and (seq.is_decoding or s.chunked_prefill):
+                and len(blocks.block_tables.get(seq.seq_id, ())) >= blocks.blocks_for(seq.num_computed_tokens) \
+                and seq.num_remaining >= 1 and (seq.is_decoding or scheduler.chunked_prefill):
             continue
-        bm.free(seq)
-        running.discard(seq)
-        if bm.forget_admission(seq):  # first admitted by the failed step: counted when admitted again
+        if blocks.forget_admission(seq):  # first admitted by the failed step: counted when admitted again
             seq.num_cached_tokens = None
-        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
-        if seq not in waiting:
-            back.append(seq)
-    s.running = [seq for seq in s.running if seq in running]
-    s.waiting.extendleft(reversed(back))
+        back.append(seq)
+    scheduler.requeue(back)
+    return finished

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .device import to_device
+from .logprobs import sample_logprobs
 from .penalties import apply_penalties
 from .sampling_params import SamplingParams
 
@@ -122,6 +123,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if -1 in ids:
         raise NonFiniteLogitsError([i for i, t in enumerate(ids) if t == -1])
     return ids
+
+
+def sample_sequences(logits: torch.Tensor, seqs: list, eos_token_id: int | None) -> list[tuple]:
+    """A step's rows of logits, row i sequence i's (`Sequence`): (sequence, its token, its TokenLogprobs or None)
+    for each, drawn under its own params and stream; penalties and min_tokens read its history, and only rows
+    that ask get logprobs (`logprobs.py`)."""
+    history = {} if not any(s.params.reads_history for s in seqs) else dict(
+        histories=[(s.prompt_token_ids, s.output_token_ids) for s in seqs], eos_token_id=eos_token_id)
+    tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], **history)
+    return list(zip(seqs, tokens, sample_logprobs(logits, seqs, tokens)))
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):

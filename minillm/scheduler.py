@@ -44,18 +44,34 @@ blocks with it, `prefix_caching.py`) and starts `num_computed_tokens` there.
 Its first chunk, and what it costs of the budget, is only the rest; a victim
 of preemption may find its own blocks still cached when it returns.
 
+The scheduler owns its queues
+-----------------------------
+Only this class (and its policy subclass) changes `waiting` and `running`;
+everyone else asks it with a verb, as vLLM's `update_from_output` does:
+
+    add, remove          a request arrives; one finishes or is aborted (its blocks freed)
+    schedule             the plan for the next step
+    update(sampled, now) after the step: each sequence that sampled gets its token, the
+                         samples of a prompt just computed fork from it (`fork`), and THE stop
+                         rule (`finish_if_done`) ends and removes those it ends
+    start_running        a sequence whose KV its blocks already hold (`remote_prefill.py`) joins
+    requeue              sequences whose KV a failed step left untrusted wait again (`rollback.py`)
+
 This policy is a plain object, queue state in, a plan for one step out. It
 never touches a model or a tensor, so its tests drive it with a fake block
-space that only counts tokens.
+space that only counts tokens. Cost of a step's bookkeeping: O(running).
 
 Invariants held by the tests: a step never holds more than
 `max_num_batched_tokens` tokens or `max_num_seqs` sequences; decodes come
 first in the plan; a sequence appears at most once per plan; a preempted
 sequence is not in the plan of the step that preempted it, and nothing is
-admitted in that step.
+admitted in that step; `update` ends a request exactly when the stop rule
+says so and frees its blocks at once; a forked sample sits right after its
+parent, or waits first in line.
 """
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -92,6 +108,7 @@ class BlockSpace(Protocol):
     def can_append(self, seq: Sequence, num_new: int) -> bool: ...
     def append_slots(self, seq: Sequence, num_new: int) -> None: ...
     def free(self, seq: Sequence) -> None: ...
+    def fork(self, parent: Sequence, child: Sequence) -> None: ...
 
 
 @dataclass
@@ -120,7 +137,8 @@ class Scheduler:
 
     chunked_prefill = False  # which value of SchedulerConfig.enable_chunked_prefill this class implements
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockSpace):
+    def __init__(self, config: SchedulerConfig, blocks: BlockSpace, eos_token_id: int | None = None,
+                 n_ctx: int = sys.maxsize):
         if config.enable_chunked_prefill != self.chunked_prefill:
             raise ValueError(f"{type(self).__name__} implements enable_chunked_prefill={self.chunked_prefill}, but "
                              f"the config asks for {config.enable_chunked_prefill}; use "
@@ -129,6 +147,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences rejoin at the front
         self.running: list[Sequence] = []        # arrival order
+        self.eos_token_id, self.n_ctx = eos_token_id, n_ctx  # what ends a request besides its params: the model's
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -143,6 +162,61 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def finish_if_done(self, seq: Sequence, now: float) -> bool:
+        """THE stop rule (`finish_reason`: a stop token, max_tokens, or the context full), applied to `seq`'s
+        last sampled token: if it ends the request, it is finished at `now` and leaves the queues."""
+        reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+        if reason:
+            self.remove(seq)
+            seq.finish(reason, now)
+        return bool(reason)
+
+    def update(self, sampled: list[tuple[Sequence, int, object]], now: float) -> None:
+        """After a step: each (sequence, token, its TokenLogprobs or None) that sampled gets its token at `now`;
+        a sample 0 whose prompt was just computed first lets its samples fork; then the stop rule."""
+        for seq, _, _ in sampled:
+            if seq.samples and not seq.output_token_ids:
+                self.fork(seq, seq.samples)
+        for seq, token, logprobs in sampled:
+            seq.output_token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            seq.metrics.token_times.append(now)
+            self.finish_if_done(seq, now)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """`children` (the other samples of `parent`'s request, `parallel_sampling.py`) start where `parent`
+        stands: into the running queue right after it, sharing its blocks, while `max_num_seqs` allows; the
+        rest to the front of the waiting queue, in order, to be recomputed."""
+        at, late = self.running.index(parent) + 1, []
+        for seq in children:
+            seq.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            seq.num_cached_tokens = parent.num_cached_tokens
+            if len(self.running) < self.config.max_num_seqs:
+                self.blocks.fork(parent, seq)
+                seq.num_computed_tokens, seq.status = parent.num_computed_tokens, SequenceStatus.RUNNING
+                self.running.insert(at, seq)
+                at += 1
+            else:
+                late.append(seq)
+        self.waiting.extendleft(reversed(late))
+
+    def start_running(self, seq: Sequence) -> None:
+        """`seq`, whose computed tokens' KV its blocks already hold (a prompt prefilled elsewhere,
+        `remote_prefill.py`), joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """`seqs`, whose KV can no longer be trusted (a step that raised, `rollback.py`), free their blocks and
+        wait at the front of the queue, in the order given, to be recomputed; one already waiting keeps its place."""
+        gone, waiting = set(seqs), set(self.waiting)
+        self.running = [seq for seq in self.running if seq not in gone]
+        for seq in seqs:
+            self.blocks.free(seq)
+            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        self.waiting.extendleft(reversed([seq for seq in seqs if seq not in waiting]))
 
     def schedule(self) -> SchedulerOutput:
         """The plan for the next step: decodes first, then prefill chunks; and who was preempted for it."""

@@ -28,6 +28,12 @@ last piece of the prompt.
 What it costs: one list of token ids and a few integers per request; the KV
 memory it stands for is the block manager's business.
 
+What a caller reads back lives here too, as plain copies that share nothing the
+engine changes: `RequestOutput` per request, `StepStats` per step (its rows),
+and `EngineStats`, what the engine holds now (`LLMEngine.stats()`: the queues'
+request ids, the pool's blocks, the block tables), which the wings read instead
+of the engine's fields.
+
 Invariants held by the tests: 0 ≤ num_computed_tokens ≤ len(tokens); a
 sequence is decoding exactly when one token is pending and it has output;
 a preempted sequence restarts from num_computed_tokens = 0 with its output kept.
@@ -35,6 +41,7 @@ a preempted sequence restarts from num_computed_tokens = 0 with its output kept.
 from __future__ import annotations
 
 import itertools
+from itertools import islice
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -43,6 +50,8 @@ from .sampling_params import SamplingParams, finish_reason
 
 if TYPE_CHECKING:
     import torch
+
+    from .scheduler import SchedulerOutput
 
 _ids = itertools.count()
 
@@ -219,3 +228,52 @@ class StepStats:
     preempted: tuple[str, ...] = ()   # request ids preempted to make room for this step
     num_sampled: int = 0              # rows that sampled a token: decodes, and chunks that ended a prompt
     forward_s: float = 0.0            # of `duration`, the forward pass and sampling; the rest is host bookkeeping
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput, start: float, end: float, forward_s: float, num_free_blocks: int,
+           num_sampled: int) -> "StepStats":
+        """The record of a step that ran `plan` from `start` to `end`, read once its chunks are computed."""
+        rows = tuple((c.seq.request_id, c.is_decode, c.num_tokens, c.seq.num_computed_tokens - c.num_tokens)
+                     for c in plan.chunks)
+        return cls(start, end - start, plan.num_prefill_tokens, plan.num_decode_tokens, len(plan.chunks),
+                   len(plan.preempted), num_free_blocks, rows, tuple(seq.request_id for seq in plan.preempted),
+                   num_sampled, forward_s)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What an engine holds now (`LLMEngine.stats()`), copied for those who watch it without touching it: the
+    server's gauges, the live page, a router of worker processes. A request of n samples is named once per
+    running sample."""
+    running: tuple[str, ...]  # the request id of each running sequence, in the running queue's order
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int      # free, or evictable (prefix caching: cached, held by no one)
+    waiting: tuple[str, ...] = ()  # the first waiting request ids, in queue order, as many as were asked for
+    block_tables: dict[str, tuple[int, ...]] | None = None  # when asked: each running request's blocks, once
+    cached: tuple[int, ...] = ()   # when asked: the evictable blocks, the least recently used first
+
+    @classmethod
+    def of(cls, scheduler, blocks, waiting_ids: int = 0, tables: bool = False, cached_ids: int = 0) -> "EngineStats":
+        """Read from a scheduler and its block manager: the first `waiting_ids` waiting ids; with `tables`, each
+        running request's blocks (its samples' once) and the first `cached_ids` evictable blocks. Cost:
+        O(running), and the tables' length when asked."""
+        held = None
+        if tables:
+            held = {}
+            for seq in scheduler.running:
+                rid = seq.request_id
+                held[rid] = tuple(dict.fromkeys((*held.get(rid, ()), *blocks.block_tables.get(seq.seq_id, ()))))
+        evictable = getattr(blocks.allocator, "evictable", None) if tables and cached_ids else None
+        return cls(tuple(seq.request_id for seq in scheduler.running), len(scheduler.waiting), blocks.num_blocks,
+                   blocks.num_free_blocks, tuple(seq.request_id for seq in islice(scheduler.waiting, waiting_ids)),
+                   held, tuple(islice(evictable, cached_ids)) if evictable else ())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Blocks held ÷ blocks in the pool (vLLM's gauge of the same name)."""
+        return (self.num_blocks - self.num_free_blocks) / self.num_blocks if self.num_blocks else 0.0

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams
-from minillm import engine as engine_module
 from minillm import cpu_layout as cpu_layout_module
+from minillm import sampling as sampling_module  # the engine samples through sampling.sample
 from minillm import kv_cache, naive_decode
 from minillm.cuda_graphs import DecodeRunner
 from minillm.engine import LLMEngine
@@ -115,12 +115,12 @@ def test_engine_logits_equal_the_contiguous_cache(model, chunked, cpu_layout, mo
     monkeypatch.setattr(cpu_layout_module, "numpy_product", lambda *a: one_row_steps.append(1) or real_product(*a))
     monkeypatch.setattr(cpu_layout_module, "decode_attention", lambda *a: written_out.append(1) or real_attention(*a))
     seen = []
-    real_sample = engine_module.sample
+    real_sample = sampling_module.sample
 
     def recording_sample(logits, params, generators):
         seen.extend(zip(params, logits.clone()))
         return real_sample(logits, params, generators)
-    monkeypatch.setattr(engine_module, "sample", recording_sample)
+    monkeypatch.setattr(sampling_module, "sample", recording_sample)
     prompts = random_prompts(6, [5, 17, 26], seed=8)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, seed=i) for i in range(6)]  # one each
     engine = LLMEngine(model,
@@ -220,19 +220,12 @@ def test_a_step_that_preempts_admits_no_one(model):
                        cache_config=CacheConfig(block_size=4, num_gpu_blocks_override=20))  # small chunks could fit
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    preempting_steps = 0
+    preempting_steps, plan_seqs = 0, []
+    engine.on_plan = plan_seqs.append  # the hook that sees each step's plan
     while engine.has_unfinished_requests():
         waiting_before = list(engine.scheduler.waiting)
-        plan_seqs = []
-        original = engine.scheduler.schedule
-
-        def spy():
-            plan = original()
-            plan_seqs.append(plan)
-            return plan
-        engine.scheduler.schedule = spy
+        plan_seqs.clear()
         engine.step()
-        engine.scheduler.schedule = original
         if plan_seqs and plan_seqs[0].preempted:
             preempting_steps += 1
             plan = plan_seqs[0]

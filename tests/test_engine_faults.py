@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams
-from minillm import engine as engine_module
+from minillm import sampling as sampling_module  # the engine samples through sampling.sample
 from minillm import kv_cache
 from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
@@ -99,17 +99,17 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(model
         assert first.output_token_ids == reference(model, prompt, greedy(4)), "the retried step lost nothing"
     else:
         assert first.finish_reason == "abort" and first.output_token_ids == []
-    seen, real_sample = [], engine_module.sample
+    seen, real_sample = [], sampling_module.sample
 
     def recording_sample(logits, params, generators):
         seen.append(logits.clone())
         return real_sample(logits, params, generators)
-    engine_module.sample = recording_sample
+    sampling_module.sample = recording_sample
     try:
         longer = prompt + [5, 6, 7]
         (out,) = engine.generate([longer], greedy(3))
     finally:
-        engine_module.sample = real_sample
+        sampling_module.sample = real_sample
     assert out.output_token_ids == reference(model, longer, greedy(3))
     with torch.inference_mode():
         for j, logits in enumerate(seen):
@@ -236,7 +236,7 @@ def arm(engine, point: str, on_call: int) -> callable:
     the function that disarms it."""
     name, after = point.rstrip("+"), point.endswith("+")
     owner = {"attend": engine.cache, "prepare": engine.cache, "copy_blocks": engine.cache, "forward": engine.model,
-             "sample": engine_module,
+             "sample": sampling_module,
              "append_slots": engine.block_manager, "free": engine.block_manager,
              "commit": engine.block_manager}[name]
     real, calls = getattr(owner, name), [0]
@@ -250,7 +250,7 @@ def arm(engine, point: str, on_call: int) -> callable:
             raise Fault(point)
         return result
     setattr(owner, name, failing)
-    return lambda: setattr(owner, name, real) if owner is engine_module else delattr(owner, name)
+    return lambda: setattr(owner, name, real) if owner is sampling_module else delattr(owner, name)
 
 
 def run_fault_trace(model, seed: int) -> int:

@@ -50,7 +50,7 @@ def worker(budget: int, blocks: int, core: int, block_size: int = BS) -> WorkerC
 
 
 def assert_no_block_held(workers: Workers) -> None:
-    for role, s in workers.stats().items():
+    for role, s in workers.worker_stats().items():
         assert s["free_blocks"] == s["num_blocks"], f"{role} worker leaked blocks: {s}"
         assert s["running"] == s["waiting"] == s.get("in_flight", 0) == s.get("expected", 0) == 0, (role, s)
 
@@ -74,12 +74,12 @@ def test_the_test_model_tells_contexts_apart():
 def test_tokens_are_the_colocated_engines_at_and_off_block_boundaries(pair):
     lengths = [BS, 2 * BS, BS + 5, 7, 1, 3 * BS - 1, 50]  # on a boundary, inside a block, chunked at 32
     prompts = [random_prompts(1, [n], CFG.vocab_size, seed=n)[0] for n in lengths]
-    before = pair.stats()
+    before = pair.worker_stats()
     got = run_all(pair, prompts)
     want = colocated(prompts)
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     assert all(o.finish_reason == "length" for o in got)
-    after = pair.stats()
+    after = pair.worker_stats()
     moved = sum(lengths) * CFG.kv_bytes_per_token(torch.float32)  # 2 · n_layer · n_embd · 4 bytes per token
     assert after["prefill"]["bytes_sent"] - before["prefill"]["bytes_sent"] == moved
     assert after["decode"]["bytes_received"] - before["decode"]["bytes_received"] == moved
@@ -123,7 +123,7 @@ def test_a_header_that_overtakes_its_registration_waits_for_it(pair):
     done, deadline = {}, time.monotonic() + 60
     while pair.has_unfinished_requests() and time.monotonic() < deadline:
         done |= {out.request_id: out for out in pair.step(1) if out.finished}
-    assert late in done, f"the request never finished: its KV was drained as if aborted ({pair.stats()['decode']})"
+    assert late in done, f"the request never finished: its KV was drained as if aborted ({pair.worker_stats()['decode']})"
     assert done[late].finish_reason == "length", pair.failures
     assert done[late].output_token_ids == colocated([prompt])[0].output_token_ids
     assert_no_block_held(pair)

@@ -25,7 +25,7 @@ from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
 from minillm.sampling_params import SamplingParams
 from minillm.scheduler import SchedulerConfig
-from minillm.sequence import StepStats
+from minillm.sequence import EngineStats, StepStats
 from minillm.serving.api_server import make_serving
 from minillm.serving.launch import BackgroundServer
 from minillm.serving.live import LiveFeed, StepRecorder
@@ -126,9 +126,10 @@ def test_a_preempted_request_is_named_and_comes_back_as_a_prefill_of_its_prompt_
 def fake_engine(n_running: int = 0):
     """Just what StepRecorder reads, with a fresh `last_step` per call of `advance`."""
     seqs = [SimpleNamespace(request_id=f"r{i}", seq_id=i) for i in range(n_running)]
-    engine = SimpleNamespace(scheduler=SimpleNamespace(running=seqs, waiting=deque()),
-                             block_manager=SimpleNamespace(block_tables={i: [i] for i in range(n_running)},
-                                                           allocator=SimpleNamespace()))
+    scheduler = SimpleNamespace(running=seqs, waiting=deque())
+    blocks = SimpleNamespace(block_tables={i: [i] for i in range(n_running)}, allocator=SimpleNamespace(),
+                             num_blocks=16, num_free_blocks=16 - n_running)
+    engine = SimpleNamespace(stats=lambda *a, **k: EngineStats.of(scheduler, blocks, *a, **k))
 
     def advance():
         engine.last_step = StepStats(time.perf_counter(), 0.001, 0, n_running, n_running, 0, 10,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams
-from minillm import engine as engine_module
+from minillm import sampling as sampling_module  # the engine samples through sampling.sample
 from minillm import kv_cache
 from minillm.block_manager import BlockManager
 from minillm.engine import LLMEngine
@@ -284,12 +284,12 @@ def test_logits_with_caching_equal_a_full_recompute_under_eviction_and_preemptio
     """Every row the engine samples from, with a pool small enough to evict cached blocks and to preempt, equals
     the logits of the whole sequence computed from scratch (fp32: 1e-4)."""
     seen = []
-    real_sample = engine_module.sample
+    real_sample = sampling_module.sample
 
     def recording_sample(logits, params, generators):
         seen.extend(zip([p.seed for p in params], logits.clone()))
         return real_sample(logits, params, generators)
-    monkeypatch.setattr(engine_module, "sample", recording_sample)
+    monkeypatch.setattr(sampling_module, "sample", recording_sample)
     system = random_prompts(1, [21], seed=9)[0]
     prompts = [system[:n] + tail for n, tail in zip([21, 12, 21, 4, 21, 20], random_prompts(6, [3, 9], seed=10))]
     params = [greedy(10, seed=i) for i in range(len(prompts))]
@@ -365,19 +365,19 @@ def shared_prefix_trace(model, seed: int) -> dict:
 def run_trace(model, t: dict, caching: bool, monkeypatch) -> tuple[dict, dict, LLMEngine, list[int]]:
     """Outputs and sampled logits by request index; the blocks are checked after every step."""
     seen: dict[int, list] = {i: [] for i in range(len(t["prompts"]))}
-    real_sample = engine_module.sample
+    real_sample = sampling_module.sample
 
     def recording_sample(logits, params, generators):
         for p, row in zip(params, logits):
             seen[p.seed].append(row.clone())
         return real_sample(logits, params, generators)
-    monkeypatch.setattr(engine_module, "sample", recording_sample)
+    monkeypatch.setattr(sampling_module, "sample", recording_sample)
     engine = LLMEngine(model, t["config"],
                        cache_config=CacheConfig(block_size=t["bs"], num_gpu_blocks_override=t["num_blocks"],
                                                 enable_prefix_caching=caching))
     evictions = count_evictions(engine) if caching else [0]
     ids, finals = drive(engine, t, "the trace")
-    monkeypatch.setattr(engine_module, "sample", real_sample)
+    monkeypatch.setattr(sampling_module, "sample", real_sample)
     return {i: finals[r] for i, r in ids.items()}, seen, engine, evictions
 
 

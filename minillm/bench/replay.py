@@ -1,8 +1,8 @@
 """Replaying a trace through an `LLMEngine`, in real time, and what the lessons read from the run.
 
     trace = lognormal_trace(20, max_len=1024, vocab_size=50257, prompt_median=160, output_median=64)
-    engine = LLMEngine(model, SchedulerConfig(2048, 256, enable_chunked_prefill=True),
-                       num_blocks=pool_blocks(trace))
+    engine = LLMEngine(model, SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
+                       cache_config=CacheConfig(num_gpu_blocks_override=pool_blocks(trace)))
     run = replay(engine, trace, desc="paged")
     run.throughput, run.percentile("ttft", 99), run.outputs["3"].metrics.token_times
 
@@ -13,11 +13,15 @@ closed-loop clients, each sending its next turn when the last answer is done.
 
 `replay_samples` serves a trace all at once with n greedy samples of each prompt,
 as one request of n (sharing its blocks) or as n requests of one, and counts
-the blocks each request held at most (lesson 05).
+the blocks each request held at most (lesson 05), watching each step's plan
+through the engine's `on_plan` hook and its public `stats()`.
 
 `replay` keeps what it needs from the outputs `step()` returns: each finished
 request's `RequestOutput` carries its own token times. The engine forgets a
-request once it has reported it finished, so nothing here reads it back.
+request once it has reported it finished, so nothing here reads it back, and it
+reads the engine only through its public surface (`step`, `timeline`, `stats`).
+
+    cost: the engine's own steps; `replay_samples` adds one stats(tables=True) per step, O(blocks held)
 """
 from __future__ import annotations
 
@@ -151,7 +155,7 @@ def serve(engine: LLMEngine, conversations: list[Conversation], concurrency: int
             elif waiting:
                 send(waiting.popleft(), 0, [])
     steps = engine.timeline[first_step:]
-    in_use = [engine.block_manager.num_blocks - s.num_free_blocks for s in steps]
+    in_use = [engine.stats().num_blocks - s.num_free_blocks for s in steps]
     makespan = max(r["finished_s"] for r in records)
     ttfts, hits = [r["ttft_s"] for r in records], [r["ttft_s"] for r in records if r["cached_tokens"]]
     return {"requests": len(records), "makespan_s": makespan,
@@ -176,23 +180,26 @@ def replay_samples(engine: LLMEngine, trace: list[Request], n: int, grouped: boo
         params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, n=n)
         for j, sp in enumerate([params] if grouped else sample_params(params)):
             engine.add_request(r.prompt, sp, request_id=f"{i}" if grouped else f"{i}.{j}")
-    bm, plan_step, held, peaks = engine.block_manager, engine.scheduler.schedule, [], [0] * len(trace)
+    held, peaks = [], [0] * len(trace)
 
-    def schedule():  # count while the step runs: its blocks are planned, and none that ends in it is freed yet
-        plan, mine = plan_step(), {}
-        for seq in engine.scheduler.running:
-            mine.setdefault(int(seq.request_id.split(".")[0]), set()).update(bm.block_tables.get(seq.seq_id, ()))
+    def count(plan) -> None:  # while the step runs: its blocks are planned, and none that ends in it is freed yet
+        now = engine.stats(tables=True)
+        mine: dict[int, set[int]] = {}
+        for rid, blocks in now.block_tables.items():
+            mine.setdefault(int(rid.split(".")[0]), set()).update(blocks)
         for i, blocks in mine.items():
             peaks[i] = max(peaks[i], len(blocks))
-        held.append(bm.num_blocks - bm.num_free_blocks)
-        return plan
+        held.append(now.num_blocks - now.num_free_blocks)
 
-    engine.scheduler.schedule, tokens, began = schedule, 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        tokens += sum(sum(len(c.token_ids) for c in out.outputs) for out in engine.step() if out.finished)
+    engine.on_plan, tokens, began = count, 0, time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            tokens += sum(sum(len(c.token_ids) for c in out.outputs) for out in engine.step() if out.finished)
+    finally:
+        engine.on_plan = None
     steps, seconds = engine.timeline, time.perf_counter() - began
-    return {"blocks_held": held, "request_peaks": peaks, "copies": bm.num_copies, "steps": len(steps),
-            "generated_tokens": tokens, "tokens_per_step": tokens / len(steps), "seconds": seconds,
+    return {"blocks_held": held, "request_peaks": peaks, "copies": engine.block_manager.num_copies,
+            "steps": len(steps), "generated_tokens": tokens, "tokens_per_step": tokens / len(steps), "seconds": seconds,
             "throughput": tokens / seconds,
             "prefill_tokens": sum(x.num_prefill_tokens for x in steps),
             "preemptions": sum(x.num_preempted for x in steps)}

@@ -10,8 +10,8 @@
 
 `factory` is a picklable callable that builds the model in the worker (e.g. a
 `functools.partial` of `random_model`), so every worker holds the same weights.
-Each worker runs one `LLMEngine` in a loop: commands come in on its inbox queue,
-outputs go out on one outbox queue. Disaggregated, the router registers each
+Each worker runs one `LLMEngine` in a loop (`worker.py`): commands come in on its
+inbox queue, outputs go out on one outbox queue. Disaggregated, the router registers each
 request with the decode worker (`KVConsumer.add_request`) before it hands the
 prompt to the prefill worker (`KVProducer.add_request`), so the KV's header always
 finds its request there. The decode worker's first token of a request is the
@@ -20,43 +20,31 @@ the decode worker's own. Token times are `time.perf_counter()` in the worker tha
 made them: on Linux one clock (CLOCK_MONOTONIC) for every process.
 
 `Workers` answers what the server's engine thread asks of an `LLMEngine`
-(`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `config`, the
-queue and block counts, `close`), so `python -m minillm serve --disaggregate`
+(`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `config`,
+`stats()`, `close`), so `python -m minillm serve --disaggregate`
 serves it over the same OpenAI API (`launch.py`). Processes start from a fork
 server that imported torch once (a fresh interpreter per worker costs seconds).
+
+    cost per request: its prompt and params to each worker, its outputs back, pickled through queues
+
+Invariant held by the tests: a request gets exactly the tokens one engine gives
+it, and no block is left held on either side, whatever ends it.
 """
 from __future__ import annotations
 
 import multiprocessing
-import os
 import queue
 import socket
 import time
-import traceback
-from dataclasses import dataclass, field
-from datetime import timedelta
-from types import SimpleNamespace
 from typing import Callable
 
-from ..sampling_params import FINISH_ABORT, SamplingParams
 from ..kv_pool import CacheConfig
+from ..sampling_params import FINISH_ABORT, SamplingParams
 from ..scheduler import SchedulerConfig
-from ..sequence import CompletionOutput, RequestMetrics, RequestOutput
+from ..sequence import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from .worker import WorkerConfig, run_worker, split_cores
 
 START_TIMEOUT_S = 300  # a worker must have built its model and joined the group by then (imports on a busy machine)
-# Every receive of the group waits this long at most, and the decode worker's receiver waits for the next header as
-# long as the server is idle: a week, not gloo's default of 30 minutes. A worker that dies is noticed by the router.
-GROUP_TIMEOUT = timedelta(days=7)
-
-
-@dataclass
-class WorkerConfig:
-    """One worker's engine and where it runs."""
-    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache_config: CacheConfig = field(default_factory=CacheConfig)
-    device: str = "cpu"
-    cores: list[int] | None = None  # os.sched_setaffinity; None: every core this process may use
-    threads: int = 1                # torch threads
 
 
 def _context():
@@ -69,120 +57,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def split_cores() -> tuple[list[int], list[int]]:
-    """Two disjoint halves of the cores this process may use, for the prefill and the decode worker."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise RuntimeError(f"disaggregation pins its two workers to separate cores, and this process may use only "
-                           f"{cpus}; run it where at least 2 cores are available")
-    half = len(cpus) // 2
-    return cpus[:half], cpus[half:]
-
-
-def _worker(role: str, factory: Callable, cfg: WorkerConfig, init_method: str | None, inbox, outbox) -> None:
-    """A worker's whole life: pin, build, join the group, then serve commands until ("stop",)."""
-    try:
-        if cfg.cores is not None:
-            os.sched_setaffinity(0, cfg.cores)
-        from ..device import set_num_threads
-        set_num_threads(cfg.threads)
-        from ..engine import LLMEngine
-        engine = LLMEngine(factory(), cfg.scheduler_config, cfg.cache_config)
-        connector = None
-        if role != "colocated":
-            import torch.distributed as dist
-            from .. import kv_connector as kv
-            from ..kv_consumer import KVConsumer
-            from ..kv_producer import KVProducer
-            dist.init_process_group(kv.backend_for(cfg.device), init_method=init_method,
-                                    rank=kv.PREFILL_RANK if role == "prefill" else kv.DECODE_RANK, world_size=2,
-                                    timeout=GROUP_TIMEOUT)
-            connector = (KVProducer(engine) if role == "prefill"
-                         else KVConsumer(engine, notify=lambda: inbox.put(("kv",))))
-        outbox.put(("ready", role, engine.block_manager.num_blocks))
-        _serve(role, engine, connector, inbox, outbox)
-    except BaseException:  # the router raises it, naming the worker
-        outbox.put(("error", role, traceback.format_exc()))
-        raise SystemExit(1)
-
-
-def _serve(role, engine, connector, inbox, outbox) -> None:
-    while True:
-        commands = []
-        try:
-            if engine.has_unfinished_requests():
-                commands.append(inbox.get_nowait())
-            elif role == "decode" and connector.waiting_for_room:  # for room, or for a registration in the inbox
-                commands.append(inbox.get(timeout=0.005))
-            else:
-                commands.append(inbox.get())
-            while True:
-                commands.append(inbox.get_nowait())
-        except queue.Empty:
-            pass
-        for command in commands:
-            if command[0] == "stop":
-                if connector is not None:
-                    import torch.distributed as dist
-                    connector.close()  # the producer's closing header ends the consumer's receiver
-                    dist.destroy_process_group()
-                outbox.put(("stopped", role))
-                return
-            _handle(role, engine, connector, command, outbox)
-        outputs = connector.start_load_kv() if role == "decode" else []
-        if engine.has_unfinished_requests():
-            try:
-                stepped = engine.step()
-            except Exception as e:  # noqa: BLE001  (the step's requests fail; the worker goes on serving)
-                if role == "prefill":
-                    connector.wait_for_save(None)
-                outbox.put(("failed", role, f"{type(e).__name__}: {e}"))
-                continue
-            if role == "prefill":
-                done = [(o.request_id, o.metrics.token_times[0]) for o in stepped if o.metrics.token_times]
-                if done:
-                    outbox.put(("prefilled", done))
-                connector.wait_for_save(stepped)
-                stepped = [o for o in stepped if connector.reports(o)]
-            outputs += stepped
-        if outputs:
-            failures = connector.failures if role == "decode" else {}
-            outbox.put(("outputs", outputs, dict(failures)))
-            failures.clear()
-
-
-def _handle(role, engine, connector, command, outbox) -> None:
-    kind = command[0]
-    if kind == "add":
-        _, key, prompt, params, request_id, arrival = command
-        try:
-            if connector is not None:
-                connector.add_request(key, prompt, params, request_id, arrival)
-            else:
-                engine.add_request(prompt, params, request_id, arrival)
-        except ValueError as e:
-            outbox.put(("rejected", request_id, str(e)))
-    elif kind == "abort":
-        request_id = command[1]
-        if role == "decode":
-            if not connector.request_finished(request_id):
-                engine.abort_request(request_id)
-        else:
-            engine.abort_request(request_id)
-            if role == "prefill":
-                connector.forget(request_id)
-    elif kind == "stats":
-        engine.check_invariants()
-        stats = {"num_blocks": engine.block_manager.num_blocks, "free_blocks": engine.block_manager.num_free_blocks,
-                 "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting)}
-        if role == "prefill":
-            stats |= {"bytes_sent": connector.bytes_sent, "requests_sent": connector.requests_sent}
-        elif role == "decode":
-            stats |= {"bytes_received": connector.bytes_received, "in_flight": len(connector.in_flight),
-                      "expected": len(connector.expected)}
-        outbox.put(("stats", role, stats))
 
 
 def aborted(out: RequestOutput) -> RequestOutput:
@@ -205,7 +79,7 @@ class Workers:
         init_method = f"tcp://127.0.0.1:{_free_port()}" if len(roles) == 2 else None
         self._outbox = ctx.Queue()
         self._inboxes = {role: ctx.Queue() for role in roles}
-        self._procs = {role: ctx.Process(target=_worker, name=f"minillm-{role}", daemon=True,
+        self._procs = {role: ctx.Process(target=run_worker, name=f"minillm-{role}", daemon=True,
                                          args=(role, factory, cfg, init_method, self._inboxes[role], self._outbox))
                        for role, cfg in roles.items()}
         for p in self._procs.values():
@@ -217,17 +91,15 @@ class Workers:
         self._next_key = 0
         self._closed = False
         self.step_timeout = START_TIMEOUT_S
-        blocks = {}
+        self._decoder = "decode" if "decode" in roles else "colocated"  # whose pool the server's gauges show
+        self._latest: dict[str, EngineStats] = {}  # each worker's engine.stats(), as of its latest outputs
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(blocks) < len(roles):
+        while len(self._latest) < len(roles):
             kind, role, *rest = self._get(deadline - time.monotonic())
             if kind == "ready":
-                blocks[role] = rest[0]
-        self.num_blocks = blocks
-        self.scheduler_config = roles["decode" if "decode" in roles else "colocated"].scheduler_config
-        self.scheduler = SimpleNamespace(waiting=[], running=[])  # what the server's engine thread counts
-        self.block_manager = SimpleNamespace(num_blocks=blocks["decode" if "decode" in blocks else "colocated"],
-                                             num_free_blocks=0)
+                self._latest[role] = rest[0]
+        self.num_blocks = {role: stats.num_blocks for role, stats in self._latest.items()}
+        self.scheduler_config = roles[self._decoder].scheduler_config
 
     @classmethod
     def colocated(cls, factory: Callable, config, worker: WorkerConfig | None = None) -> "Workers":
@@ -270,7 +142,6 @@ class Workers:
                 self._inboxes[role].put(command)
         self.requests[request_id] = RequestOutput(request_id, tuple(command[2]), [CompletionOutput(0, [], None)],
                                                   False, RequestMetrics(arrival))
-        self.scheduler.waiting = list(self.requests)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -286,6 +157,15 @@ class Workers:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._ready)
+
+    def stats(self, waiting_ids: int = 0, tables: bool = False, cached_ids: int = 0) -> EngineStats:
+        """`LLMEngine.stats()` as the router sees it: a request with a token so far runs, the others wait; the
+        blocks are the decoding worker's as of its latest outputs. No block tables: they live in another process."""
+        started = {rid for rid, out in self.requests.items() if any(o.token_ids for o in out.outputs)}
+        waiting = [rid for rid in self.requests if rid not in started]
+        pool = self._latest[self._decoder]
+        return EngineStats(tuple(rid for rid in self.requests if rid in started), len(waiting), pool.num_blocks,
+                           pool.num_free_blocks, tuple(waiting[:waiting_ids]))
 
     def step(self, timeout: float | None = None) -> list[RequestOutput]:
         """The outputs the workers made since the last call; while requests are unfinished, waits for at least
@@ -303,7 +183,6 @@ class Workers:
             outputs += self._take(item)
             wait = 0.0
             deadline = time.monotonic()
-        self.scheduler.waiting = list(self.requests)
         return outputs
 
     def _take(self, item) -> list[RequestOutput]:
@@ -324,8 +203,9 @@ class Workers:
             self.failures[f"{item[1]} worker"] = item[2]
             return []
         if kind == "outputs":
-            _, outs, failures = item
+            _, outs, failures, role, stats = item
             self.failures.update(failures)
+            self._latest[role] = stats
             kept = []
             for out in outs:
                 if out.request_id not in self.requests:
@@ -358,7 +238,7 @@ class Workers:
                 raise RuntimeError(f"the {item[1]} worker failed:\n{item[2]}")
             return item
 
-    def stats(self) -> dict[str, dict]:
+    def worker_stats(self) -> dict[str, dict]:
         """Each worker's blocks (free of all), queues and bytes moved, after checking its engine's invariants."""
         for inbox in self._inboxes.values():
             inbox.put(("stats",))

@@ -20,6 +20,9 @@ requests wait for a slot, and one more is Rejected with 429 (503 once
 stopping). So `max_queue=0` admits only what can start now. A step
 that raises fails every request it could have touched, and the thread goes on
 serving. `stop()` aborts what is unfinished, so no request is left without an end.
+
+The gauges are copied from `engine.stats()` after each step (O(running)); the
+thread never reads the engine's queues or private fields.
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ class EngineLoop:
         self.on_finished = on_finished  # runs on the engine thread for each finished request (metrics, logs)
         self.on_step: Callable[[LLMEngine], None] | None = None  # runs on it after each step (the live page)
         self.num_running = self.num_waiting = self.num_blocks_used = 0
-        self.num_blocks = engine.block_manager.num_blocks
+        self.num_blocks = engine.stats().num_blocks
         self.accepting = True
         self._close = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -175,7 +178,7 @@ class EngineLoop:
                 else:
                     self._streams[command.request_id] = command.put
                     command.put(Accepted())
-                    self.num_waiting = len(engine.scheduler.waiting)
+                    self.num_waiting = engine.stats().num_waiting
             return False
         if command[0] == "abort":
             engine.abort_request(command[1], command[2])  # False for one already finished: nothing to do
@@ -201,9 +204,9 @@ class EngineLoop:
     def queued_beyond_slots(self, joining: int = 0) -> int:
         """Waiting requests (and `joining` more) that no free batch slot will take at the next step: what
         --max-queue bounds."""
-        scheduler = self.engine.scheduler
-        free_slots = self.engine.scheduler_config.max_num_seqs - len(scheduler.running)
-        return max(0, len(scheduler.waiting) + joining - free_slots)
+        now = self.engine.stats()
+        free_slots = self.engine.scheduler_config.max_num_seqs - now.num_running
+        return max(0, now.num_waiting + joining - free_slots)
 
     def _step(self) -> None:
         engine = self.engine
@@ -224,9 +227,9 @@ class EngineLoop:
             if put is not None:
                 put(out)
         time.sleep(0)  # let go of the GIL, so the event loop sends these tokens before the next step begins
-        self.num_running = len(engine.scheduler.running)
-        self.num_waiting = len(engine.scheduler.waiting)
-        self.num_blocks_used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+        now = engine.stats()  # the engine's public read surface: counts, never its queues
+        self.num_running, self.num_waiting = now.num_running, now.num_waiting
+        self.num_blocks_used = now.num_blocks - now.num_free_blocks
         if self.on_step is not None:
             try:
                 self.on_step(engine)

@@ -205,7 +205,7 @@ def run(args) -> int:
     print(f"serving {name} ({model.weights_source}) on {device} at http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
           f"chunked prefill {'on' if args.enable_chunked_prefill else 'off'}, prefix caching "
-          f"{'on' if args.enable_prefix_caching else 'off'}, {engine.block_manager.num_blocks} KV blocks"
+          f"{'on' if args.enable_prefix_caching else 'off'}, {engine.stats().num_blocks} KV blocks"
           f"{', prefill and decode on separate workers' if args.disaggregate else ''}; "
           f"torch threads: {threads.reason}, {lm_head_layout(model)}); "
           "Ctrl-C stops", flush=True)

@@ -32,7 +32,8 @@ How it is recorded, and why it costs the engine nothing it would notice
 With `record_steps` on, the engine keeps `last_step`, a `StepStats` with the
 step's rows. After each step the engine thread (`engine_loop.py`, the only one
 that may read the engine) hands the engine to `StepRecorder.record`, which
-copies the rows, the queues and the prefix-cache hits into one slot of a fixed
+copies the rows, the queues (`engine.stats()`, never the engine's own fields)
+and the prefix-cache hits into one slot of a fixed
 ring of `capacity` slots and bumps a counter; while a page watches, also each
 running request's block table and the cached blocks (the block map is the pool
 as it is now, and a large pool is too much to copy every step for nobody). No
@@ -67,7 +68,6 @@ import asyncio
 import json
 import time
 from importlib import resources
-from itertools import islice
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
@@ -117,28 +117,17 @@ class StepRecorder:
         if stats is None or stats is self._seen:  # a step that planned nothing (only reported aborts)
             return
         self._seen = stats
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        running = tuple(seq.request_id for seq in scheduler.running)
+        # The block map is the pool as it is now: copied only while a page watches. Prefix caching's evictable
+        # blocks (no holder, still findable by their hash) may be the whole pool: the oldest MAX_CACHED_IDS.
+        now = engine.stats(MAX_WAITING_IDS, tables=bool(self.watchers), cached_ids=MAX_CACHED_IDS)
         # A prefill row of a request that was not running before this step was admitted by it; where it starts
         # past 0, the prefix cache held its first `start` tokens.
         hits = tuple((request_id, start) for request_id, is_decode, _, start in stats.rows
                      if start and not is_decode and request_id not in self._running)
-        self._running = running
-        # The block map is the pool as it is now: copied only while a page watches. Prefix caching's evictable
-        # blocks (no holder, still findable by their hash) may be the whole pool: the oldest MAX_CACHED_IDS.
-        tables, cached = None, ()
-        if self.watchers:
-            held = blocks.block_tables
-            tables = {}
-            for seq in scheduler.running:  # the samples of a request (n > 1) as one, the blocks they share once
-                rid = seq.request_id
-                tables[rid] = tuple(dict.fromkeys((*tables.get(rid, ()), *held.get(seq.seq_id, ()))))
-            evictable = getattr(blocks.allocator, "evictable", None)
-            cached = tuple(islice(evictable, MAX_CACHED_IDS)) if evictable else ()
+        self._running = now.running
         n = self.count
-        self._slots[n % self.capacity] = StepRecord(
-            n, stats, running, tuple(seq.request_id for seq in islice(scheduler.waiting, MAX_WAITING_IDS)),
-            len(scheduler.waiting), tables, cached, hits)
+        self._slots[n % self.capacity] = StepRecord(n, stats, now.running, now.waiting, now.num_waiting,
+                                                    now.block_tables, now.cached, hits)
         self.count = n + 1  # published last: a reader never sees a number whose slot is not written
 
     def since(self, step: int) -> tuple[list[StepRecord], int]:
@@ -163,13 +152,13 @@ class LiveFeed:
         self.loop = loop
         self.recorder = recorder or StepRecorder()
         self.config, self.device, self.dtype = engine.config, engine.model.device, engine.model.dtype
-        sc, bm = engine.scheduler_config, engine.block_manager
+        sc, cc = engine.scheduler_config, engine.cache_config
         self.engine_info = {
             "model": model_name, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "n_layer": self.config.n_layer, "n_embd": self.config.n_embd,
-            "num_blocks": bm.num_blocks, "block_size": bm.block_size,
+            "num_blocks": engine.stats().num_blocks, "block_size": cc.block_size,
             "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
-            "chunked_prefill": sc.enable_chunked_prefill, "prefix_caching": hasattr(bm.allocator, "evictable"),
+            "chunked_prefill": sc.enable_chunked_prefill, "prefix_caching": cc.enable_prefix_caching,
             "capacity": self.recorder.capacity}
         self.t0 = time.perf_counter()
         self._ceilings = ceilings
