@@ -81,6 +81,10 @@ class Ceilings:
         """The roofline: the best FLOP/s a step of this intensity can reach."""
         return min(self.matmul_flops, intensity * self.bandwidth)
 
+    def fastest(self, roof: str) -> str:
+        """What the kernel that set this ceiling ("compute": the peak, "memory": the bandwidth) is."""
+        return max((k for k in self.kernels.values() if k["roof"] == roof), key=lambda k: k["rate"])["what"]
+
     def as_dict(self) -> dict:
         said = {roof: " | ".join(f"{k['what']}: {k['rate']:.4g}" for k in self.kernels.values() if k["roof"] == roof)
                 for roof in ("compute", "memory")}
