@@ -46,8 +46,8 @@ from typing import Callable
 import torch
 
 from ..config import dtype_bytes
+from .. import cpu_layout
 from ..cpu_layout import linear_in_layout, numpy_blas_pays, packing_pays
-from ..device import cpu_vendor, cpuinfo, numpy_blas, openblas_threads_sleep
 from ..model import Conv1D
 from .cost import StepCost
 from .timing import device_name, time_fn
@@ -123,9 +123,11 @@ def datasheet_for(device: torch.device | str, dtype: torch.dtype) -> dict:
 
 
 def engine_layout(device: torch.device, dtype: torch.dtype) -> dict:
-    """What `cpu_layout.choose_layout` gives a model of this dtype on this device: {"packed", "numpy_one_row"}."""
-    return {"packed": packing_pays(device, dtype, cpuinfo("flags")),
-            "numpy_one_row": numpy_blas_pays(device, dtype, cpu_vendor(), numpy_blas(), openblas_threads_sleep())}
+    """What `cpu_layout.choose_layout` gives a model of this dtype on this device: {"packed", "numpy_one_row"}
+    (read from the CPU through `cpu_layout`'s own names, as `choose_layout` reads it)."""
+    c = cpu_layout
+    return {"packed": packing_pays(device, dtype, c.cpuinfo("flags")),
+            "numpy_one_row": numpy_blas_pays(device, dtype, c.cpu_vendor(), c.numpy_blas(), c.openblas_threads_sleep())}
 
 
 def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool = False) -> dict[str, Kernel]:
