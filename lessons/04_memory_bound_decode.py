@@ -225,7 +225,7 @@ def plot(lesson, p: dict, m: dict, verdict) -> None:
     axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     plot_roofline(axes[2], lesson.ceilings, {f"decode, batch {batches[0]}..{batches[-1]}": (
         [q["intensity"] for q in points], [q["flops_per_s"] for q in points])})
-    axes[2].set_title("roofline (each ceiling the best repeat of its fastest kernel, at the start)")
+    axes[2].set_title("roofline (ceilings: fastest kernels' best, at the start)")
     save_plot(lesson, fig, verdict)
 
 

@@ -108,7 +108,7 @@ class Kernel:
         return (self.flops if self.roof == "compute" else self.bytes) / seconds
 
 
-_CEILINGS: dict[tuple[str, str, bool], Ceilings] = {}  # measured once per process
+_CEILINGS: dict[tuple[str, str, bool, int], Ceilings] = {}  # measured once per process and thread count
 
 
 def datasheet_for(device: torch.device | str, dtype: torch.dtype) -> dict:
@@ -165,7 +165,7 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
     stack_bytes = sum(m.weight.nbytes + m.bias.nbytes for m in stack)
     return {"matmul": Kernel(lambda: torch.matmul(a, bm, out=out), 2 * n ** 3, 3 * n * n * b, "compute",
                              f"torch.matmul {n}×{n} @ {n}×{n} in {name}"),
-            "product": Kernel(product, 2 * n ** 3, 2 * n * n * b, "compute",
+            "product": Kernel(product, 2 * n ** 3, 3 * n * n * b, "compute",
                               f"the engine's projection, {n} rows × [{n}, {n}] via {kind}, in {name}"),
             "copy": Kernel(lambda: dst.copy_(src), 0, 2 * src.nbytes, "memory",
                            f"a copy of {src.nbytes >> 20} MiB, read + write counted"),
@@ -192,11 +192,12 @@ def ceilings_from(kernels: dict[str, Kernel], times: dict[str, list[float]], dev
 
 def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool = False,
                      progress: Callable[[str], None] = lambda message: None) -> Ceilings:
-    """Measure the peak and the bandwidth on `device` in `dtype` (see the module's docstring); cached per process.
+    """Measure the peak and the bandwidth on `device` in `dtype` (see the module's docstring), with torch's threads
+    as they are now; cached per process and thread count.
 
     `progress(message)` is called as each kernel's measurement starts."""
     device = torch.device(device)
-    key = (str(device), str(dtype), quick)
+    key = (str(device), str(dtype), quick, torch.get_num_threads())
     if key in _CEILINGS:
         return _CEILINGS[key]
     kernels = ceiling_kernels(device, dtype, quick)
