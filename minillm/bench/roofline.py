@@ -144,12 +144,14 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
     layout = engine_layout(device, dtype)
     a, bm = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    proj = linear_in_layout(Conv1D(n, n).to(device, dtype), layout["packed"], layout["numpy_one_row"])
+    def module(shape):  # drawn on the device itself: a CPU would take seconds to draw a GPU's gigabytes
+        with torch.device(device):
+            return linear_in_layout(Conv1D(*shape).to(dtype), layout["packed"], layout["numpy_one_row"])
+    proj = module((n, n))
     src = torch.ones(nbytes // b, device=device, dtype=dtype)
     dst = torch.empty_like(src)
     width = (1024, 4096)
-    stack = [linear_in_layout(Conv1D(*width).to(device, dtype), layout["packed"], layout["numpy_one_row"])
-             for _ in range(max(1, nbytes // (width[0] * width[1] * b)))]
+    stack = [module(width) for _ in range(max(1, nbytes // (width[0] * width[1] * b)))]
     row = torch.randn(1, width[0], device=device).to(dtype)
 
     @torch.inference_mode()
