@@ -203,7 +203,7 @@ def measure_ceilings(device: torch.device | str, dtype: torch.dtype, quick: bool
     if key in _CEILINGS:
         return _CEILINGS[key]
     kernels = ceiling_kernels(device, dtype, quick)
-    repeats = 3 if quick else 7
+    repeats = 5 if quick else 7
     times = {}
     for name, kernel in kernels.items():
         progress(f"{'peak FLOP/s' if kernel.roof == 'compute' else 'bandwidth'}: best of {repeats} "
