@@ -26,8 +26,10 @@ What this lesson measures, on the device it runs on
 ---------------------------------------------------
 - one request: its TTFT and the ITL of every decode step;
 - prefill time against prompt length, decode step time against context length,
-  timed in turns with the two kernels that define the ceilings (a large matmul
-  and a large copy), so each step is compared with the ceiling of its moment;
+  timed in turns with the kernels that define the ceilings (`roofline.py`: a
+  large matmul and the engine's own projection for the peak; a copy, a sum and
+  the engine's one-row product for the bandwidth); each ceiling is the best
+  round of its fastest kernel, so no step can beat it;
 - the achieved FLOP/s and bytes/s as shares of those ceilings, and a roofline.
 
 Decoding needs somewhere to keep each token's keys and values: lesson 02 builds
@@ -36,9 +38,10 @@ step's new ones on, which copies the context once per step; those bytes are
 counted in the decode step's traffic.
 
 The verdict: the longest prefill sits right of the ridge and reaches at least
-a fifth of the matmul ceiling; a decode step sits left of it and moves at least
-a fifth of the copy bandwidth (far below its roof, a step is bound by something
-else, such as per-step overhead). Each share is measured once per round.
+a fifth of the peak; a decode step sits left of it and moves at least a fifth
+of the bandwidth (far below its roof, a step is bound by something else, such
+as per-step overhead). Each share is measured once per round, against the
+ceilings of the whole run.
 
 Predict before you run: where on the roofline will a 1-token decode step land,
 relative to a 512-token prefill? How many times further apart than the ridge?
@@ -56,7 +59,7 @@ import torch
 
 from minillm.config import dtype_bytes
 from minillm.bench.cost import decode_cost, prefill_cost
-from minillm.bench.roofline import Ceilings, achieved, ceiling_kernels
+from minillm.bench.roofline import achieved, ceiling_kernels, ceilings_from
 from minillm.bench.timing import Stopwatch
 from minillm.model import causal_attention
 from minillm.sampling import sample
@@ -140,41 +143,39 @@ def predict_phases(lesson, s: dict) -> dict:
     predict(lesson, f"a prefill of {T} tokens does {pre_cost.intensity:.0f} FLOP per byte it moves (2T/b = "
             f"{2 * T / dtype_bytes(dtype):.0f}, less the LM head's {head_share:.0%} of the weights, read for one "
             f"position only); a decode step after {s['prompt']} tokens does {dec_cost.intensity:.2f}",
-            f"so the claim holds on a device whose ridge (matmul FLOP/s ÷ copy bytes/s) lies between "
+            f"so the claim holds on a device whose ridge (peak FLOP/s ÷ bandwidth) lies between "
             f"{dec_cost.intensity:.2f} and {pre_cost.intensity:.0f} FLOP/B, and whose prefill and decode reach at "
             f"least {ROOF_SHARE:.0%} of their roofs; CPUs' ridges lie near 2–10, GPUs' near 50–300")
     return {"T": T, "prefill": pre_cost, "decode": dec_cost, "head_share": head_share}
 
 
-def shares(rounds, kernels: dict, name: str, cost) -> tuple[list[float], list[float]]:
-    """The step's FLOP/s and bytes/s as shares of the matmul and the copy timed in the same round."""
-    mm, cp = rounds.times("matmul"), rounds.times("copy")
-    return ([cost.flops / t / (kernels["matmul"].flops / m) for t, m in zip(rounds.times(name), mm)],
-            [cost.bytes / t / (kernels["copy"].bytes / c) for t, c in zip(rounds.times(name), cp)])
+def shares(rounds, ceil, name: str, cost) -> tuple[list[float], list[float]]:
+    """The step's FLOP/s and bytes/s in each round as shares of the run's peak and bandwidth."""
+    return ([cost.flops / t / ceil.matmul_flops for t in rounds.times(name)],
+            [cost.bytes / t / ceil.bandwidth for t in rounds.times(name)])
 
 
-def ridges(rounds, kernels: dict) -> list[float]:
-    return [kernels["matmul"].flops / m / (kernels["copy"].bytes / c)
-            for m, c in zip(rounds.times("matmul"), rounds.times("copy"))]
+def run_ceilings(lesson, rounds, kernels: dict):
+    """The ceilings of the rounds so far: each kernel's best round, each ceiling its fastest kernel."""
+    return ceilings_from(kernels, rounds.seconds, lesson.device, lesson.dtype)
 
 
-def make_checks(rounds, kernels: dict, s: dict, c: dict) -> list[Check]:
-    """Each phase's intensity against the ridge, and its share of its roof, one value per round."""
+def make_checks(rounds, ceil, s: dict, c: dict) -> list[Check]:
+    """Each phase's intensity against the run's ridge, and its share of its roof, one value per round."""
     T, pre_cost, dec_cost = c["T"], c["prefill"], c["decode"]
-    ridge, t_pre, t_dec = ridges(rounds, kernels), rounds.median(f"prefill {T}"), rounds.median(f"decode {s['prompt']}")
-    r = kernels["matmul"].flops / rounds.median("matmul") / (kernels["copy"].bytes / rounds.median("copy"))
-    mm_share = shares(rounds, kernels, f"prefill {T}", pre_cost)[0]
-    bw_share = shares(rounds, kernels, f"decode {s['prompt']}", dec_cost)[1]
-    at_roof = pre_cost.flops / (kernels["matmul"].flops / rounds.median("matmul"))
-    floor = dec_cost.bytes / (kernels["copy"].bytes / rounds.median("copy"))
+    r, t_pre, t_dec = ceil.ridge, rounds.median(f"prefill {T}"), rounds.median(f"decode {s['prompt']}")
+    ridge = [r] * rounds.count  # one ridge for the run: the ratio of its two ceilings
+    mm_share = shares(rounds, ceil, f"prefill {T}", pre_cost)[0]
+    bw_share = shares(rounds, ceil, f"decode {s['prompt']}", dec_cost)[1]
+    at_roof, floor = pre_cost.flops / ceil.matmul_flops, dec_cost.bytes / ceil.bandwidth
     return [
         Check(f"prefill of {T} tokens: intensity / ridge", [pre_cost.intensity / x for x in ridge], 1.0, ">=",
               why=f"the ridge measured in these rounds, {r:.1f} FLOP/B, lies above the prefill's "
                   f"{pre_cost.intensity:.0f}: this device's matmul units outrun its memory by more than a "
                   f"{T}-token prompt can feed; about {T * r / pre_cost.intensity:.0f} tokens would cross it"),
-        Check(f"prefill of {T} tokens: share of the matmul ceiling", mm_share, ROOF_SHARE, ">=", fmt="{:.0%}",
+        Check(f"prefill of {T} tokens: share of the peak", mm_share, ROOF_SHARE, ">=", fmt="{:.0%}",
               of_ceiling=True,
-              why=f"at the matmul ceiling its {si(pre_cost.flops, 'FLOP')} would take {ms(at_roof)}; it took "
+              why=f"at the peak its {si(pre_cost.flops, 'FLOP')} would take {ms(at_roof)}; it took "
                   f"{ms(t_pre)}: the other {ms(max(0.0, t_pre - at_roof))} went to what is not a large matmul "
                   "(attention, layer norms, per-op overhead) or to a matmul shape the library runs slowly"),
         Check(f"decode after {s['prompt']} tokens: intensity / ridge", [dec_cost.intensity / x for x in ridge],
@@ -182,18 +183,19 @@ def make_checks(rounds, kernels: dict, s: dict, c: dict) -> list[Check]:
               why=f"the ridge measured in these rounds, {r:.2f} FLOP/B, lies below decode's "
                   f"{dec_cost.intensity:.2f}: on this device even one token per weight read keeps the "
                   "matmul units busier than the memory"),
-        Check(f"decode after {s['prompt']} tokens: share of the copy bandwidth", bw_share, ROOF_SHARE, ">=",
+        Check(f"decode after {s['prompt']} tokens: share of the bandwidth", bw_share, ROOF_SHARE, ">=",
               fmt="{:.0%}", of_ceiling=True,
-              why=f"its {si(dec_cost.bytes, 'B')} would move in {ms(floor)} at the copy bandwidth; the step "
+              why=f"its {si(dec_cost.bytes, 'B')} would move in {ms(floor)} at the bandwidth; the step "
                   f"took {ms(t_dec)}, so {ms(max(0.0, t_dec - floor))} went to something else than memory: "
                   "per-step overhead (Python, many small kernels) or a matrix-vector kernel that streams "
-                  "weights more slowly than a copy"),
+                  "weights more slowly than the fastest read stream"),
     ]
 
 
 def measure(lesson, s: dict, c: dict) -> dict:
-    """One request's TTFT and ITLs; then every prefill and decode step in turns with the two ceiling kernels.
-    Prints each phase against the ceilings of its rounds; returns the rounds and every figure."""
+    """One request's TTFT and ITLs; then every prefill and decode step in turns with the ceiling kernels.
+    Prints each phase against the run's ceilings (the best round of the fastest kernel); returns the rounds and
+    every figure."""
     model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
     one_request(model, s["prompt"], 2)  # warm-up: the first calls pay for allocation and kernel selection
     laps = one_request(model, s["prompt"], s["new_tokens"])
@@ -201,18 +203,16 @@ def measure(lesson, s: dict, c: dict) -> dict:
     print(f"one request, prompt {s['prompt']} tokens, {s['new_tokens']} new: TTFT {ms(ttft)}, ITL median "
           f"{ms(statistics.median(itl))} (min {ms(min(itl))}, max {ms(max(itl))})\n")
     kernels = ceiling_kernels(lesson.device, dtype, lesson.args.quick)
-    fns = {"matmul": kernels["matmul"].fn, "copy": kernels["copy"].fn}
+    fns = {name: k.fn for name, k in kernels.items()}
     fns |= {f"prefill {n}": prefill_step(model, n) for n in s["prefill_lens"]}
     fns |= {f"decode {k}": decode_step(model, k) for k in s["contexts"]}
     rounds = interleave(fns, s["repeats"], device=lesson.device, desc="timing in turns",
-                        until=settled(lambda r: make_checks(r, kernels, s, c)))
-    ceil = Ceilings(str(lesson.device), str(dtype).removeprefix("torch."),
-                    kernels["matmul"].flops / rounds.median("matmul"), kernels["copy"].bytes / rounds.median("copy"),
-                    0, kernels["copy"].bytes // 2)
+                        until=settled(lambda r: make_checks(r, run_ceilings(lesson, r, kernels), s, c)))
+    ceil = run_ceilings(lesson, rounds, kernels)
 
     def point(name: str, cost) -> dict:
         p = achieved(cost, rounds.median(name), ceil)
-        p["matmul_share"], p["bandwidth_share"] = shares(rounds, kernels, name, cost)
+        p["matmul_share"], p["bandwidth_share"] = shares(rounds, ceil, name, cost)
         return p
 
     prefill = [{"tokens": n, **point(f"prefill {n}", prefill_cost(cfg, n, 1, dtype))} for n in s["prefill_lens"]]
@@ -224,10 +224,11 @@ def measure(lesson, s: dict, c: dict) -> dict:
     rows += [["decode", 1, d["context"], ms(d["seconds"]), si(1 / d["seconds"]), f"{d['intensity']:.2f}",
               si(d["flops_per_s"]), pct(med(d["matmul_share"])), si(d["bytes_per_s"]), pct(med(d["bandwidth_share"]))]
              for d in decode]
-    print(f"ceilings measured in the same rounds (medians): matmul {si(ceil.matmul_flops, 'FLOP/s')}, copy bandwidth "
-          f"{si(ceil.bandwidth, 'B/s')}, ridge {ceil.ridge:.1f} FLOP/B")
-    print_table(["phase", "tokens", "cached", "time", "tokens/s", "FLOP/B", "FLOP/s", "% matmul", "B/s", "% copy bw"],
-                rows, f"Each phase against the ceilings measured in the same rounds (medians of {rounds.count}):")
+    print(f"ceilings, the best round of the fastest kernel timed in the same rounds: peak "
+          f"{si(ceil.matmul_flops, 'FLOP/s')} ({ceil.fastest('compute')}), bandwidth {si(ceil.bandwidth, 'B/s')} "
+          f"({ceil.fastest('memory')}), ridge {ceil.ridge:.1f} FLOP/B")
+    print_table(["phase", "tokens", "cached", "time", "tokens/s", "FLOP/B", "FLOP/s", "% peak", "B/s", "% bw"],
+                rows, f"Each phase against those ceilings (medians of {rounds.count} rounds):")
     print_over_100_note(rows)
     big, b = prefill[-1], dtype_bytes(dtype)
     print(f"Prefill of {big['tokens']} tokens: 2T/b predicts {2 * big['tokens'] / b:.0f} FLOP/B; the LM head, "
@@ -239,7 +240,7 @@ def measure(lesson, s: dict, c: dict) -> dict:
 
 
 def judge_claim(lesson, s: dict, c: dict, m: dict):
-    verdict = judge("prefill is compute-bound and decode is memory-bound", make_checks(m["rounds"], m["kernels"], s, c),
+    verdict = judge("prefill is compute-bound and decode is memory-bound", make_checks(m["rounds"], m["ceil"], s, c),
                     lesson.load(), [m["rounds"]])
     step = next(d for d in m["decode"] if d["context"] == s["prompt"])
     verdict.notes.append(f"the two phases sit {m['prefill'][-1]['intensity'] / step['intensity']:.0f}× apart in "
@@ -267,7 +268,7 @@ def plot(lesson, s: dict, m: dict, verdict) -> None:
     axes[2].loglog(grid, [ROOF_SHARE * ceil.attainable(x) for x in grid], "k--", lw=0.8,
                    label=f"{ROOF_SHARE:.0%} of the roof (the claim's line)")
     axes[2].legend(fontsize=8, loc="lower right")
-    axes[2].set_title(f"roofline from the ceilings in the rounds, {ceil.device}, {ceil.dtype}")
+    axes[2].set_title(f"roofline, each ceiling its fastest kernel's best round, {ceil.dtype}")
     save_plot(lesson, fig, verdict)
 
 
@@ -280,7 +281,7 @@ def main(argv=None) -> dict:
     verdict = judge_claim(lesson, s, costs, m)
     plot(lesson, s, m, verdict)
     figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "ttft_s": m["ttft"], "itl_s": m["itl"],
-               "prefill": m["prefill"], "decode": m["decode"], "ridge_per_round": ridges(m["rounds"], m["kernels"]),
+               "prefill": m["prefill"], "decode": m["decode"], "ridge": m["ceil"].ridge,
                "lm_head_share": costs["head_share"], "ceilings_in_rounds": m["ceil"].as_dict()}
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}

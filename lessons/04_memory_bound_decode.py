@@ -23,9 +23,10 @@ first: the bytes each step must read, and the bytes the caches must hold.
 What this lesson measures
 -------------------------
 A batch-size sweep of decode steps at a fixed context, every batch size timed
-in turns with the copy that defines the bandwidth ceiling: step time, tokens/s,
-achieved bytes/s, intensity against the ridge; and the largest batch × context
-this device's memory holds.
+in turns: step time, tokens/s, achieved bytes/s as a share of the bandwidth,
+intensity against the ridge (both ceilings measured at the start with the
+engine's own kernels, `roofline.py`); and the largest batch × context this
+device's memory holds.
 
 The verdict is judged from batch 1. The roofline predicts a batch B* (the
 largest in the sweep whose bytes stay within 4/3 of batch 1's and whose
@@ -42,14 +43,14 @@ import statistics
 
 import matplotlib
 
-from common import (make_parser, ms, plot_roofline, plt, predict, print_table, run, save_plot, si, start, ticks_at,
-                    write_results)
+from common import (make_parser, ms, pct, plot_roofline, plt, predict, print_over_100_note, print_table, run,
+                    save_plot, si, start, ticks_at, write_results)
 import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
 from minillm.bench.verdict import Check, interleave, judge, print_verdict
 
 from minillm.bench.cost import decode_cost
 from minillm.bench.memory import memory_budget
-from minillm.bench.roofline import achieved, ceiling_kernels
+from minillm.bench.roofline import achieved
 from minillm.bench.steps import decode_step
 from minillm.cpu_layout import layout_of, linear_in_layout, linears_layout
 from minillm.model import Conv1D
@@ -129,17 +130,17 @@ def per_matrix(rounds, probes: dict, r: int) -> float:
     return rounds.median(f"matmul {r} rows") / probes["count"]
 
 
-def make_check(rounds, b_star: int, probes: dict, copy) -> Check:
+def make_check(rounds, b_star: int, probes: dict, ceil) -> Check:
     eff = [t1 / t for t1, t in zip(rounds.times("batch 1"), rounds.times(f"batch {b_star}"))]
     weight = probes["weight"]
-    floor = weight.nbytes / (copy.bytes / rounds.median("copy"))
+    floor = weight.nbytes / ceil.bandwidth
     probe = ", ".join(f"{r} row{'s' * (r > 1)} {ms(per_matrix(rounds, probes, r))}" for r in probes["rows"])
     grow = per_matrix(rounds, probes, b_star) / per_matrix(rounds, probes, 1)
     return Check(f"tokens/s at batch {b_star} ÷ ({b_star} × tokens/s at batch 1)", eff, LINEAR_EFFICIENCY, ">=",
                  fmt="{:.2f}",
                  why=f"a [{weight.shape[0]}×{weight.shape[1]}] weight matrix streamed from memory, times {probe}, "
                      "against "
-                     f"{ms(floor)} to read it once at the copy bandwidth: {b_star} rows cost {grow:.2f}× one row, "
+                     f"{ms(floor)} to read it once at the bandwidth: {b_star} rows cost {grow:.2f}× one row, "
                      + (f"so the kernel ({probes['layout']}) grows with its rows: its matrix-matrix product "
                         "does not stream the weights once at the bandwidth"
                         if grow > 1 / LINEAR_EFFICIENCY else
@@ -148,27 +149,27 @@ def make_check(rounds, b_star: int, probes: dict, copy) -> Check:
 
 
 def measure(lesson, s: dict, p: dict, probes: dict) -> dict:
-    """Every batch's decode step, the copy kernel and the matrix probes, in turns; a point per batch."""
-    copy = ceiling_kernels(lesson.device, lesson.dtype, lesson.args.quick)["copy"]
-    fns = {"copy": copy.fn, **{f"batch {b}": decode_step(lesson.model, s["context"], b) for b in p["batches"]},
+    """Every batch's decode step and the matrix probes, in turns; a point per batch, against the ceilings."""
+    ceil = lesson.ceilings
+    fns = {**{f"batch {b}": decode_step(lesson.model, s["context"], b) for b in p["batches"]},
            **probes["fns"]}
     rounds = interleave(fns, s["repeats"], device=lesson.device, desc="batch sizes, in turns",
-                        until=lambda r: make_check(r, p["b_star"], probes, copy).outcome() != "INCONCLUSIVE")
+                        until=lambda r: make_check(r, p["b_star"], probes, ceil).outcome() != "INCONCLUSIVE")
     points = []
     for b, cost in zip(p["batches"], p["costs"]):
         times = rounds.times(f"batch {b}")
-        points.append({"batch": b, **achieved(cost, rounds.median(f"batch {b}"), lesson.ceilings), "times_s": times,
+        points.append({"batch": b, **achieved(cost, rounds.median(f"batch {b}"), ceil), "times_s": times,
                        "efficiency": [t1 / t for t1, t in zip(rounds.times("batch 1"), times)],
-                       "bandwidth_share": [cost.bytes / t / (copy.bytes / c) for t, c in
-                                           zip(times, rounds.times("copy"))],
+                       "bandwidth_share": [cost.bytes / t / ceil.bandwidth for t in times],
                        "kv_share": cost.kv_read_bytes / cost.bytes})
-    print_table(["batch", "step", "tokens/s", "÷ (B × batch 1)", "bytes", "FLOP/B", "B/s", "% copy bw", "KV share"],
-                [[q["batch"], ms(q["seconds"]), si(q["batch"] / q["seconds"]), f"{statistics.median(q['efficiency']):.2f}",
-                  si(q["bytes"], "B"), f"{q['intensity']:.2f}", si(q["bytes_per_s"]),
-                  f"{statistics.median(q['bandwidth_share']):.0%}", f"{q['kv_share']:.0%}"] for q in points],
+    rows = [[q["batch"], ms(q["seconds"]), si(q["batch"] / q["seconds"]), f"{statistics.median(q['efficiency']):.2f}",
+             si(q["bytes"], "B"), f"{q['intensity']:.2f}", si(q["bytes_per_s"]),
+             pct(statistics.median(q['bandwidth_share'])), f"{q['kv_share']:.0%}"] for q in points]
+    print_table(["batch", "step", "tokens/s", "÷ (B × batch 1)", "bytes", "FLOP/B", "B/s", "% bw", "KV share"], rows,
                 f"Decode steps at context {s['context']}, {lesson.args.model}, {lesson.ceilings.dtype} (medians of "
                 f"{rounds.count} rounds):")
-    return {"rounds": rounds, "points": points, "copy": copy}
+    print_over_100_note(rows)
+    return {"rounds": rounds, "points": points}
 
 
 def capacity_of(lesson, s: dict, p: dict) -> dict:
@@ -187,7 +188,7 @@ def capacity_of(lesson, s: dict, p: dict) -> dict:
 def judge_claim(lesson, p: dict, probes: dict, m: dict):
     b_star, points = p["b_star"], m["points"]
     verdict = judge(f"while decode is memory-bound, a batch of {b_star} costs about one step (the roofline's "
-                    f"prediction for this device)", [make_check(m["rounds"], b_star, probes, m["copy"])],
+                    f"prediction for this device)", [make_check(m["rounds"], b_star, probes, lesson.ceilings)],
                     lesson.load(), [m["rounds"]])
     second = points[1]
     later = [q for q in points if q["batch"] > second["batch"]]
@@ -224,7 +225,7 @@ def plot(lesson, p: dict, m: dict, verdict) -> None:
     axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     plot_roofline(axes[2], lesson.ceilings, {f"decode, batch {batches[0]}..{batches[-1]}": (
         [q["intensity"] for q in points], [q["flops_per_s"] for q in points])})
-    axes[2].set_title("roofline (ceilings measured at the start)")
+    axes[2].set_title("roofline (ceilings: fastest kernels' best, at the start)")
     save_plot(lesson, fig, verdict)
 
 

@@ -126,8 +126,9 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     print(f"threads: {threads.reason}")
     print(f"kernels: {weights_layout(model)}")
     if ceil is not None:
-        line = (f"measured ceilings: matmul {si(ceil.matmul_flops, 'FLOP/s')}, copy bandwidth "
-                f"{si(ceil.bandwidth, 'B/s')}, ridge {ceil.ridge:.1f} FLOP/B")
+        line = (f"measured ceilings (the best repeat of the fastest kernel): peak {si(ceil.matmul_flops, 'FLOP/s')} "
+                f"({ceil.fastest('compute')}), bandwidth {si(ceil.bandwidth, 'B/s')} ({ceil.fastest('memory')}), "
+                f"ridge {ceil.ridge:.1f} FLOP/B")
         if ceil.datasheet:
             d = ceil.datasheet
             line += f"   [{d['source']}: {si(d['matmul_flops'], 'FLOP/s')}, {si(d['bandwidth'], 'B/s')}]"
@@ -157,15 +158,16 @@ def predict(lesson: Lesson, *lines: str) -> None:
 
 
 def pct(share: float) -> str:
-    """A share of a ceiling for tables; above 100% it is flagged (*), never shown as if it were a share."""
+    """A share of a ceiling for tables. The ceilings are measured to bound every kernel a step runs
+    (`roofline.py`), so a share stays ≤ 100%; one above is flagged (*): a bug in the ceiling, never a share."""
     return f"{share:.0%}" if share <= 1 else f"{share:.0%}*"
 
 
 def print_over_100_note(rows: list[list]) -> None:
     """Explain the flag of `pct` once under a table that shows one."""
     if any(isinstance(c, str) and c.endswith("%*") for r in rows for c in r):
-        print("* above 100%: the step ran faster than the ceiling kernel timed in its round, so that kernel is not "
-              "this step's limit (a step small enough for the caches beats a copy of RAM)\n")
+        print("* above 100%: the step ran faster than every kernel that measured this ceiling, so the ceiling is not "
+              "one: a kernel the step runs is missing from minillm/bench/roofline.py's ceiling_kernels\n")
 
 
 def ms(seconds: float) -> str:

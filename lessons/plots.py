@@ -28,7 +28,7 @@ def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], l
     xs = [x for pts in groups.values() for x in pts[0]] + [ceilings.ridge]
     lo, hi = min(xs) / 4, max(xs) * 4
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.loglog(grid, [ceilings.attainable(i) for i in grid], "k-", label="measured roofline")
+    ax.loglog(grid, [ceilings.attainable(i) for i in grid], "k-", label="roof: min(peak, I · bandwidth), best repeats")
     ax.axvline(ceilings.ridge, color="grey", ls=":", label=f"ridge {ceilings.ridge:.1f} FLOP/B")
     for (label, (intensity, flops)), marker in zip(groups.items(), "os^dv"):
         ax.loglog(intensity, flops, marker, label=label)

@@ -13,7 +13,7 @@ L01 = load_lesson("01_phase_split")
 
 def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):
     doc = run_quick(L01, tmp_path, capsys)
-    assert {"ttft_s", "itl_s", "prefill", "decode", "ridge_per_round", "lm_head_share"} <= doc["figures"].keys()
+    assert {"ttft_s", "itl_s", "prefill", "decode", "ridge", "lm_head_share"} <= doc["figures"].keys()
 
 
 def test_01_stand_in_cache_gives_the_logits_of_recomputing(context_model):

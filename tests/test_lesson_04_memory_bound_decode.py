@@ -3,6 +3,7 @@ from minillm import PRESETS
 from minillm.bench.cost import decode_cost
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
+from test_roofline import assert_under_ceilings
 
 L04 = load_lesson("04_memory_bound_decode")
 
@@ -10,6 +11,7 @@ L04 = load_lesson("04_memory_bound_decode")
 def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):
     doc = run_quick(L04, tmp_path, capsys)
     assert {"points", "capacity", "context_len", "predicted_free_batch"} <= doc["figures"].keys()
+    assert_under_ceilings({"figures": doc["figures"], "ceilings": doc["ceilings"]})  # every batch's share ≤ 100%
 
 
 def test_04_predicted_free_batch_stops_where_bytes_or_intensity_grow():

@@ -105,5 +105,6 @@ def decode_cost(config: GPT2Config, cached_len: int, batch: int = 1,
 
 def weight_read_floor(config: GPT2Config, dtype: torch.dtype, bandwidth: float, batch: int = 1) -> float:
     """Seconds a decode step cannot beat: every weight it uses (the LM head included) read once at
-    `bandwidth` bytes/s, the measured copy bandwidth. Its KV reads come on top; at short contexts they are small."""
+    `bandwidth` bytes/s, the measured bandwidth (`roofline.py`). Its KV reads come on top; at short contexts
+    they are small."""
     return decode_cost(config, 0, batch, dtype).weight_bytes / bandwidth

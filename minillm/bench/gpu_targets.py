@@ -3,7 +3,7 @@
 For one model (bf16 on CUDA), the seconds per decoded token of minillm's
 engine with CUDA graphs and with enforce_eager, against
 
-- the weight-read floor: weight bytes ÷ the measured copy bandwidth;
+- the weight-read floor: weight bytes ÷ the measured bandwidth (`roofline.py`);
 - transformers' `GPT2LMHeadModel.generate` on the same weights and prompt:
   eager (its dynamic cache), and with its static cache and
   `disable_compile=True` (on CUDA, transformers 5 otherwise compiles

@@ -257,7 +257,7 @@ class Check:
                     f"{'s' * (n != 1)})"
         text += f" → {self.outcome()}"
         if self.of_ceiling and max(self.values) > 1:
-            text += " (* over 100%: faster than the ceiling kernel of its round, which is then not its limit)"
+            text += " (* over 100%: faster than every kernel that measured the ceiling: a bug in the ceiling)"
         return text
 
 

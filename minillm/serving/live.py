@@ -22,7 +22,7 @@ decision as it is made, from the real engine, not a simulator:
                          reappears as a prefill of prompt + output
     time vs roofline     the step's measured time beside the least time its shape allows: its
                          analytic FLOPs and bytes (`bench/cost.py`) against the device's measured
-                         matmul FLOP/s and copy bandwidth (`bench/roofline.py`), whichever is slower.
+                         peak FLOP/s and bandwidth (`bench/roofline.py`), whichever is slower.
                          It is a floor: a step close to it is held back by the hardware, one far
                          above it by something else (Python, kernel launches, a small model's many
                          small operations; lesson 09)
@@ -174,8 +174,8 @@ class LiveFeed:
         return self._ceilings
 
     def predicted_s(self, stats: StepStats, ceilings: Ceilings) -> float:
-        """The least time this step's shape allows: its FLOPs at the matmul ceiling or its bytes at the copy
-        bandwidth, whichever takes longer (the roofline, read as time)."""
+        """The least time this step's shape allows: its FLOPs at the measured peak or its bytes at the
+        measured bandwidth, whichever takes longer (the roofline, read as time)."""
         cost = step_cost(self.config, [n for _, _, n, _ in stats.rows], [start for *_, start in stats.rows],
                          self.dtype, lm_head_rows=stats.num_sampled)
         return max(cost.flops / ceilings.matmul_flops, cost.bytes / ceilings.bandwidth)
@@ -202,7 +202,7 @@ class LiveFeed:
         yield format_sse_event(event="engine", data_str=json.dumps(self.engine_info))
         ceilings = await self.ceilings()
         yield format_sse_event(event="ceilings", data_str=json.dumps(
-            {**ceilings.as_dict(), "predicted_by": "max(FLOPs / matmul FLOP/s, bytes / copy bandwidth)"}))
+            {**ceilings.as_dict(), "predicted_by": "max(FLOPs / peak FLOP/s, bytes / bandwidth)"}))
         n = max(0, self.recorder.count - HISTORY) if first is None else first
         self.recorder.watchers += 1
         try:
