@@ -135,10 +135,10 @@ def predict_gather(lesson, s: dict) -> int:
     moved = 2 * BATCH * (s["judged"] + 1) * cfg.kv_bytes_per_token(dtype)  # K and V read once and written once
     cost = decode_cost(cfg, s["judged"], BATCH, dtype)
     predict(lesson, f"a contiguous step at batch {BATCH}, context {s['judged']} reads {si(cost.bytes, 'B')}; paging "
-            f"adds a gather that reads and writes {si(moved, 'B')}: at the copy bandwidth the paged step should cost "
+            f"adds a gather that reads and writes {si(moved, 'B')}: at the measured bandwidth the paged step should cost "
             f"about 1 + {si(moved, 'B')} ÷ {si(cost.bytes, 'B')} = {1 + moved / cost.bytes:.2f}× the contiguous one, "
             f"{'under' if 1 + moved / cost.bytes <= STEP_COST_LIMIT else 'over'} the {STEP_COST_LIMIT}× line (if the "
-            "rest of the step ran at the copy bandwidth too; a slower rest makes the gather's share smaller)")
+            "rest of the step ran at the measured bandwidth too; a slower rest makes the gather's share smaller)")
     return moved
 
 
@@ -179,7 +179,7 @@ def judge_claim(lesson, s: dict, m: dict, moved: int):
     check = make_check(point["step_ratio"], s)
     check.why = (f"the paged step took {ms(point['paged_step_s'])} against {ms(point['contiguous_step_s'])}: "
                  f"{ms(extra)} more, of which the gather alone is {ms(point['gather_s'])} "
-                 f"({si(moved, 'B')} at {pct(share)} of the copy bandwidth) and paged attention "
+                 f"({si(moved, 'B')} at {pct(share)} of the measured bandwidth) and paged attention "
                  f"{statistics.median(point['attention_ratio']):.2f}× contiguous attention")
     verdict = judge(f"at batch {BATCH} and context {s['judged']}, the paged decode step costs at most "
                     f"{STEP_COST_LIMIT}× the contiguous one", [check], lesson.load(), [point["rounds"]])
@@ -187,7 +187,7 @@ def judge_claim(lesson, s: dict, m: dict, moved: int):
                          f"+{VLLM_ATTENTION_OVERHEAD[0]:.0%}–{VLLM_ATTENTION_OVERHEAD[1]:.0%}: a gather copies what a "
                          "fused kernel reads in place")
     verdict.notes.append(f"the gather moves {si(moved, 'B')} per step in {ms(point['gather_s'])}, {share:.0%} of the "
-                         "measured copy bandwidth" + (" (over 100%: the buffer is reused layer after layer and stays "
+                         "measured bandwidth" + (" (over 100%: the buffer is reused layer after layer and stays "
                                                       "partly in cache)" if share > 1 else "")
                          + (f"; the paged step's extra {ms(extra)} is {extra / point['gather_s']:.1f}× the gather alone"
                             if extra > 0 else "; the paged step was no slower here"))

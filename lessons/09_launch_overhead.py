@@ -29,7 +29,7 @@ batch 1 after a short context (16 tokens with --quick, 64 otherwise):
 - its twin: the same depth at width 8 with a vocabulary of 16, i.e. the same
   ops on matrices of a few hundred bytes. The twin's step time is the host's
   cost of those ops, and ÷ ops it is the host time per op, c;
-- the weight-read floor: weight bytes ÷ the measured copy bandwidth.
+- the weight-read floor: weight bytes ÷ the measured bandwidth.
 Each shape's steps and its twin run in turns, each turn a run of steps
 (≥ 10 ms; 30 ms in full runs), 5 rounds with --quick, 9 otherwise. On the CPU
 everything runs on one torch thread: a decode's matrix-vector kernels gain
@@ -155,7 +155,7 @@ def predict_ladder(lesson, names: list[str], bare: float) -> None:
     predict(lesson, f"one bare op costs the host {bare * 1e6:.1f} µs here, and a decode step is hundreds of "
             "ops (more per layer), so host time grows with depth; the weight-read floor grows with the weight "
             "bytes: " + ", ".join(f"{n} {ms(f)}" for n, f in floors.items())
-            + f" at the copy bandwidth ({si(bandwidth, 'B/s')})",
+            + f" at the measured bandwidth ({si(bandwidth, 'B/s')})",
             "so the smallest shape should wait on its host and the largest on memory if its floor outgrows "
             "its ops' host time")
 
@@ -181,7 +181,7 @@ def judge_claim(lesson, points: list[dict], bare: float):
     def why(p) -> str:
         return (f"{p['name']}'s twin (its {p['ops']['eager']} ops at width 8, almost no bytes) took "
                 f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
-                f"{si(p['weight_bytes'], 'B')} of weights at the copy bandwidth takes {ms(p['floor_s'])}")
+                f"{si(p['weight_bytes'], 'B')} of weights at the measured bandwidth takes {ms(p['floor_s'])}")
 
     # Judged on the step the engine runs: eager on the CPU, the graph replay on CUDA (its twin replayed too).
     share, step = ("graph_share", "graph step, as the engine runs it on CUDA") if on_cuda else ("share", "step")
@@ -206,7 +206,7 @@ def judge_claim(lesson, points: list[dict], bare: float):
                              f"its weights ({si(large['weight_bytes'] / (large['step_s']['eager'] - large['overhead_s']), 'B/s')}) "
                              f"that is the time to read {si(even, 'B')}: a model of its depth with fewer weight "
                              f"bytes waits more on its host than on memory")
-    verdict.notes.append(f"at the copy bandwidth ({si(bandwidth, 'B/s')}) the floor of {large['name']}'s step is "
+    verdict.notes.append(f"at the measured bandwidth ({si(bandwidth, 'B/s')}) the floor of {large['name']}'s step is "
                          f"{ms(large['floor_s'])}, and its host time equals the floor of a model of "
                          f"{si(large['overhead_s'] * bandwidth, 'B')}")
     if on_cuda:
@@ -233,7 +233,7 @@ def plot(lesson, s: dict, points: list[dict], even, verdict) -> None:
         axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], styles[m], label=label)
     hi = 2 * max(wb + [even or 0])
     grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
-    axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (copy bandwidth)")
+    axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (measured bandwidth)")
     for p in points:  # names above the highest marker of each shape, clear of every marker
         axes[0].annotate(p["name"], (p["weight_bytes"], max(p["step_s"].values()) * 1e3), textcoords="offset points",
                          xytext=(0, 8), ha="center", va="bottom", fontsize=8,

@@ -42,7 +42,7 @@ caching is the only difference; `minillm/bench/caching.py`), greedy answers of f
                 skip 768 of their 800 prompt tokens, so if prefill is most of the
                 time the 2× line is within reach. Before measuring, the lesson
                 bounds the gain from the cost model and the measured ceilings:
-                each prefill at the matmul ceiling, each decode step at its bytes
+                each prefill at the measured peak, each decode step at its bytes
                 over the copy bandwidth.
     control     2 requests of 416 distinct tokens at once, answers of 32: nothing to share.
     turns       2 conversations of 3 turns (128 tokens, then 64 a turn), each resending the
@@ -113,7 +113,7 @@ def make_checks(s: dict, ttft_speedups: list[float], shared_gains: list[float], 
 
 
 def predicted_bound(cfg, s: dict, ceilings, dtype) -> dict:
-    """The throughput bound before measuring: n prefills of P = prefix + suffix tokens at the matmul ceiling, and
+    """The throughput bound before measuring: n prefills of P = prefix + suffix tokens at the measured peak, and
     `answer` decode steps of the n sequences at their bytes over the copy bandwidth; caching saves the full blocks
     of the prefix for all but the first request."""
     n, P = s["requests"], s["prefix"] + s["suffix"]
@@ -158,7 +158,7 @@ def predict_gains(lesson, s: dict) -> dict:
             f"{s['sweep'][-1] + s['sweep_suffix']} prompt tokens: an ideal {(s['sweep'][-1] + s['sweep_suffix']) / s['sweep_suffix']:.0f}× "
             f"by tokens, less once a pass's fixed costs count",
             f"shared workload: {s['requests']} prefills of {s['prefix'] + s['suffix']} tokens take about "
-            f"{ms(pb['prefill_s'])} at the matmul ceiling and {s['answer']} decode steps {ms(pb['decode_s'])} at "
+            f"{ms(pb['prefill_s'])} at the measured peak and {s['answer']} decode steps {ms(pb['decode_s'])} at "
             f"the copy bandwidth: prefill is {pb['prefill_share']:.0%} of the time, caching saves "
             f"{pb['tokens_saved']:.0%} of the prefill tokens, so throughput can gain at most "
             f"{pb['bound']:.2f}× ({'the' if pb['bound'] >= THROUGHPUT_LINE else 'not even the'} "
