@@ -43,7 +43,7 @@ caching is the only difference; `minillm/bench/caching.py`), greedy answers of f
                 time the 2× line is within reach. Before measuring, the lesson
                 bounds the gain from the cost model and the measured ceilings:
                 each prefill at the measured peak, each decode step at its bytes
-                over the copy bandwidth.
+                over the measured bandwidth.
     control     2 requests of 416 distinct tokens at once, answers of 32: nothing to share.
     turns       2 conversations of 3 turns (128 tokens, then 64 a turn), each resending the
                 history: served once each way, shown (hit rate, prefill saved), not judged.
@@ -114,7 +114,7 @@ def make_checks(s: dict, ttft_speedups: list[float], shared_gains: list[float], 
 
 def predicted_bound(cfg, s: dict, ceilings, dtype) -> dict:
     """The throughput bound before measuring: n prefills of P = prefix + suffix tokens at the measured peak, and
-    `answer` decode steps of the n sequences at their bytes over the copy bandwidth; caching saves the full blocks
+    `answer` decode steps of the n sequences at their bytes over the measured bandwidth; caching saves the full blocks
     of the prefix for all but the first request."""
     n, P = s["requests"], s["prefix"] + s["suffix"]
     prefill = n * prefill_cost(cfg, P, 1, dtype).flops / ceilings.matmul_flops
@@ -159,7 +159,7 @@ def predict_gains(lesson, s: dict) -> dict:
             f"by tokens, less once a pass's fixed costs count",
             f"shared workload: {s['requests']} prefills of {s['prefix'] + s['suffix']} tokens take about "
             f"{ms(pb['prefill_s'])} at the measured peak and {s['answer']} decode steps {ms(pb['decode_s'])} at "
-            f"the copy bandwidth: prefill is {pb['prefill_share']:.0%} of the time, caching saves "
+            f"the measured bandwidth: prefill is {pb['prefill_share']:.0%} of the time, caching saves "
             f"{pb['tokens_saved']:.0%} of the prefill tokens, so throughput can gain at most "
             f"{pb['bound']:.2f}× ({'the' if pb['bound'] >= THROUGHPUT_LINE else 'not even the'} "
             f"{THROUGHPUT_LINE:g}× line is reachable in principle)")
