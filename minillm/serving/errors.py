@@ -25,6 +25,7 @@ fail to encode.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 MAX_BODY_BYTES = 4 * 2**20  # a prompt of a million-token context, as ids, fits in a few MiB
+OFF_LOOP_BYTES = 64 * 2**10  # a body larger than this is parsed in a worker thread
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -77,6 +79,8 @@ async def read_body(request: Request, model: type[BaseModel], max_bytes: int = M
         raw += chunk
         if len(raw) > max_bytes:
             raise too_large("as read")
+    if len(raw) > OFF_LOOP_BYTES:  # parsing and validating megabytes is work: not on the event loop
+        return await asyncio.to_thread(parse_body, bytes(raw), model)
     return parse_body(bytes(raw), model)
 
 
