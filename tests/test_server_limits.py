@@ -149,3 +149,17 @@ def test_the_context_holds_prompt_plus_max_tokens_as_vllm_bounds_it(server):
     full = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": prompt + [1] * 28, "max_tokens": None})
     assert full.status_code == 400 and "no room for a new token" in full.json()["error"]["message"]
     wait_idle(server)
+
+
+def test_the_hostile_benchmark_sends_each_attack_beside_running_streams(server):
+    """bench.hostile's run, shrunk: each attack answered (400s, and the scoring request served), the streams timed
+    in both windows. What it measures is judged by its own rounds, not here."""
+    import asyncio
+
+    from minillm.bench.hostile import measure
+    result = asyncio.run(measure(server.url, streams=2, rounds=1, seconds=0.2, scoring_n=2))
+    statuses = {name: s["status"] for name, s in result["attacks"].items()}
+    assert statuses == {"n=10^9": [400], "n=10^6": [400], "100k stop strings": [400], "3.6 MB text prompt": [400],
+                        "10k prompts": [400], "echo+logprobs 20+n 2": [200], "Last-Event-ID: 5000 digits": [400]}
+    assert all(s["itl_p50_quiet_s"] > 0 for s in result["attacks"].values())
+    assert_no_block_leaked(server)
