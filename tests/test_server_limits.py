@@ -163,3 +163,18 @@ def test_the_hostile_benchmark_sends_each_attack_beside_running_streams(server):
                         "10k prompts": [400], "echo+logprobs 20+n 2": [200], "Last-Event-ID: 5000 digits": [400]}
     assert all(s["itl_p50_quiet_s"] > 0 for s in result["attacks"].values())
     assert_no_block_leaked(server)
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro",
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFF\r\n{\"pro"],
+    ids=["short", "chunked"])
+def test_a_body_that_trickles_in_is_a_408_after_body_timeout(model, tokenizer, head):
+    """A client that sends part of its body and waits holds a socket: after --body-timeout it gets a 408 and
+    the connection is closed (uvicorn alone would wait for the rest forever)."""
+    with start(model, tokenizer, limits={"body_timeout": 0.5}) as server:
+        began = time.perf_counter()
+        answer = raw_http(server.url, head, timeout=20)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert time.perf_counter() - began < 10
+        assert "--body-timeout" in json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]

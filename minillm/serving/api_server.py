@@ -132,7 +132,7 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
                   docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
     app.state.serving = serving
-    max_bytes = serving.limits.max_body_bytes
+    max_bytes, timeout = serving.limits.max_body_bytes, serving.limits.body_timeout
     app.add_middleware(Gate, serving=serving, api_key=config.api_key)
 
     @app.exception_handler(APIError)
@@ -173,12 +173,12 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request, CompletionRequest, max_bytes)  # all of it, before listening for a disconnect
+        body = await read_body(request, CompletionRequest, max_bytes, timeout)  # all of it, before listening for a disconnect
         return await cancelled_when_client_leaves(serving.completion(body), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, ChatCompletionRequest, max_bytes)
+        body = await read_body(request, ChatCompletionRequest, max_bytes, timeout)
         return await cancelled_when_client_leaves(serving.chat(body), request)
 
     @app.get("/tokenizer_info")
@@ -187,11 +187,11 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await serving.tokenize(await read_body(request, TokenizeRequest, max_bytes))
+        return await serving.tokenize(await read_body(request, TokenizeRequest, max_bytes, timeout))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await serving.detokenize(await read_body(request, DetokenizeRequest, max_bytes))
+        return await serving.detokenize(await read_body(request, DetokenizeRequest, max_bytes, timeout))
 
     if serving.live is not None:  # an engine in this process: its steps can be watched
         app.include_router(feed_router(serving.live))  # GET /v1/engine/events

@@ -13,6 +13,11 @@ choice carries the prompt, as vLLM's do), and the (token id, TokenLogprobs)
 entries it covers, from which the endpoint writes its `logprobs`. A sample's
 entries are its own; the prompt's are the request's, the same for each sample.
 
+The pieces are made on one thread of their own, the `TextWorker`, never on the
+event loop: the engine thread hands it each output, it decodes only the new
+tokens, feeds them to the stop-string automaton (`text_stream.py`), writes the
+logprob objects and the event, and puts the result on the request's queue.
+
 A request whose client is gone is aborted at once, all its samples (the
 generator's `finally`), and a sample whose text hit a stop string alone, so the
 engine frees their blocks.
@@ -125,19 +130,22 @@ class Prompt:
 
 
 class TextWorker:
-    """The one thread that turns engine outputs into text and events, so the event loop only moves bytes.
+    """The threads that turn engine outputs into text and events, so the event loop only moves bytes.
 
-    The engine thread hands it each item of a request (Accepted, Rejected, a RequestOutput, Failed); it
-    detokenizes, matches stop strings, builds the logprob objects and the events (`Prompt.advance`), and puts
-    the result on the request's asyncio queue. One thread, first in first out: a request's items keep their
-    order."""
+    The engine thread hands each item of a request (Accepted, Rejected, a RequestOutput, Failed) to one of
+    `threads` threads, always the same for one request, so its items keep their order; that thread detokenizes,
+    matches stop strings, builds the logprob objects and the events (`Prompt.advance`), and puts the result on
+    the request's asyncio queue. Several threads, so that a request with a heavy answer (echo, logprobs, n)
+    shares the interpreter with the others instead of holding a queue they wait in."""
 
-    def __init__(self):
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="minillm-text")
+    def __init__(self, threads: int = 4):
+        self.pools = [ThreadPoolExecutor(1, thread_name_prefix=f"minillm-text-{i}") for i in range(threads)]
+        self._next = 0
 
     def deliverer(self, p: Prompt, decode, abort) -> Callable[[object], None]:
         """The `put` for p's request: called on the engine thread, it queues the work and returns at once."""
         loop = asyncio.get_running_loop()
+        pool, self._next = self.pools[self._next % len(self.pools)], self._next + 1
 
         def work(item) -> None:
             try:
@@ -154,13 +162,14 @@ class TextWorker:
 
         def put(item) -> None:
             try:
-                self.pool.submit(work, item)
+                pool.submit(work, item)
             except RuntimeError:  # shut down: the server is gone
                 pass
         return put
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
+        for pool in self.pools:
+            pool.shutdown(wait=False)
 
 
 async def pieces(p: Prompt, abort: Callable[..., None]):

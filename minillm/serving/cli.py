@@ -73,6 +73,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-logprob-entries", type=int, default=limits.max_logprob_entries,
                        help="log-probability entries one answer may carry: choices x positions (generated, and the "
                             "prompt's with echo) x (1 + logprobs) (default: %(default)s)")
+    group.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                       help="seconds a request's body may take to arrive whole; past them, 408 (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds running requests get to finish after SIGINT/SIGTERM; the rest are aborted")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0,

@@ -14,10 +14,11 @@ Even `add_request` runs on that thread, so its own checks (prompt length,
 token ids, the pool) give the 400's one-line message. A test that must look at
 the engine (its invariants) asks the thread to do it: `EngineLoop.call(fn)`.
 
-Back-pressure and faults: a request that a free slot of the running batch will
-take at the next step is always admitted; beyond those, at most `max_queue`
-requests wait for a slot, and one more is Rejected with 429 (503 once
-stopping). So `max_queue=0` admits only what can start now. A step
+Back-pressure and faults: a body's requests come in one command
+(`submit_all`) and are admitted or refused together. Those that free slots of
+the running batch will take at the next step are always admitted; beyond them,
+at most `max_queue` requests wait for a slot, and a body that would pass that is
+Rejected with 429 (503 once stopping). So `max_queue=0` admits only what can start now. A step
 that raises fails every request it could have touched, and the thread goes on
 serving. `stop()` aborts what is unfinished, so no request is left without an end.
 """

@@ -10,6 +10,7 @@ A body is read in the order that its faults can occur, each with its own 4xx:
 
     more than MAX_BODY_BYTES          413, told by Content-Length before a byte is read
                                       (the limit is `serve --max-body-bytes`)
+    not whole within --body-timeout   408 (a client that trickles its body holds a socket)
     not UTF-8                         400, naming the byte and its offset
     not JSON (NaN and Infinity too)   400, naming the line and column
     a number of over 4300 digits      400 (Python refuses to convert it: the cost grows as its square)
@@ -36,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 MAX_BODY_BYTES = 4 * 2**20  # a prompt of a million-token context, as ids, fits in a few MiB
 OFF_LOOP_BYTES = 64 * 2**10  # a body larger than this is parsed in a worker thread
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -65,8 +66,18 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 # ---- reading a body ---------------------------------------------------------------------------------
 
 
-async def read_body(request: Request, model: type[BaseModel], max_bytes: int = MAX_BODY_BYTES) -> BaseModel:
+async def read_body(request: Request, model: type[BaseModel], max_bytes: int = MAX_BODY_BYTES,
+                    timeout: float = 30.0) -> BaseModel:
     """The request's body as `model`, or an APIError saying what is wrong with it (see the module's table)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_body(request, model, max_bytes)
+    except TimeoutError:
+        raise APIError(408, f"the body did not arrive whole within {timeout:g} s; send it at once, or start "
+                            "`serve` with a larger --body-timeout", headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
     def too_large(size: str) -> APIError:
         return APIError(413, f"the body ({size}) is over {max_bytes} bytes, the most this server reads; "
                              "send a shorter prompt (no context holds one this long), or start `serve` with a "

@@ -154,6 +154,7 @@ class BackgroundServer:
         self.server.begin_shutdown()
         self.thread.join()
         self.serving.loop.stop()
+        self.serving.text.close()
 
 
 def request_record(out: RequestOutput) -> dict:
@@ -220,6 +221,7 @@ def run(args) -> int:
         server.run()
     finally:
         serving.loop.stop(close=True)
+        serving.text.close()
         if log_file:
             log_file.close()
     if not server.started:

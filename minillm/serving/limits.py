@@ -12,6 +12,7 @@ with the value (a bound is compared, never counted up to):
     prompts in one body               requests one body queues                --max-num-seqs + --max-queue
     stop strings: count, characters   the text matched after every token      --max-stop-strings, --max-stop-chars
     the body                          bytes read before parsing               --max-body-bytes (413)
+                                      seconds to receive it whole             --body-timeout (408)
     a prompt's tokens                 the model's context, max_model_len      (the model's; no flag)
     the answer's logprob entries      choices × positions × (1 + logprobs)    --max-logprob-entries
 
@@ -30,7 +31,7 @@ from ..sampling_params import MAX_LOGPROBS
 
 FLAGS = {"max_body_bytes": "--max-body-bytes", "max_stop_strings": "--max-stop-strings",
          "max_stop_chars": "--max-stop-chars", "max_logprobs": "--max-logprobs",
-         "max_logprob_entries": "--max-logprob-entries"}
+         "max_logprob_entries": "--max-logprob-entries", "body_timeout": "--body-timeout"}
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,15 @@ class ServerLimits:
     max_stop_strings: int = 64            # OpenAI's API takes 4; lm-eval sends a handful
     max_stop_chars: int = 4096            # all stop strings together
     max_logprobs: int = 20                # vLLM's max_logprobs
-    max_logprob_entries: int = 2_000_000  # about 200 MB of JSON: n=16 samples of a full 1024-token context, echoed, with 20 top logprobs each takes 350,000
+    max_logprob_entries: int = 1_000_000  # about 100 MB of JSON; n=16 samples of a whole 1024-token context,
+    # echoed, with 20 top logprobs each, carry 350,000
+    body_timeout: float = 30.0            # seconds to receive a whole body: a client that trickles it holds a socket
 
     def __post_init__(self):
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{FLAGS[f.name]} {value!r} must be an integer ≥ 0")
+            value, kind = getattr(self, f.name), (int, float) if f.name == "body_timeout" else int
+            if isinstance(value, bool) or not isinstance(value, kind) or not value >= 0:
+                raise ValueError(f"{FLAGS[f.name]} {value!r} must be a number ≥ 0")
         if self.max_logprobs > MAX_LOGPROBS:
             raise ValueError(f"--max-logprobs {self.max_logprobs}: the engine computes at most {MAX_LOGPROBS} top "
                              f"log-probabilities per token; pass at most {MAX_LOGPROBS}")

@@ -191,6 +191,17 @@ def chat_logprobs(entries: list, token_text) -> dict:
                         for t, lp in entries]}
 
 
+def logprobs_writer(shape, token_text):
+    """f(entries, offset) → (the `logprobs` object in the shape's API, the next text offset)."""
+    if isinstance(shape, ChatShape):
+        return lambda entries, offset: (chat_logprobs(entries, token_text), offset)
+
+    def write(entries, offset):
+        out = completion_logprobs(entries, token_text, offset)
+        return out, offset + sum(len(t) for t in out["tokens"])
+    return write
+
+
 def unsupported(body: SamplingFields) -> tuple[str, str] | None:
     """(why, which field) for the first field set to what this engine cannot do, or None."""
     if getattr(body, "suffix", None) is not None:

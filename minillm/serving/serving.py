@@ -4,9 +4,17 @@ As in vLLM's `entrypoints/openai`, an endpoint is three parts: `protocol.py`
 holds the request and response types, this file does the work, and
 `api_server.py` only routes. A completion goes:
 
-    body ──check──▶ prompt ids + SamplingParams ──EngineLoop.submit──▶ Accepted | Rejected (429, 503, 400)
-         ◀── one RequestOutput per step ◀── engine thread
-    RequestOutput ──choices.pieces──▶ the text each token added ──▶ an SSE event, or one JSON body at the end
+    body ──limits──▶ ──tokenize (a thread)──▶ prompt ids + SamplingParams ──EngineLoop.submit_all──▶
+         Accepted | Rejected (429, 503, 400), the body's prompts together
+    engine thread ──RequestOutput──▶ text worker: the text each token added, its logprobs, its SSE event
+         ──▶ the event loop, which only sends them (or, at the end, one JSON body written in a thread)
+
+The event loop does no work that grows with what a client sent: every number
+that sets a request's cost is checked first (`limits.py`), and tokenizing,
+detokenizing, stop strings, logprob objects and large answers are done in
+threads. `echo` with `max_tokens: 0` scores the prompt and generates nothing
+that is sent (the engine runs one step, whose token is dropped); prompt +
+`max_tokens` must fit `max_model_len`, and `max_tokens: null` is the rest of it.
 
 A batch of prompts is one engine request per prompt, each of `n` samples (its
 prompt prefilled once, its blocks shared: `parallel_sampling.py`), and `n`
@@ -36,8 +44,8 @@ from .errors import APIError, error_body, error_response, param_of
 from .limits import RequestBounds, ServerLimits, batch_of, longest_token_chars
 from .prometheus import ServerMetrics
 from .protocol import (ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, DetokenizeRequest,
-                       SamplingFields, TokenizeRequest, chat_logprobs, completion_logprobs, num_logprobs,
-                       to_sampling_params, unsupported)
+                       SamplingFields, TokenizeRequest, logprobs_writer, num_logprobs, to_sampling_params,
+                       unsupported)
 from .text_stream import StopStrings
 
 
@@ -189,17 +197,20 @@ class OpenAIServing:
         return await self.respond(body, [(prompt, None)], arrival, ChatShape(self.model_name, int(time.time())),
                                   logprobs)
 
-    async def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> Response:
         """POST /tokenize, as vLLM answers it."""
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either a prompt (text) or messages (for the chat template), not both "
                                 "nor neither", "prompt")
-        tokens = await asyncio.to_thread(lambda: self.tokenizer.encode(
-            body.prompt if body.messages is None else self.render_chat(body.messages, body.add_generation_prompt)))
-        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None}
+        def answer() -> bytes:  # tokenizing megabytes and writing millions of ids: off the event loop
+            text = body.prompt if body.messages is None else self.render_chat(body.messages, body.add_generation_prompt)
+            tokens = self.tokenizer.encode(text)
+            return json.dumps({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
+                               "token_strs": None}).encode()
+        return Response(await asyncio.to_thread(answer), media_type="application/json")
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
         """POST /detokenize, as vLLM answers it."""
         self.check_model(body.model)
         vocab = self.tokenizer.vocab_size
@@ -207,24 +218,13 @@ class OpenAIServing:
             if not 0 <= t < vocab:
                 raise APIError(400, f"token id {t} at position {i} is outside the vocabulary [0, {vocab}); "
                                     "send ids that /tokenize gave", f"tokens[{i}]")
-        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
-
-    def logprobs_writer(self, logprobs: int | None, shape):
-        """f(entries, offset) → (the `logprobs` object, the next text offset), or None when not asked for."""
-        if logprobs is None:
-            return None
-        if isinstance(shape, ChatShape):
-            return lambda entries, offset: (chat_logprobs(entries, self.token_text), offset)
-
-        def write(entries, offset):
-            out = completion_logprobs(entries, self.token_text, offset)
-            return out, offset + sum(len(t) for t in out["tokens"])
-        return write
+        text = await asyncio.to_thread(lambda: json.dumps({"prompt": self.tokenizer.decode(body.tokens)}).encode())
+        return Response(text, media_type="application/json")
 
     async def respond(self, body: SamplingFields, prompts: list, arrival: float, shape, logprobs: int | None):
         """Run the request; its answer as server-sent events (`stream: true`) or as one body at its end."""
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        write = self.logprobs_writer(logprobs, shape)
+        write = None if logprobs is None else logprobs_writer(shape, self.token_text)
         render = None
         if body.stream:
             offsets: dict[int, int] = {}
