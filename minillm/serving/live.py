@@ -67,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import lru_cache
 from importlib import resources
 from itertools import islice
 
@@ -177,6 +178,10 @@ class LiveFeed:
         self._ceilings = ceilings
         self._measuring: asyncio.Future | None = None
         self.closed = False
+        # one step's event, written once however many watch (a thousand feeds must not mean a thousand dumps)
+        # (a feed reaches its steps only once the ceilings are measured, `self._ceilings`)
+        self.step_event = lru_cache(maxsize=HISTORY)(lambda record: format_sse_event(
+            event="step", id=str(record.step), data_str=json.dumps(self.step_json(record, self._ceilings))))
 
     async def ceilings(self) -> Ceilings:
         """The device's measured ceilings, measured by the first watcher (in a worker thread), then kept."""
@@ -237,8 +242,7 @@ class LiveFeed:
             for record in records:
                 if await request.is_disconnected():
                     return
-                yield format_sse_event(event="step", id=str(record.step),
-                                       data_str=json.dumps(self.step_json(record, ceilings)))
+                yield self.step_event(record)
             if await request.is_disconnected():
                 return
             await asyncio.sleep(POLL_S)
