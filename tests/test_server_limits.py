@@ -178,3 +178,44 @@ def test_a_body_that_trickles_in_is_a_408_after_body_timeout(model, tokenizer, h
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
         assert time.perf_counter() - began < 10
         assert "--body-timeout" in json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+def test_a_burst_of_small_requests_mixed_with_scoring_and_leavers_gets_only_200s_and_429s(model, tokenizer):
+    """300 requests at once (plain, streamed, echo-scored, and streams whose clients leave after two events) on
+    a server of 8 slots and a queue of 64: each is served or told 429 with a Retry-After, /health answers
+    meanwhile, and nothing is left behind."""
+    import asyncio
+
+    async def one(client, i: int):
+        kind = i % 4
+        body = {"prompt": [1 + i % 50, 2, 3], "max_tokens": 8, "ignore_eos": True}
+        if kind == 1:
+            body.update(echo=True, max_tokens=0, logprobs=5)
+        if kind in (2, 3):
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                if r.status_code != 200:
+                    return r.status_code, r.headers.get("Retry-After")
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data:")
+                    if kind == 3 and seen == 2:
+                        return "left", None
+                return r.status_code, None
+        r = await client.post("/v1/completions", json=body)
+        return r.status_code, r.headers.get("Retry-After")
+
+    async def burst(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=400)) as client:
+            answers = asyncio.gather(*(one(client, i) for i in range(300)))
+            await asyncio.sleep(0.05)
+            began = time.perf_counter()
+            health = await client.get("/health")
+            return await answers, health.status_code, time.perf_counter() - began
+
+    with start(model, tokenizer, max_queue=64, max_num_seqs=8) as server:
+        answers, health, health_s = asyncio.run(burst(server.url))
+        assert_no_block_leaked(server)
+    assert health == 200 and health_s < 5, health_s
+    statuses = {status for status, _ in answers}
+    assert statuses <= {200, 429, "left"} and 200 in statuses, statuses
+    assert all(retry == "1" for status, retry in answers if status == 429)

@@ -7,7 +7,8 @@ list of token ids, or a batch of either: one choice per prompt), `max_tokens`
 `min_tokens`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
 `logprobs` (completions: how many top tokens per position, an integer;
 chat: `logprobs: true` and `top_logprobs: k`), `echo` (the prompt, and with
-`logprobs` its tokens' log-probabilities, before the completion), `stream`,
+`logprobs` its tokens' log-probabilities, before the completion; with
+`max_tokens: 0`, the scored prompt alone, as OpenAI's legacy API and vLLM give it), `stream`,
 `stream_options.include_usage`; a null means the default. Types are strict
 (`errors.read_body` validates with strict=True): `true` is not the token id 1
 and `"yes"` is not a bool.
@@ -17,6 +18,11 @@ sample_index` (vLLM's rule); `best_of`, if given, must equal `n`. The fields
 this engine cannot honour (`best_of` > `n`, `logit_bias`, `suffix`, vLLM's
 `prompt_logprobs`) are refused, not ignored: a client gets what it asked for,
 or a 400 that says why. Unknown fields are ignored, as vLLM ignores them.
+
+A body becomes the engine's `SamplingParams` in one place, `to_sampling_params`:
+each field from the body field of its name, or from DERIVED. A SamplingParams
+field that is neither stops this module from importing, so none is dropped
+silently.
 """
 from __future__ import annotations
 
