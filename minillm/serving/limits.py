@@ -18,7 +18,7 @@ with the value (a bound is compared, never counted up to):
 
 A text prompt is bounded before it is tokenized: no token is longer than the
 tokenizer's longest, so a text of more than max_model_len × that many
-characters cannot fit. Each refusal is a 400 (413 for the body) in OpenAI's
+characters cannot fit. Each refusal is a 400 (413, 408 for the body) in OpenAI's
 shape naming the field, the value, the limit and the flag that raises it.
 The defaults are far above what an honest client sends.
 """
