@@ -11,12 +11,14 @@ each hostile request once, beside a quiet window of the same length; the
 gaps between tokens that arrive during a window are its ITL.
 
     per attack    its status and how long its answer took
-                  ITL p50 in its windows ÷ ITL p50 in the quiet windows of the same rounds:
-                  the median over rounds, with the interval the rounds give (`verdict.median_interval`)
-                  the longest gap between two tokens of one stream during its windows
+                  ITL p50 in its windows and in the quiet ones
+                  the longest gap between two tokens of one stream in its window ÷ the quiet
+                  window's of the same round: the median over rounds, with the interval the
+                  rounds give (`verdict.median_interval`); a stall is one long gap among many
+                  short ones, which the p50 hides
 
 A ratio whose interval holds 1 (or lies below it) is "unchanged within the run's
-spread"; one above it says the attack slowed the others, by that much. The
+spread"; one above it says the attack stalled the others, by that much. The
 hostile requests are sized from the server's own `max_model_len` and
 `max_num_seqs` is not known to a client, so `n` for the scoring attack is
 `--scoring-n`. This is a measurement, not a test: its numbers belong under
@@ -128,7 +130,9 @@ async def measure(base_url: str, streams: int, rounds: int, seconds: float, scor
 
 
 def summarize(pairs: list[tuple[dict, dict]]) -> dict:
-    ratios = [loud["p50"] / quiet["p50"] for quiet, loud in pairs if quiet["p50"] and loud["p50"]]
+    """Per round, the attacked window's longest gap ÷ the quiet window's (a stall shows here: it is one long gap
+    among many short ones, which leaves the p50 unmoved); the median over rounds and its interval."""
+    ratios = [loud["max_gap"] / quiet["max_gap"] for quiet, loud in pairs if quiet["max_gap"] and loud["max_gap"]]
     mid = statistics.median(ratios) if ratios else float("nan")
     lo, hi, coverage = median_interval(ratios) if ratios else (float("nan"), float("nan"), 0.0)
     return {"status": sorted({loud["status"] for _, loud in pairs}, key=str),
@@ -138,19 +142,22 @@ def summarize(pairs: list[tuple[dict, dict]]) -> dict:
             "ratio": mid, "ratio_interval": [lo, hi], "coverage": coverage, "rounds": len(ratios),
             "max_gap_s": max((a["max_gap"] or 0.0) for _, a in pairs),
             "max_gap_quiet_s": max((q["max_gap"] or 0.0) for q, _ in pairs),
-            "reading": "unchanged within the run's spread" if lo <= 1.0 else f"ITL up {mid:.2f}x"}
+            "reading": "unchanged within the run's spread" if lo <= 1.0 else f"stalls the others: longest gap "
+                                                                            f"{mid:.1f}x the quiet window's"}
 
 
 def print_report(result: dict) -> None:
     print(f"{result['streams']} streams at {result['base_url']}, {result['rounds']} rounds of "
-          f"{result['window_s']:g} s windows (ITL p50: attacked window ÷ quiet window of the same round)")
-    print(f"{'attack':32} {'status':>8} {'answer':>9} {'ITL quiet':>10} {'attacked':>9} {'ratio [interval]':>22} "
-          f"{'max gap':>8}  reading")
+          f"{result['window_s']:g} s windows; ratio: the attacked window's longest gap between two tokens of a "
+          "stream ÷ the quiet window's, per round")
+    print(f"{'attack':28} {'status':>7} {'answer':>9} {'ITL p50 quiet':>13} {'attacked':>9} {'longest gap quiet':>17} "
+          f"{'attacked':>9} {'ratio [interval]':>20}  reading")
     for name, s in result["attacks"].items():
         lo, hi = s["ratio_interval"]
-        print(f"{name:32} {','.join(map(str, s['status'])):>8} {s['answered_s'] * 1e3:7.0f}ms "
-              f"{s['itl_p50_quiet_s'] * 1e3:8.1f}ms {s['itl_p50_attacked_s'] * 1e3:7.1f}ms "
-              f"{s['ratio']:7.2f} [{lo:.2f}, {hi:.2f}]    {s['max_gap_s'] * 1e3:6.0f}ms  {s['reading']}")
+        print(f"{name:28} {','.join(map(str, s['status'])):>7} {s['answered_s'] * 1e3:7.0f}ms "
+              f"{s['itl_p50_quiet_s'] * 1e3:11.1f}ms {s['itl_p50_attacked_s'] * 1e3:7.1f}ms "
+              f"{s['max_gap_quiet_s'] * 1e3:15.0f}ms {s['max_gap_s'] * 1e3:7.0f}ms "
+              f"{s['ratio']:6.2f} [{lo:.2f}, {hi:.2f}]  {s['reading']}")
 
 
 def main(argv: list[str] | None = None) -> int:
