@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 MAX_BODY_BYTES = 4 * 2**20  # a prompt of a million-token context, as ids, fits in a few MiB
-OFF_LOOP_BYTES = 64 * 2**10  # a body larger than this is parsed in a worker thread
+OFF_LOOP_BYTES = 16 * 2**10  # a body larger than this is parsed in a worker thread
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
