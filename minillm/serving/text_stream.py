@@ -14,8 +14,8 @@ What each token costs, however long the text and however many stop strings:
 
 The automaton's state after a character is the longest tail of the text that
 is the start of some stop string: exactly the text to hold back. A stop string
-ends the text before it, as in the OpenAI API; where several end at the same
-character, the longest (the one that starts first) wins.
+ends the text before it, as in the OpenAI API: after each token whose text is
+settled, the text is cut where the earliest stop string found in it starts.
 """
 from __future__ import annotations
 
@@ -56,16 +56,16 @@ class StopStrings:
                 order.append(child)
 
     def feed(self, state: int, text: str) -> tuple[int, int | None]:
-        """Run `text` from `state`: (the state after, or where a stop string ends; the index in `text` one past
-        the end of the first stop string found, or None)."""
-        goto, fail, match = self.goto, self.fail, self.match
+        """Run `text` from `state`: (the state after, where the earliest stop string found in it starts, counted
+        from the start of `text`: negative if it began in the text before, None if none ends in `text`)."""
+        goto, fail, match, first = self.goto, self.fail, self.match, None
         for i, ch in enumerate(text):
             while state and ch not in goto[state]:
                 state = fail[state]
             state = goto[state].get(ch, 0)
-            if match[state]:
-                return state, i + 1
-        return state, None
+            if match[state] and (first is None or i + 1 - match[state] < first):
+                first = i + 1 - match[state]
+        return state, first
 
 
 class TextStream:
@@ -91,10 +91,9 @@ class TextStream:
         whole = finished or not new.endswith("\ufffd")
         if whole:  # settled: every character complete (or nothing more will come)
             self.read = len(token_ids)
-            self.state, end = self.stops.feed(self.state, new)
-            if end is not None:
-                cut = len(self.text) + end - self.stops.match[self.state]
-                self.text, self.stopped, finished = (self.text + new)[:cut], True, True
+            self.state, start = self.stops.feed(self.state, new)
+            if start is not None:
+                self.text, self.stopped, finished = (self.text + new)[:len(self.text) + start], True, True
             else:
                 self.text += new
         end = len(self.text)
