@@ -66,7 +66,7 @@ from .paged_attention import PagedKVCache
 from .parallel_sampling import abort_samples, check_shared_blocks, fan_out, group_output, sample_params
 from .prefix_caching import PrefixCachingBlockManager
 from .remote_prefill import RemotePrefill
-from .request_checks import check_fits, check_request, one_thread
+from .request_checks import check_fits, check_request, check_samples, one_thread
 from .rollback import recover
 from .sampling import NonFiniteLogitsError, make_generator, sample_sequences
 from .sampling_params import FINISH_ABORT, SamplingParams
@@ -134,8 +134,6 @@ class LLMEngine(RemotePrefill):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- requests -----------------------------------------------------------
-
     @one_thread
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -159,6 +157,7 @@ class LLMEngine(RemotePrefill):
                 self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1  # never reused, though the request it named is forgotten once finished
+        check_samples(params.n, self.scheduler_config)  # before n samples are built, whatever n is
         arrival = now if arrival_time is None else float(arrival_time)
         seq, *others = [Sequence(request_id, prompt_token_ids, sp, RequestMetrics(arrival),
                                  make_generator(sp, self.model.device), index=j)

@@ -142,9 +142,17 @@ def check_request(config: GPT2Config, prompt_token_ids, params, request_id, arri
     return prompt_token_ids, params
 
 
+def check_samples(n: int, scheduler_config: SchedulerConfig) -> None:
+    """Refuse a request whose `n` samples could never run side by side, before a single one is built: the check
+    costs nothing whatever `n` is (a caller's n = 10⁹ must not allocate 10⁹ sequences first)."""
+    if n > scheduler_config.max_num_seqs:
+        raise ValueError(f"n={n} samples run side by side, but max_num_seqs={scheduler_config.max_num_seqs} "
+                         f"sequences fit in a step; lower n or raise max_num_seqs to at least {n}")
+
+
 def check_fits(seq: Sequence, block_manager: BlockManager, scheduler_config: SchedulerConfig, n: int = 1) -> None:
-    """Reject now a request that could never run, rather than let it wait forever; its `n` samples must fit in
-    the batch and, sharing the prompt's full blocks, in the pool at once."""
+    """Reject now a request that could never run, rather than let it wait forever: its `n` samples, sharing the
+    prompt's full blocks, must fit in the pool at once (`check_samples` has made sure they fit in a batch)."""
     tokens, bs = seq.max_total_tokens(), block_manager.block_size
     blocks = group_blocks(len(seq.prompt_token_ids), tokens, n, bs)
     if blocks > block_manager.num_blocks:
@@ -152,9 +160,6 @@ def check_fits(seq: Sequence, block_manager: BlockManager, scheduler_config: Sch
         raise ValueError(f"request needs up to {each}{tokens} tokens of KV = {blocks} blocks of {bs}, but the whole "
                          f"pool has {block_manager.num_blocks} blocks; lower {'n, ' if n > 1 else ''}max_tokens, "
                          "shorten the prompt, or give the engine more KV memory (num_blocks / kv_cache_memory_bytes)")
-    if n > scheduler_config.max_num_seqs:
-        raise ValueError(f"n={n} samples run side by side, but max_num_seqs={scheduler_config.max_num_seqs} "
-                         f"sequences fit in a step; lower n or raise max_num_seqs to at least {n}")
     budget = scheduler_config.max_num_batched_tokens
     if not scheduler_config.enable_chunked_prefill and tokens > budget:
         raise ValueError(f"with chunked prefill off, a request is (re)computed in one step, and this one can "

@@ -19,6 +19,7 @@ from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.api_server import make_serving
 from minillm.serving.launch import BackgroundServer
+from minillm.serving.limits import ServerLimits
 from models import context_model
 
 NAME = "tiny"
@@ -49,8 +50,9 @@ def slowed(engine: LLMEngine, step_delay: float) -> LLMEngine:
 
 
 def start(model, tokenizer, max_queue=64, num_blocks=128, step_delay=0.0, on_finished=None, server=None,
-          chat_template=None, **engine_kwargs) -> BackgroundServer:
-    """A BackgroundServer (not yet entered) around a fresh engine; `server` holds ServerConfig fields."""
+          chat_template=None, limits=None, **engine_kwargs) -> BackgroundServer:
+    """A BackgroundServer (not yet entered) around a fresh engine; `server` holds ServerConfig fields, `limits`
+    ServerLimits fields."""
     sched = {k: engine_kwargs.pop(k) for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
              if k in engine_kwargs}
     cache = {k: engine_kwargs.pop(k) for k in ("block_size", "enable_prefix_caching") if k in engine_kwargs}
@@ -58,7 +60,8 @@ def start(model, tokenizer, max_queue=64, num_blocks=128, step_delay=0.0, on_fin
                        CacheConfig(num_gpu_blocks_override=num_blocks, **cache), **engine_kwargs)
     if step_delay:
         slowed(engine, step_delay)
-    serving = make_serving(engine, tokenizer, NAME, max_queue, on_finished, chat_template=chat_template)
+    serving = make_serving(engine, tokenizer, NAME, max_queue, on_finished, chat_template=chat_template,
+                           limits=ServerLimits(**(limits or {})))
     return BackgroundServer(serving, **(server or {}))
 
 

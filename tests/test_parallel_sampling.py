@@ -181,6 +181,23 @@ def test_n_that_the_pool_or_the_batch_cannot_hold_is_refused(model):
     assert engine.requests == {} and SamplingParams(n=2, best_of=2).n == 2
 
 
+def test_a_hostile_n_is_refused_before_a_single_sample_is_built(model, monkeypatch):
+    """n = 10⁹ is refused by its count alone: building the samples first would take minutes and gigabytes."""
+    from minillm import engine as engine_module
+    engine, built = engine_for(model, seqs=4), []
+    real = engine_module.sample_params
+    def counted(params):  # a regression fails here rather than build 10⁹ samples
+        built.append(params.n)
+        assert params.n <= 4, f"the engine began building n={params.n} samples before checking n"
+        return real(params)
+    monkeypatch.setattr(engine_module, "sample_params", counted)
+    with pytest.raises(ValueError, match=r"n=1000000000 samples run side by side, but max_num_seqs=4"):
+        engine.add_request([1] * 2, SamplingParams(max_tokens=2, n=10**9))
+    assert built == [], "n was checked only after the samples were built" and engine.requests == {}
+    engine.add_request([1] * 2, SamplingParams(max_tokens=2, n=2))
+    assert built == [2]
+
+
 @pytest.mark.parametrize("after", [False, True])
 def test_a_step_that_fails_at_the_copy_leaves_each_sample_its_own_tokens(model, after):
     """The first copy-on-write fails, before or after copying: the step is undone, and a sample whose copy was

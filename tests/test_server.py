@@ -231,3 +231,24 @@ def test_the_serve_command_shuts_down_cleanly_with_exit_0(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_stop_string_automaton_cuts_where_a_scan_of_every_string_cuts():
+    """One automaton over all the stop strings, fed only the new characters, against the plain rule (after each
+    update whose text is settled, cut at the first place any stop string starts in all the text so far), on
+    seeded random texts split into random runs of tokens."""
+    import random
+    rng = random.Random(0)
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    for _ in range(3000):
+        stops = ["".join(rng.choice("abé") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6))]
+        ids = list("".join(rng.choice("abcé") for _ in range(rng.randint(0, 20))).encode())
+        text, sent, k, want, cut = TextStream(decode, stops), [], 0, decode(ids), False
+        while k < len(ids) and not text.stopped:
+            k = min(len(ids), k + rng.randint(1, 3))
+            sent.append(text.update(ids[:k], k == len(ids)))
+            settled = decode(ids[:k])
+            if not cut and (k == len(ids) or not settled.endswith("\ufffd")):
+                cuts = [i for i in (settled.find(s) for s in stops) if i >= 0]
+                want, cut = (settled[:min(cuts)], True) if cuts else (want, False)
+        assert "".join(sent) == want and text.stopped == cut, (stops, decode(ids), sent)

@@ -78,10 +78,11 @@ def test_chat_errors_name_the_message_and_field(chat_server, messages, param, ph
     assert phrase in assert_openai_shape(r.json(), 400, "BadRequestError", param)
 
 
-def test_text_parts_are_joined_as_one_content(chat_server):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "a KV cache?"}]}]
+def test_text_parts_are_joined_by_a_newline_as_vllm_joins_them(chat_server):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "a KV cache?"}]}]
     tokens = httpx.post(chat_server.url + "/tokenize", json={"messages": parts}).json()["tokens"]
-    assert tokens == httpx.post(chat_server.url + "/tokenize", json={"messages": MESSAGES[1:]}).json()["tokens"]
+    joined = [{"role": "user", "content": "What is\na KV cache?"}]
+    assert tokens == httpx.post(chat_server.url + "/tokenize", json={"messages": joined}).json()["tokens"]
 
 
 def test_models_names_its_root_as_vllm_does(chat_server):

@@ -55,7 +55,7 @@ def assert_openai_shape(body: dict, status: int, kind: str, param: str | None) -
 CLIENT_FAULTS = [  # (what the client sends, status, the openai exception, param, a phrase of the message)
     (dict(model="gpt-4"), 404, openai.NotFoundError, "model", "'gpt-4' does not exist"),
     (dict(prompt=list(range(200))), 400, openai.BadRequestError, "prompt", "n_ctx=128"),
-    (dict(max_tokens=500), 400, openai.BadRequestError, "max_tokens", "lower max_tokens to at most 126"),
+    (dict(max_tokens=500), 400, openai.BadRequestError, "max_tokens", "lower max_tokens to at most 125"),
     (dict(max_tokens=0), 400, openai.BadRequestError, "max_tokens", "max_tokens=0 must be ≥ 1"),
     (dict(top_p=1.5), 400, openai.BadRequestError, "top_p", "top_p=1.5 must be in (0, 1]"),
     (dict(temperature=-1), 400, openai.BadRequestError, "temperature", "temperature=-1"),
@@ -71,7 +71,7 @@ CLIENT_FAULTS = [  # (what the client sends, status, the openai exception, param
     (dict(n=0), 400, openai.BadRequestError, "n", "n=0 must be ≥ 1"),
     (dict(n=2, extra={"best_of": 3}), 400, openai.BadRequestError, "best_of", "best_of=3 with n=2"),
     (dict(n=9), 400, openai.BadRequestError, "n", "n=9 samples run side by side, but max_num_seqs=8"),
-    (dict(logprobs=21), 400, openai.BadRequestError, "logprobs", "logprobs=21 must be in [0, 20]"),
+    (dict(logprobs=21), 400, openai.BadRequestError, "logprobs", "logprobs=21 is over this server's limit of 20"),
     (dict(logprobs=-1), 400, openai.BadRequestError, "logprobs", "logprobs=-1 must be in [0, 20]"),
     (dict(logprobs=True), 400, openai.BadRequestError, "logprobs", "logprobs=true is a boolean"),
     (dict(echo="yes"), 400, openai.BadRequestError, "echo", "must be a valid boolean"),
@@ -143,14 +143,17 @@ RAW_FAULTS = [  # (the request's bytes, status, type, param, a phrase of the mes
     (post_bytes("/v1/completions", b"", method="GET"), 405, "MethodNotAllowedError", None,
      "/v1/completions takes POST, not GET"),
     (post_bytes("/v1/chat/completion", b"{}"), 404, "NotFoundError", None, "there is no /v1/chat/completion"),
-    (post_bytes("/v1/completions", b" " * (MAX_BODY_BYTES + 1)), 413, "RequestTooLargeError", None,
-     f"over {MAX_BODY_BYTES} bytes"),
+    (post_bytes("/v1/completions", b"{}").replace(b"Content-Length: 2", f"Content-Length: {MAX_BODY_BYTES + 1}"
+                                                  .encode()), 413, "RequestTooLargeError", None,
+     f"over {MAX_BODY_BYTES} bytes"),  # answered from the header, before the body is read
+    (post_bytes("/v1/completions", b'{"prompt": [1], "n": 1' + b"0" * 5000 + b"}"), 400, "BadRequestError", None,
+     "a number Python will not read"),
 ]
 
 
 @pytest.mark.parametrize("data, status, kind, param, phrase", RAW_FAULTS,
                          ids=["surrogate-prompt", "surrogate-stop", "surrogate-model", "latin-1", "deep", "cut-json",
-                              "nan", "array", "1e999", "null", "missing", "get", "no-route", "too-large"])
+                              "nan", "array", "1e999", "null", "missing", "get", "no-route", "too-large", "5000-digits"])
 def test_raw_bytes_get_each_error_in_openais_shape(server, server_log, data, status, kind, param, phrase):
     head, _, body = raw_http(server.url, data).partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()), head

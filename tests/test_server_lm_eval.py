@@ -11,9 +11,11 @@ batches of prompts, and summing `choices[i].logprobs.token_logprobs[ctxlen:-1]`
 lm-eval is not a dependency (its install pulls about 50 packages: datasets,
 pandas, pyarrow, scipy, scikit-learn, nltk; 100 s here), so the first tests
 send exactly its requests and read the answers as it does (lm_eval 0.4.13,
-lm_eval/models/openai_completions.py and api_models.py); the last, marked
-slow, runs lm-eval itself and fails, naming `pip install "lm-eval[api]"`, where
-it is not installed. Both check the log-likelihood against the sum of
+lm_eval/models/openai_completions.py and api_models.py, and its remote
+tokenizer's /tokenizer_info, /tokenize and /detokenize); the last, marked slow,
+runs lm-eval itself, with a tokenizer file and with `tokenizer_backend=remote`
+(no file: the server's tokenizer), and fails, naming `pip install
+"lm-eval[api]"`, where it is not installed. Both check the log-likelihood against the sum of
 log_softmax of the model's full forward pass.
 """
 from __future__ import annotations
@@ -96,8 +98,27 @@ def test_its_generate_until_requests_get_the_greedy_text(model, bpe_file):
     assert texts == [w.split("<|endoftext|>")[0] for w in wants]
 
 
+def test_its_remote_tokenizer_reads_tokenizer_info_and_tokenizes_through_the_server(model, bpe_file):
+    """`tokenizer_backend=remote` (lm_eval.utils.RemoteTokenizer): GET /tokenizer_info for the special tokens,
+    then POST /tokenize (with `add_special_tokens: false`) and /detokenize, as vLLM answers them."""
+    tok = BPETokenizer(bpe_file)
+    with start(model, tok) as server:
+        info = httpx.get(server.url + "/tokenizer_info", timeout=30).json()
+        assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == 128
+        assert info["tokenizer_class"] and info["chat_template"] is None
+        eos = httpx.post(server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                         timeout=30).json()["tokens"]
+        assert eos == [tok.eos_token_id]
+        text = PAIRS[0][0]
+        ids = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                         timeout=30).json()["tokens"]
+        assert ids == tok.encode(text)
+        assert httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"] == text
+
+
 @pytest.mark.slow  # lm-eval is not a dependency: run with -m slow after `pip install "lm-eval[api]"`
-def test_lm_eval_itself_scores_and_generates_through_the_server(model, bpe_file, tmp_path):
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_lm_eval_itself_scores_and_generates_through_the_server(model, bpe_file, tmp_path, backend):
     for module in ("lm_eval", "tenacity"):  # tenacity: what its API models need (the [api] extra)
         try:
             __import__(module)
@@ -112,9 +133,9 @@ def test_lm_eval_itself_scores_and_generates_through_the_server(model, bpe_file,
     PreTrainedTokenizerFast(tokenizer_file=str(bpe_file), eos_token="<|endoftext|>").save_pretrained(tmp_path)
     tok = BPETokenizer(bpe_file)
     with start(model, tok) as server:
-        lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=NAME, tokenizer_backend="huggingface",
-                                 tokenizer=str(tmp_path), tokenized_requests=True, batch_size=2, max_length=128,
-                                 max_retries=1)
+        files = {"tokenizer": str(tmp_path)} if backend == "huggingface" else {}  # remote: none, the server's
+        lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=NAME, tokenizer_backend=backend,
+                                 tokenized_requests=True, batch_size=2, max_length=128, max_retries=1, **files)
         scored = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(PAIRS)],
                                   disable_tqdm=True)
         contexts = [c for c, _ in PAIRS[:2]]

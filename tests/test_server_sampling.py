@@ -142,7 +142,7 @@ def test_chat_logprobs_in_the_chat_shape(model, tokenizer):
     assert [len(e.choices[0].logprobs.content) for e in events] == [1] * 5
     assert all(e.choices[0].logprobs.content[0].top_logprobs == [] for e in events)
     assert bad["error"]["param"] == "top_logprobs" and "needs logprobs=true" in bad["error"]["message"]
-    assert too_many["error"]["param"] == "top_logprobs" and "top_logprobs=21 must be in [0, 20]" in \
+    assert too_many["error"]["param"] == "top_logprobs" and "top_logprobs=21 is over this server's limit of 20" in \
         too_many["error"]["message"]
 
 
@@ -153,3 +153,55 @@ def test_a_raw_body_shows_the_legacy_logprobs_fields(model, tokenizer):
     lp = body["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, json.dumps(lp)
     assert len(lp["tokens"]) == 2 and all(len(top) == 1 for top in lp["top_logprobs"])
+
+
+# ---- one mapping from a body to SamplingParams, which cannot drop a field ----------------------------------
+
+CARRIED = {  # every SamplingParams field a body carries under its own name, and a value that is not its default
+    "temperature": 0.5, "top_k": 7, "top_p": 0.9, "seed": 3, "ignore_eos": True, "min_tokens": 2,
+    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "n": 2}
+
+
+def test_every_sampling_field_a_body_sends_reaches_the_engine(model, tokenizer):
+    """A SamplingParams field added without a way in fails here until it is carried (or listed as derived) and
+    given a value above."""
+    from dataclasses import fields
+
+    from minillm.serving.protocol import DERIVED
+    assert {f.name for f in fields(SamplingParams)} - set(DERIVED) == set(CARRIED), \
+        "a SamplingParams field that no request carries: give the request types a field of its name"
+    with start(model, tokenizer) as server:
+        loop, seen = server.serving.loop, []
+        submit_all = loop.submit_all
+        loop.submit_all = lambda requests: (seen.extend(params for _, _, params, _, _ in requests),
+                                            submit_all(requests))
+        body = {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 5, "logprobs": 2, "echo": True, "stop": [7],
+                "stop_token_ids": [9], **CARRIED}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert_no_block_leaked(server)
+    assert len(seen) == 2
+    for params in seen:
+        assert {k: getattr(params, k) for k in CARRIED} == CARRIED
+        assert (params.max_tokens, params.logprobs, params.prompt_logprobs, params.stop_token_ids) == (5, 2, 2, (7, 9))
+
+
+def test_a_new_sampling_field_is_carried_by_the_mapping_or_stops_the_server_from_starting():
+    from dataclasses import dataclass
+
+    from minillm.serving.protocol import CompletionRequest, check_carried, to_sampling_params
+
+    @dataclass(frozen=True)
+    class Wider(SamplingParams):
+        typical_p: float = 1.0
+
+    with pytest.raises(TypeError, match=r"\['typical_p'\] are carried by no field of CompletionRequest"):
+        check_carried(Wider)
+
+    class WiderRequest(CompletionRequest):
+        typical_p: float | None = None
+
+    check_carried(Wider, [WiderRequest])
+    derived = {"max_tokens": 4, "logprobs": None, "prompt_logprobs": None, "stop_token_ids": (), "best_of": None}
+    body = WiderRequest.model_validate({"prompt": [1], "typical_p": 0.5, "temperature": 0.7})
+    params = to_sampling_params(body, derived, Wider)
+    assert (params.typical_p, params.temperature, params.max_tokens) == (0.5, 0.7, 4)

@@ -109,3 +109,27 @@ def test_sigterm_ends_every_open_stream_with_abort_then_done_and_exits_0(long_co
     assert len(aborted) == STREAMS, log
     records_logged = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert sorted(x["finish_reason"] for x in records_logged) == ["abort"] * STREAMS
+
+
+def test_sigterm_ends_the_engine_events_feed_with_an_end_event_and_no_traceback(long_context_checkpoint, tmp_path):
+    """A watcher of /v1/engine/events, a feed that never ends by itself, gets an `end` event when the server
+    is told to stop, and its stream closes; uvicorn need not cancel it (which it logs as a traceback)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = serve(long_context_checkpoint, port, tmp_path, "--shutdown-timeout", "0")
+    kinds = []
+    try:
+        with httpx.stream("GET", url + "/v1/engine/events", timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    kinds.append(line[6:].strip())
+                    if kinds[-1] == "ceilings":  # the feed is past its start: now in its loop over steps
+                        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert kinds[:2] == ["engine", "ceilings"] and kinds[-1] == "end", kinds
+    assert "Traceback" not in log and "CancelledError" not in log, log

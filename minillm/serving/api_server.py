@@ -12,9 +12,11 @@ Routes, as vLLM's `vllm serve` offers them:
                                no template of its own: without one, 400 saying so)
     GET  /v1/models            the one model served (`id`, `root`, `max_model_len`)
     POST /tokenize, /detokenize  text (or messages) to token ids, and back
+    GET  /tokenizer_info       the tokenizer's special tokens and chat template, in vLLM's shape
     GET  /health               200 while the engine thread is alive (503 while draining)
-    GET  /metrics              Prometheus text: running/waiting requests, KV use, token
-                               counters, TTFT/ITL/end-to-end histograms
+    GET  /metrics              Prometheus text, under vLLM's names (`vllm:`) and ours (`minillm:`):
+                               running/waiting requests, KV use, token counters, prefix-cache hits,
+                               preemptions, queue/prefill/decode/TTFT/ITL/end-to-end histograms
     GET  /v1/engine/events     every engine step as a server-sent event; GET /live draws them
                                (batch rows, budget, KV block map, queues, roofline): `live.py`
 
@@ -24,8 +26,12 @@ error shape and the reading of a body `errors.py`'s, the one thread that calls
 the engine is `engine_loop.py`'s, the text of each event is `text_stream.py`'s,
 the metrics `prometheus.py`'s, and the listening and the shutdown `launch.py`'s.
 
-- A request a free batch slot will take is admitted; beyond those, at most
-  `--max-queue` wait, and one more gets 429 with `Retry-After`.
+- Every number a request sends that sets its cost (n, logprobs, prompts, stop
+  strings, the body, a prompt's length, the answer's size) is checked before
+  any work is done for it: `limits.py`, a 400 naming the flag that raises it.
+- A body's prompts are admitted together: those a free batch slot will take,
+  and beyond them at most `--max-queue` waiting; a body that could fit later
+  gets 429 with `Retry-After`, one that never could a 400 saying why.
 - A client that disconnects, streamed or not, aborts its request within a
   step (a stop string that ends the text too): the engine frees its blocks.
 - Every error, on any route, is OpenAI's {"error": {"message", "type",
@@ -53,6 +59,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..engine import LLMEngine, RequestOutput
 from .engine_loop import RETRY_AFTER_S, EngineLoop
 from .errors import APIError, error_response, read_body
+from .limits import ServerLimits
 from .live import feed_router, make_live, page_router
 from .chat_template import ChatTemplate
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -60,7 +67,7 @@ from .serving import OpenAIServing, cancelled_when_client_leaves
 
 
 ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
-          "GET /health, GET /metrics")
+          "GET /tokenizer_info, GET /health, GET /metrics")
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
                   docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
     app.state.serving = serving
+    max_bytes, timeout = serving.limits.max_body_bytes, serving.limits.body_timeout
     app.add_middleware(Gate, serving=serving, api_key=config.api_key)
 
     @app.exception_handler(APIError)
@@ -165,21 +173,25 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request, CompletionRequest)  # all of it, before listening for a disconnect
+        body = await read_body(request, CompletionRequest, max_bytes, timeout)  # all of it, before listening for a disconnect
         return await cancelled_when_client_leaves(serving.completion(body), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, ChatCompletionRequest)
+        body = await read_body(request, ChatCompletionRequest, max_bytes, timeout)
         return await cancelled_when_client_leaves(serving.chat(body), request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return serving.tokenizer_info()
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return serving.tokenize(await read_body(request, TokenizeRequest))
+        return await serving.tokenize(await read_body(request, TokenizeRequest, max_bytes, timeout))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return serving.detokenize(await read_body(request, DetokenizeRequest))
+        return await serving.detokenize(await read_body(request, DetokenizeRequest, max_bytes, timeout))
 
     if serving.live is not None:  # an engine in this process: its steps can be watched
         app.include_router(feed_router(serving.live))  # GET /v1/engine/events
@@ -192,11 +204,12 @@ def build_app(serving: OpenAIServing, config: ServerConfig = ServerConfig()) -> 
 
 def make_serving(engine: LLMEngine, tokenizer, model_name: str, max_queue: int = 256,
                  on_finished: Callable[[RequestOutput], None] | None = None, root: str | None = None,
-                 chat_template: ChatTemplate | None = None) -> OpenAIServing:
+                 chat_template: ChatTemplate | None = None, limits: ServerLimits = ServerLimits()) -> OpenAIServing:
     """An engine thread for `engine`, and the serving object that talks to it; `on_finished(out)` also sees
     each finished request's output, on the engine thread (the server's --request-log)."""
     loop = EngineLoop(engine, max_queue)
-    serving = OpenAIServing(loop, tokenizer, model_name, engine.config.n_ctx, root, chat_template)
+    serving = OpenAIServing(loop, tokenizer, model_name, engine.config.n_ctx, root, chat_template, limits,
+                            engine.scheduler_config.max_num_seqs)
 
     def finished(out: RequestOutput) -> None:
         serving.metrics.record(out)

@@ -44,7 +44,7 @@ class ChatTemplate:
             line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise ValueError(f"{name} is not a valid Jinja template{line}: {e}; fix it, or leave out "
                              "--chat-template") from None
-        self.name, self.eos_token = name, eos_token
+        self.name, self.eos_token, self.source = name, eos_token, source
 
     @classmethod
     def from_file(cls, path: str | Path, eos_token: str = "<|endoftext|>") -> "ChatTemplate":

@@ -55,6 +55,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (default: the cores free as the server starts)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests that may wait for a slot in the batch; past it, 429 with Retry-After")
+    from .limits import ServerLimits
+    limits = ServerLimits()
+    group = parser.add_argument_group("limits on one request", "each checked before any work is done for the "
+                                      "request; past one, a 400 naming the field, the value, the limit and the flag "
+                                      "(n is bounded by --max-num-seqs, the prompts of one body by --max-num-seqs + "
+                                      "--max-queue, a prompt by the model's context)")
+    group.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                       help="the largest request body read, in bytes; past it, 413 (default: %(default)s)")
+    group.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                       help="stop strings one request may send (default: %(default)s)")
+    group.add_argument("--max-stop-chars", type=int, default=limits.max_stop_chars,
+                       help="characters of all a request's stop strings together (default: %(default)s)")
+    group.add_argument("--max-logprobs", type=int, default=limits.max_logprobs,
+                       help="top log-probabilities per token (logprobs, top_logprobs), as vLLM's (default: "
+                            "%(default)s, also the engine's most)")
+    group.add_argument("--max-logprob-entries", type=int, default=limits.max_logprob_entries,
+                       help="log-probability entries one answer may carry: choices x positions (generated, and the "
+                            "prompt's with echo) x (1 + logprobs) (default: %(default)s)")
+    group.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                       help="seconds a request's body may take to arrive whole; past them, 408 (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds running requests get to finish after SIGINT/SIGTERM; the rest are aborted")
     parser.add_argument("--timeout-keep-alive", type=float, default=5.0,

@@ -14,10 +14,11 @@ Even `add_request` runs on that thread, so its own checks (prompt length,
 token ids, the pool) give the 400's one-line message. A test that must look at
 the engine (its invariants) asks the thread to do it: `EngineLoop.call(fn)`.
 
-Back-pressure and faults: a request that a free slot of the running batch will
-take at the next step is always admitted; beyond those, at most `max_queue`
-requests wait for a slot, and one more is Rejected with 429 (503 once
-stopping). So `max_queue=0` admits only what can start now. A step
+Back-pressure and faults: a body's requests come in one command
+(`submit_all`) and are admitted or refused together. Those that free slots of
+the running batch will take at the next step are always admitted; beyond them,
+at most `max_queue` requests wait for a slot, and a body that would pass that is
+Rejected with 429 (503 once stopping). So `max_queue=0` admits only what can start now. A step
 that raises fails every request it could have touched, and the thread goes on
 serving. `stop()` aborts what is unfinished, so no request is left without an end.
 
@@ -103,10 +104,16 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
                put: Callable[[object], None]) -> None:
         """Ask for a request to be added; `put` receives Accepted or Rejected, then each RequestOutput."""
+        self.submit_all([(request_id, prompt, params, arrival_time, put)])
+
+    def submit_all(self, requests: list[tuple]) -> None:
+        """Submit a body's requests, (request_id, prompt, params, arrival_time, put) each, all or none: the
+        queue admits them together or refuses them all (429), so no body is half admitted."""
         if not self.accepting or not self.alive:
-            put(Rejected(503, "the server is shutting down and admits no new request"))
+            for *_, put in requests:
+                put(Rejected(503, "the server is shutting down and admits no new request"))
             return
-        self._inbox.put(_Add(request_id, prompt, params, arrival_time, put))
+        self._inbox.put([_Add(*r) for r in requests])
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request, or only its sample `index` (one whose text a stop string ended)."""
@@ -161,24 +168,29 @@ class EngineLoop:
     def _handle(self, command) -> bool:
         """Carry out one command; True for stop."""
         engine = self.engine
-        if isinstance(command, _Add):
+        if isinstance(command, list):  # one body's requests (`submit_all`)
+            refusal = None
             if not self.accepting:
-                command.put(Rejected(503, "the server is shutting down and admits no new request"))
-            elif self.queued_beyond_slots(joining=1) > self.max_queue:
+                refusal = Rejected(503, "the server is shutting down and admits no new request")
+            elif self.queued_beyond_slots(joining=len(command)) > self.max_queue:
                 slots = engine.scheduler_config.max_num_seqs
-                command.put(Rejected(429, f"the batch's {slots} slots are taken and {self.queued_beyond_slots()} "
-                                          f"requests already wait for one, the most --max-queue={self.max_queue} "
-                                          f"allows; retry after {RETRY_AFTER_S} s, or start the server with a "
-                                          "larger --max-queue"))
-            else:
+                refusal = Rejected(429, f"the batch's {slots} slots are taken and {self.queued_beyond_slots()} "
+                                        f"requests already wait for one; {len(command)} more would pass the most "
+                                        f"--max-queue={self.max_queue} allows; retry after {RETRY_AFTER_S} s, or "
+                                        "start the server with a larger --max-queue")
+            for add in command:
+                if refusal is not None:  # the HTTP side aborts those of the body already added
+                    add.put(refusal)
+                    continue
                 try:
-                    engine.add_request(command.prompt, command.params, command.request_id, command.arrival_time)
+                    engine.add_request(add.prompt, add.params, add.request_id, add.arrival_time)
                 except ValueError as e:
-                    command.put(Rejected(400, str(e)))
+                    refusal = Rejected(400, str(e))
+                    add.put(refusal)
                 else:
-                    self._streams[command.request_id] = command.put
-                    command.put(Accepted())
-                    self.num_waiting = engine.stats().num_waiting
+                    self._streams[add.request_id] = add.put
+                    add.put(Accepted())
+            self.num_waiting = engine.stats().num_waiting
             return False
         if command[0] == "abort":
             engine.abort_request(command[1], command[2])  # False for one already finished: nothing to do

@@ -8,9 +8,12 @@ null; `code` is the HTTP status. Only a fault of the server is a 5xx.
 
 A body is read in the order that its faults can occur, each with its own 4xx:
 
-    more than MAX_BODY_BYTES          413
+    more than MAX_BODY_BYTES          413, told by Content-Length before a byte is read
+                                      (the limit is `serve --max-body-bytes`)
+    not whole within --body-timeout   408 (a client that trickles its body holds a socket)
     not UTF-8                         400, naming the byte and its offset
     not JSON (NaN and Infinity too)   400, naming the line and column
+    a number of over 4300 digits      400 (Python refuses to convert it: the cost grows as its square)
     nested too deep for the parser    400
     not an object                     400
     a string that is not Unicode      400, naming the field (a lone surrogate such as "\\ud800"
@@ -23,6 +26,7 @@ fail to encode.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -31,8 +35,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 MAX_BODY_BYTES = 4 * 2**20  # a prompt of a million-token context, as ids, fits in a few MiB
+OFF_LOOP_BYTES = 16 * 2**10  # a body larger than this is parsed in a worker thread
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -61,14 +66,32 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 # ---- reading a body ---------------------------------------------------------------------------------
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+async def read_body(request: Request, model: type[BaseModel], max_bytes: int = MAX_BODY_BYTES,
+                    timeout: float = 30.0) -> BaseModel:
     """The request's body as `model`, or an APIError saying what is wrong with it (see the module's table)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_body(request, model, max_bytes)
+    except TimeoutError:
+        raise APIError(408, f"the body did not arrive whole within {timeout:g} s; send it at once, or start "
+                            "`serve` with a larger --body-timeout", headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the body ({size}) is over {max_bytes} bytes, the most this server reads; "
+                             "send a shorter prompt (no context holds one this long), or start `serve` with a "
+                             "larger --max-body-bytes")
+    declared = request.headers.get("content-length", "")
+    if len(declared) > 20 or (declared.isascii() and declared.isdigit() and int(declared) > max_bytes):
+        raise too_large(f"Content-Length: {declared[:20]}{'...' if len(declared) > 20 else ''}")
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes, the most this server reads; send a "
-                                "shorter prompt (no context holds one this long)")
+        if len(raw) > max_bytes:
+            raise too_large("as read")
+    if len(raw) > OFF_LOOP_BYTES:  # parsing and validating megabytes is work: not on the event loop
+        return await asyncio.to_thread(parse_body, bytes(raw), model)
     return parse_body(bytes(raw), model)
 
 
@@ -82,6 +105,9 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError as e:  # not a JSONDecodeError: an integer of more digits than Python converts
+        raise APIError(400, f"the body holds a number Python will not read: {e.args[0].split(':')[0]}; no "
+                            "field of a request needs more than 20 digits") from None
     except RecursionError:
         raise APIError(400, "the body nests arrays or objects deeper than this server parses; no field of a "
                             "request nests more than 3 levels") from None

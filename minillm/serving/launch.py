@@ -33,6 +33,7 @@ from ..engine import LLMEngine, RequestOutput
 from ..kv_pool import CacheConfig
 from .api_server import ServerConfig, build_app, make_serving
 from .chat_template import ChatTemplate
+from .limits import ServerLimits
 from .serving import OpenAIServing
 
 log = logging.getLogger("minillm.server")
@@ -116,6 +117,12 @@ class Server(uvicorn.Server):
             await asyncio.wrap_future(loop.abort_all(f"the server is shutting down; {why}"))
         while await busy():
             await asyncio.sleep(0.01)  # the aborts reach their handlers with the next step's outputs
+        live = self.serving.live
+        if live is not None:  # end the step feeds with their last event, before uvicorn would cancel them
+            live.close()
+            deadline = time.monotonic() + LAST_BYTES_S / 2
+            while live.recorder.watchers and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         self.should_exit = True
 
 
@@ -148,6 +155,7 @@ class BackgroundServer:
         self.server.begin_shutdown()
         self.thread.join()
         self.serving.loop.stop()
+        self.serving.text.close()
 
 
 def request_record(out: RequestOutput) -> dict:
@@ -166,6 +174,7 @@ def run(args) -> int:
     from ..checkpoints.load import load_model
     from ..device import resolve_device, resolve_dtype
     config = ServerConfig.from_args(args)  # its checks first: a bad flag costs no model load
+    limits = ServerLimits.from_args(args)
     chat_template = ChatTemplate.from_file(args.chat_template) if args.chat_template else None
     from ..bench.threads import apply_threads, choose_threads
     threads = apply_threads(choose_threads(args.threads))  # the free cores or --threads, as bench and lessons
@@ -193,7 +202,7 @@ def run(args) -> int:
 
     name = args.served_model_name or args.model
     serving = make_serving(engine, tokenizer, name, args.max_queue, write_record if log_file else None,
-                           root=args.model, chat_template=chat_template)
+                           root=args.model, chat_template=chat_template, limits=limits)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s minillm: %(message)s"))
     log.addHandler(handler)
@@ -213,6 +222,7 @@ def run(args) -> int:
         server.run()
     finally:
         serving.loop.stop(close=True)
+        serving.text.close()
         if log_file:
             log_file.close()
     if not server.started:

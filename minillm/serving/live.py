@@ -53,7 +53,8 @@ device's ceilings are measured (the first watcher triggers it, quick mode on a
 CPU, once per process: nobody watching, nobody pays; measured beside a running
 engine they read low, and the predictions high), then one `step` event per
 step with its number as the event id, so a browser that reconnects resumes
-where it left off (`Last-Event-ID`). A new watcher first gets the last
+where it left off (`Last-Event-ID`: anything but a step number is a 400). At shutdown every feed gets
+an `end` event and its stream ends (`close`). A new watcher first gets the last
 `HISTORY` steps, so the page opens on a timeline, not a blank.
 
 The feed is a /v1 route like the completions: `feed_router` is included with
@@ -67,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import lru_cache
 from importlib import resources
 
 from fastapi import APIRouter, Request
@@ -78,6 +80,7 @@ from ..bench.roofline import Ceilings, measure_ceilings
 from ..engine import LLMEngine
 from ..sequence import StepStats
 from .engine_loop import EngineLoop
+from .errors import APIError
 
 CAPACITY = 4096       # steps the ring keeps: a minute or more of a busy server at 50+ steps/s
 HISTORY = 600         # steps a new watcher gets first
@@ -163,6 +166,11 @@ class LiveFeed:
         self.t0 = time.perf_counter()
         self._ceilings = ceilings
         self._measuring: asyncio.Future | None = None
+        self.closed = False
+        # one step's event, written once however many watch (a thousand feeds must not mean a thousand dumps)
+        # (a feed reaches its steps only once the ceilings are measured, `self._ceilings`)
+        self.step_event = lru_cache(maxsize=HISTORY)(lambda record: format_sse_event(
+            event="step", id=str(record.step), data_str=json.dumps(self.step_json(record, self._ceilings))))
 
     async def ceilings(self) -> Ceilings:
         """The device's measured ceilings, measured by the first watcher (in a worker thread), then kept."""
@@ -210,15 +218,20 @@ class LiveFeed:
                 yield event
         finally:
             self.recorder.watchers -= 1
+        if self.closed or not self.loop.alive:  # the server is going: say so, then end the feed cleanly
+            yield format_sse_event(event="end", data_str=json.dumps({"reason": "the server is shutting down"}))
+
+    def close(self) -> None:
+        """End every feed after its current step (shutdown): each gets an `end` event, then its stream ends."""
+        self.closed = True
 
     async def _steps(self, n: int, request: Request, ceilings: Ceilings):
-        while self.loop.alive:
+        while self.loop.alive and not self.closed:
             records, n = self.recorder.since(n)
             for record in records:
                 if await request.is_disconnected():
                     return
-                yield format_sse_event(event="step", id=str(record.step),
-                                       data_str=json.dumps(self.step_json(record, ceilings)))
+                yield self.step_event(record)
             if await request.is_disconnected():
                 return
             await asyncio.sleep(POLL_S)
@@ -239,7 +252,11 @@ def feed_router(feed: LiveFeed) -> APIRouter:
     @router.get("/v1/engine/events")
     async def engine_events(request: Request):
         last = request.headers.get("last-event-id", "")  # a reconnecting EventSource resumes after it
-        first = int(last) + 1 if last.isdigit() else None
+        if last and not (last.isascii() and last.isdigit() and len(last) <= 18):
+            raise APIError(400, f"Last-Event-ID {last[:24]!r}{'...' if len(last) > 24 else ''} is not a step "
+                                "number this feed sent (at most 18 ASCII digits); leave it out to start from the "
+                                "latest steps")
+        first = int(last) + 1 if last else None
         return EventSourceResponse(feed.events(first, request), headers={"Cache-Control": "no-cache"})
 
     return router

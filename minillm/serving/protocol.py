@@ -7,7 +7,8 @@ list of token ids, or a batch of either: one choice per prompt), `max_tokens`
 `min_tokens`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
 `logprobs` (completions: how many top tokens per position, an integer;
 chat: `logprobs: true` and `top_logprobs: k`), `echo` (the prompt, and with
-`logprobs` its tokens' log-probabilities, before the completion), `stream`,
+`logprobs` its tokens' log-probabilities, before the completion; with
+`max_tokens: 0`, the scored prompt alone, as OpenAI's legacy API and vLLM give it), `stream`,
 `stream_options.include_usage`; a null means the default. Types are strict
 (`errors.read_body` validates with strict=True): `true` is not the token id 1
 and `"yes"` is not a bool.
@@ -17,13 +18,21 @@ sample_index` (vLLM's rule); `best_of`, if given, must equal `n`. The fields
 this engine cannot honour (`best_of` > `n`, `logit_bias`, `suffix`, vLLM's
 `prompt_logprobs`) are refused, not ignored: a client gets what it asked for,
 or a 400 that says why. Unknown fields are ignored, as vLLM ignores them.
+
+A body becomes the engine's `SamplingParams` in one place, `to_sampling_params`:
+each field from the body field of its name, or from DERIVED. A SamplingParams
+field that is neither stops this module from importing, so none is dropped
+silently.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from ..sampling_params import SamplingParams
+from .errors import APIError, param_of
 
 
 class StreamOptions(BaseModel):
@@ -78,8 +87,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def as_template_input(self) -> dict:
-        """The message as a chat template reads it: content as one string (text parts joined)."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        """The message as a chat template reads it: content as one string (text parts joined by a newline, as
+        vLLM joins them)."""
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         return {"role": self.role, "content": content or "", **({"name": self.name} if self.name else {})}
 
 
@@ -187,6 +197,17 @@ def chat_logprobs(entries: list, token_text) -> dict:
                         for t, lp in entries]}
 
 
+def logprobs_writer(shape, token_text):
+    """f(entries, offset) → (the `logprobs` object in the shape's API, the next text offset)."""
+    if isinstance(shape, ChatShape):
+        return lambda entries, offset: (chat_logprobs(entries, token_text), offset)
+
+    def write(entries, offset):
+        out = completion_logprobs(entries, token_text, offset)
+        return out, offset + sum(len(t) for t in out["tokens"])
+    return write
+
+
 def unsupported(body: SamplingFields) -> tuple[str, str] | None:
     """(why, which field) for the first field set to what this engine cannot do, or None."""
     if getattr(body, "suffix", None) is not None:
@@ -197,3 +218,68 @@ def unsupported(body: SamplingFields) -> tuple[str, str] | None:
         return ("prompt_logprobs is not supported by this server's API; to score the prompt send /v1/completions "
                 "with echo: true and logprobs: k (OpenAI's shape, the first token's logprob null)", "prompt_logprobs")
     return None
+
+
+# ---- from a body to the engine's SamplingParams ------------------------------------------------------
+
+# Every SamplingParams field is carried from a body field of the same name, or is one of these, which the
+# server derives (each from what the comment says). `check_carried` runs when this module is imported: a new
+# SamplingParams field that no body carries and that is not listed here stops the server from starting, so it
+# cannot be dropped silently. Give the request types a field of its name, or derive it here.
+DERIVED = {
+    "max_tokens": "max_tokens (chat: max_completion_tokens first); null: the rest of the context",
+    "logprobs": "completions: logprobs, an integer; chat: top_logprobs (0 if absent) when logprobs is true",
+    "prompt_logprobs": "completions: logprobs when echo is true (vLLM's own prompt_logprobs field is refused)",
+    "stop_token_ids": "stop_token_ids, and the token ids among stop",
+    "best_of": "completions' best_of; chat has none",
+}
+
+
+def check_carried(params_type=SamplingParams, bodies=None) -> None:
+    """Raise TypeError naming each field of `params_type` that a body type neither has nor DERIVED lists."""
+    for body in bodies or (CompletionRequest, ChatCompletionRequest):
+        dropped = [f.name for f in fields(params_type) if f.name not in DERIVED and f.name not in body.model_fields]
+        if dropped:
+            raise TypeError(f"{params_type.__name__} fields {dropped} are carried by no field of {body.__name__}: "
+                            "a request could never set them. Add a field of that name to the request types "
+                            "(protocol.py), or derive it in protocol.DERIVED")
+
+
+def to_sampling_params(body: SamplingFields, derived: dict, params_type=SamplingParams):
+    """The engine's params for `body`: each field from the body field of its name, or from `derived` (exactly
+    the DERIVED ones); a null is the default. A value the params refuse is a 400 naming its field."""
+    given = {}
+    for f in fields(params_type):
+        value = derived[f.name] if f.name in DERIVED else getattr(body, f.name)
+        if value is not None:
+            given[f.name] = value
+    try:
+        return params_type(**given)
+    except ValueError as e:
+        raise APIError(400, str(e), param_of(str(e), body)) from None
+
+
+def num_logprobs(body: SamplingFields, most: int) -> int | None:
+    """How many top log-probabilities per token the body asks for, or None; a 400 for a value out of place.
+    Completions take `logprobs: k` (an integer); chat takes `logprobs: true` and `top_logprobs: k`."""
+    if isinstance(body, ChatCompletionRequest):
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise APIError(400, f"top_logprobs={top} needs logprobs=true; send both, or leave top_logprobs out",
+                           "top_logprobs")
+        if top is not None and top < 0:
+            raise APIError(400, f"top_logprobs={top} must be in [0, {most}]: how many of the most likely "
+                                "tokens to list at each position", "top_logprobs")
+        return (top or 0) if body.logprobs else None
+    k = getattr(body, "logprobs", None)
+    if isinstance(k, bool):
+        raise APIError(400, f"logprobs={str(k).lower()} is a boolean; in /v1/completions logprobs is how many of "
+                            f"the most likely tokens to list at each position, an integer in [0, {most}] "
+                            "(e.g. 1), or null; `logprobs: true` with `top_logprobs` is the chat API's", "logprobs")
+    if k is not None and k < 0:
+        raise APIError(400, f"logprobs={k} must be in [0, {most}] (this server's most, as vLLM's "
+                            "max_logprobs): how many of the most likely tokens to list at each position", "logprobs")
+    return k
+
+
+check_carried()

@@ -4,9 +4,17 @@ As in vLLM's `entrypoints/openai`, an endpoint is three parts: `protocol.py`
 holds the request and response types, this file does the work, and
 `api_server.py` only routes. A completion goes:
 
-    body ──check──▶ prompt ids + SamplingParams ──EngineLoop.submit──▶ Accepted | Rejected (429, 503, 400)
-         ◀── one RequestOutput per step ◀── engine thread
-    RequestOutput ──choices.pieces──▶ the text each token added ──▶ an SSE event, or one JSON body at the end
+    body ──limits──▶ ──tokenize (a thread)──▶ prompt ids + SamplingParams ──EngineLoop.submit_all──▶
+         Accepted | Rejected (429, 503, 400), the body's prompts together
+    engine thread ──RequestOutput──▶ text worker: the text each token added, its logprobs, its SSE event
+         ──▶ the event loop, which only sends them (or, at the end, one JSON body written in a thread)
+
+The event loop does no work that grows with what a client sent: every number
+that sets a request's cost is checked first (`limits.py`), and tokenizing,
+detokenizing, stop strings, logprob objects and large answers are done in
+threads. `echo` with `max_tokens: 0` scores the prompt and generates nothing
+that is sent (the engine runs one step, whose token is dropped); prompt +
+`max_tokens` must fit `max_model_len`, and `max_tokens: null` is the rest of it.
 
 A batch of prompts is one engine request per prompt, each of `n` samples (its
 prompt prefilled once, its blocks shared: `parallel_sampling.py`), and `n`
@@ -23,30 +31,38 @@ import asyncio
 import json
 import time
 import uuid
+from functools import lru_cache
 
 from fastapi import Request
 from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
 from .chat_template import ChatTemplate, ChatTemplateError
-from .choices import EngineFailed, Prompt, merged, pieces
+from .choices import EngineFailed, Prompt, TextWorker, merged, pieces
 from .engine_loop import RETRY_AFTER_S, EngineLoop, Rejected
 from .errors import APIError, error_body, error_response, param_of
+from .limits import RequestBounds, ServerLimits, batch_of, longest_token_chars
 from .prometheus import ServerMetrics
 from .protocol import (ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, DetokenizeRequest,
-                       SamplingFields, TokenizeRequest, chat_logprobs, completion_logprobs, unsupported)
+                       SamplingFields, TokenizeRequest, logprobs_writer, num_logprobs, to_sampling_params,
+                       unsupported)
+from .text_stream import StopStrings
 
 
 class OpenAIServing:
     """What the endpoints need: the engine loop, the tokenizer, the model's name and root (the checkpoint it
-    was loaded from), its chat template if it has one, and the metrics."""
+    was loaded from), its chat template if it has one, the limits on a request, and the metrics."""
 
     def __init__(self, loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, root: str | None = None,
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, limits: ServerLimits = ServerLimits(),
+                 max_num_seqs: int = 256):
         self.loop, self.tokenizer, self.model_name, self.max_model_len = loop, tokenizer, model_name, max_model_len
-        self.root, self.chat_template = root or model_name, chat_template
-        self.metrics = ServerMetrics(loop)
+        self.root, self.chat_template, self.limits = root or model_name, chat_template, limits
+        self.bounds = RequestBounds(limits, max_num_seqs, loop.max_queue, max_model_len,
+                                    longest_token_chars(tokenizer))
+        self.metrics = ServerMetrics(loop, model_name)
+        self.text = TextWorker()
+        self.token_text = lru_cache(maxsize=None)(lambda token_id: tokenizer.decode([token_id]))
 
     def models(self) -> dict:
         """GET /v1/models, with vLLM's `root` (what --model named) and `max_model_len`."""
@@ -54,36 +70,49 @@ class OpenAIServing:
                                             "owned_by": "minillm", "root": self.root, "parent": None,
                                             "max_model_len": self.max_model_len}]}
 
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info, in vLLM's shape: what lm-eval's `tokenizer_backend=remote` reads (the special
+        tokens' text, the chat template) to tokenize through /tokenize and /detokenize, with no files of its own."""
+        eos = self.tokenizer.decode([self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None \
+            else None
+        return {"tokenizer_class": "GPT2TokenizerFast" if not self.tokenizer.is_fallback else "ByteTokenizer",
+                "eos_token": eos, "bos_token": eos, "unk_token": eos, "pad_token": None, "add_bos_token": False,
+                "model_max_length": self.max_model_len, "clean_up_tokenization_spaces": False,
+                "chat_template": self.chat_template.source if self.chat_template else None}
+
     # ---- checking a request ----------------------------------------------------------------------
 
-    def prompts(self, prompt) -> list[tuple[list[int], str | None]]:
-        """The body's prompts, one per choice: (token ids, the text if it was sent as text)."""
-        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-        return [(self.tokenizer.encode(p), p) if isinstance(p, str) else (p, None) for p in batch]
+    def prompts(self, batch: list, echo: bool = False) -> list[tuple[list[int], str | None]]:
+        """The body's prompts, one per choice: (token ids, the text if it was sent as text, or with `echo`
+        decoded). Tokenizing and decoding are work: called off the event loop."""
+        decode = self.tokenizer.decode if echo else lambda ids: None
+        return [(self.tokenizer.encode(p), p) if isinstance(p, str) else (p, decode(p)) for p in batch]
 
-    def params(self, body: SamplingFields, num_prompt_tokens: int) -> tuple[SamplingParams, list[str]]:
-        """The engine's SamplingParams for the body (a null field: its default), and the stop strings."""
+    def params(self, body: SamplingFields, num_prompt_tokens: int, where: str, logprobs: int | None):
+        """The engine's SamplingParams for one prompt of the body (`protocol.to_sampling_params`), and whether it
+        only scores the prompt (`echo` with `max_tokens: 0`)."""
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        stop_strings = [s for s in stops if isinstance(s, str)]
         stop_ids = [s for s in stops if not isinstance(s, str)] + list(body.stop_token_ids or [])
         max_tokens = getattr(body, "max_completion_tokens", None)  # chat's newer name for max_tokens
         max_tokens = body.max_tokens if max_tokens is None else max_tokens
-        if max_tokens is None:  # null: up to the end of the context
-            max_tokens = self.max_model_len - num_prompt_tokens + 1
-        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_tokens", "presence_penalty",
-                                               "frequency_penalty", "repetition_penalty")
-                 if getattr(body, k) is not None}
-        logprobs = num_logprobs(body)
-        if logprobs is not None:
-            given["logprobs"] = logprobs
-            if getattr(body, "echo", False):  # the prompt's own tokens, scored: what loglikelihood needs
-                given["prompt_logprobs"] = logprobs
-        try:
-            return SamplingParams(**given, max_tokens=max_tokens, seed=body.seed, stop_token_ids=tuple(stop_ids),
-                                  ignore_eos=body.ignore_eos, n=body.n, best_of=getattr(body, "best_of", None)), \
-                stop_strings
-        except ValueError as e:
-            raise APIError(400, str(e), param_of(str(e), body)) from None
+        echo = getattr(body, "echo", False)
+        echo_only = echo and max_tokens == 0  # the engine generates one token, which is not sent
+        if echo_only and num_prompt_tokens > self.max_model_len:
+            raise self.bounds.too_long(where, num_prompt_tokens)
+        new = 1 if echo_only else self.bounds.new_tokens(max_tokens, num_prompt_tokens, where)
+        return to_sampling_params(body, {
+            "max_tokens": new, "logprobs": logprobs, "prompt_logprobs": logprobs if echo else None,
+            "stop_token_ids": tuple(stop_ids), "best_of": getattr(body, "best_of", None)}), echo_only
+
+    def check(self, body: SamplingFields, batch: list) -> int | None:
+        """Every check that needs no tokenizing, before any work; returns the logprobs asked per token."""
+        self.check_model(body.model)
+        problem = unsupported(body)
+        if problem:
+            raise APIError(400, *problem)
+        logprobs = num_logprobs(body, self.limits.max_logprobs)
+        self.bounds.check(body, batch, logprobs)
+        return logprobs
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -101,83 +130,87 @@ class OpenAIServing:
             raise APIError(400, str(e), "messages") from None
 
     async def start(self, body: SamplingFields, prompts: list[tuple[list[int], str | None]], arrival: float,
-                    response_id: str) -> list[Prompt]:
-        """Check the request, hand each prompt to the engine thread, and wait for its answer (Accepted or
-        Rejected). A prompt refused fails the body, naming its index, and aborts those already accepted."""
-        self.check_model(body.model)
-        problem = unsupported(body)
-        if problem:
-            raise APIError(400, *problem)
-        choices: list[Prompt] = []
+                    response_id: str, logprobs: int | None, render) -> list[Prompt]:
+        """Make each prompt's params, hand the body's prompts to the engine thread together, and wait for its
+        answers (Accepted or Rejected). A prompt refused fails the body, naming its index, and aborts the rest."""
+        stops = [body.stop] if isinstance(body.stop, str) else [s for s in body.stop or [] if isinstance(s, str)]
+        automaton = StopStrings([s for s in stops if s])
+        echo, choices, entries = getattr(body, "echo", False), [], 0
+        many = len(prompts) > 1
+        for i, (prompt, text) in enumerate(prompts):
+            request_id, where = (f"{response_id}-{i}", f"prompt[{i}]") if many else (response_id, "prompt")
+            params, echo_only = self.params(body, len(prompt), where, logprobs)
+            positions = (0 if echo_only else params.max_tokens) + (len(prompt) if echo else 0)
+            entries += params.n * positions * (1 + (logprobs or 0))
+            choices.append((Prompt(i, request_id, prompt, automaton, asyncio.Queue(), params.n,
+                                   text if echo else None, echo_only,
+                                   render), params))
+        if logprobs is not None:
+            self.bounds.check_answer(entries, logprobs)
+        self.loop.submit_all([(p.request_id, p.prompt, params, arrival,
+                               self.text.deliverer(p, self.tokenizer.decode, self.loop.abort))
+                              for p, params in choices])
+        accepted: list[Prompt] = []
         try:
-            for i, (prompt, text) in enumerate(prompts):
-                request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-                try:
-                    choices.append(await self._start_one(body, prompt, arrival, request_id, i, text))
-                except APIError as e:
-                    if len(prompts) > 1:  # name the prompt at fault
-                        e.message = f"prompt[{i}]: {e.message}"
-                        e.param = f"prompt[{i}]" if e.param in (None, "prompt") else e.param
-                    raise
+            for p, _ in choices:
+                answer = await p.outputs.get()
+                if isinstance(answer, Rejected):
+                    raise self.refusal(answer, body, p.index if many else None)
+                accepted.append(p)
         except BaseException:  # refused, or the client left: the prompts already accepted must not run on
-            for choice in choices:
-                self.loop.abort(choice.request_id)
+            for p, _ in choices:
+                self.loop.abort(p.request_id)
             raise
-        return choices
+        return accepted
 
-    async def _start_one(self, body: SamplingFields, prompt: list[int], arrival: float, request_id: str,
-                         index: int, text: str | None) -> Prompt:
-        params, stops = self.params(body, len(prompt))
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
-
-        def put(item) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the event loop is closed: the handler is gone, nobody to tell
-                pass
-
-        self.loop.submit(request_id, prompt, params, arrival, put)
-        try:
-            answer = await outputs.get()
-        except asyncio.CancelledError:  # the client left before the engine answered
-            self.loop.abort(request_id)
-            raise
-        if isinstance(answer, Rejected):
-            self.metrics.rejected.labels(str(answer.status)).inc()
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
-            param = param_of(answer.message, body) if answer.status == 400 else None
-            raise APIError(answer.status, answer.message, param, headers)
-        echo = None
-        if getattr(body, "echo", False):
-            echo = text if text is not None else self.tokenizer.decode(prompt)
-        return Prompt(index, request_id, prompt, stops, outputs, params.n, echo)
+    def refusal(self, answer: Rejected, body: SamplingFields, index: int | None) -> APIError:
+        self.metrics.rejected.labels(str(answer.status)).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if answer.status in (429, 503) else None
+        param = param_of(answer.message, body) if answer.status == 400 else None
+        e = APIError(answer.status, answer.message, param, headers)
+        if index is not None and answer.status == 400:  # name the prompt at fault
+            e.message = f"prompt[{index}]: {e.message}"
+            e.param = f"prompt[{index}]" if e.param in (None, "prompt") else e.param
+        return e
 
     # ---- the endpoints ---------------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest):
         """POST /v1/completions: n choices per prompt."""
         arrival = time.perf_counter()
-        return await self.respond(body, self.prompts(body.prompt), arrival,
-                                  CompletionShape(self.model_name, int(time.time())))
+        batch = batch_of(body.prompt)
+        logprobs = self.check(body, batch)
+        prompts = await asyncio.to_thread(self.prompts, batch, body.echo)  # tokenizing, off the event loop
+        return await self.respond(body, prompts, arrival, CompletionShape(self.model_name, int(time.time())),
+                                  logprobs)
 
     async def chat(self, body: ChatCompletionRequest):
         """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
         arrival = time.perf_counter()
-        self.check_model(body.model)
-        prompt = self.tokenizer.encode(self.render_chat(body.messages, body.add_generation_prompt))
-        return await self.respond(body, [(prompt, None)], arrival, ChatShape(self.model_name, int(time.time())))
+        logprobs = self.check(body, [])
+        chars = sum(len(m.as_template_input()["content"]) for m in body.messages)
+        if chars > self.max_model_len * self.bounds.longest_token:
+            raise APIError(400, f"the messages hold {chars} characters, more than the model's context of "
+                                f"max_model_len={self.max_model_len} tokens could hold; shorten them", "messages")
+        prompt = await asyncio.to_thread(
+            lambda: self.tokenizer.encode(self.render_chat(body.messages, body.add_generation_prompt)))
+        return await self.respond(body, [(prompt, None)], arrival, ChatShape(self.model_name, int(time.time())),
+                                  logprobs)
 
-    def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> Response:
         """POST /tokenize, as vLLM answers it."""
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either a prompt (text) or messages (for the chat template), not both "
                                 "nor neither", "prompt")
-        text = body.prompt if body.messages is None else self.render_chat(body.messages, body.add_generation_prompt)
-        tokens = self.tokenizer.encode(text)
-        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None}
+        def answer() -> bytes:  # tokenizing megabytes and writing millions of ids: off the event loop
+            text = body.prompt if body.messages is None else self.render_chat(body.messages, body.add_generation_prompt)
+            tokens = self.tokenizer.encode(text)
+            return json.dumps({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
+                               "token_strs": None}).encode()
+        return Response(await asyncio.to_thread(answer), media_type="application/json")
 
-    def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
         """POST /detokenize, as vLLM answers it."""
         self.check_model(body.model)
         vocab = self.tokenizer.vocab_size
@@ -185,29 +218,25 @@ class OpenAIServing:
             if not 0 <= t < vocab:
                 raise APIError(400, f"token id {t} at position {i} is outside the vocabulary [0, {vocab}); "
                                     "send ids that /tokenize gave", f"tokens[{i}]")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        text = await asyncio.to_thread(lambda: json.dumps({"prompt": self.tokenizer.decode(body.tokens)}).encode())
+        return Response(text, media_type="application/json")
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def logprobs_writer(self, body: SamplingFields, shape):
-        """f(entries, offset) → (the `logprobs` object, the next text offset), or None when not asked for."""
-        if num_logprobs(body) is None:
-            return None
-        if isinstance(shape, ChatShape):
-            return lambda entries, offset: (chat_logprobs(entries, self.token_text), offset)
-
-        def write(entries, offset):
-            out = completion_logprobs(entries, self.token_text, offset)
-            return out, offset + sum(len(t) for t in out["tokens"])
-        return write
-
-    async def respond(self, body: SamplingFields, prompts: list, arrival: float, shape):
+    async def respond(self, body: SamplingFields, prompts: list, arrival: float, shape, logprobs: int | None):
         """Run the request; its answer as server-sent events (`stream: true`) or as one body at its end."""
         response_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-        started = await self.start(body, prompts, arrival, response_id)
-        streams = [pieces(p, self.tokenizer.decode, self.loop.abort) for p in started]
-        write = self.logprobs_writer(body, shape)
+        write = None if logprobs is None else logprobs_writer(shape, self.token_text)
+        render = None
+        if body.stream:
+            offsets: dict[int, int] = {}
+
+            def render(index: int, piece) -> str:  # on the text worker: the logprob objects and the JSON
+                lp = None
+                if write is not None:
+                    lp, offsets[index] = write(piece.entries, offsets.get(index, 0))
+                return format_sse_event(data_str=json.dumps(shape.chunk(response_id, piece.text, piece.reason,
+                                                                        index, lp)))
+        started = await self.start(body, prompts, arrival, response_id, logprobs, render)
+        streams = [pieces(p, self.loop.abort) for p in started]
         indices = [p.choice_index(j) for p in started for j in range(p.n)]  # every choice, in order
 
         def usage() -> dict:
@@ -218,18 +247,13 @@ class OpenAIServing:
             async def events():
                 """One event per generated token of each choice, as the engine makes them, then the usage and
                 [DONE]."""
-                offsets = dict.fromkeys(indices, 0)
                 each = merged(streams)
                 try:
                     for index in indices:
                         for event in shape.opening(response_id, index):
                             yield format_sse_event(data_str=json.dumps(event))
-                    async for i, piece in each:
-                        index, logprobs = started[i].choice_index(piece.sample), None
-                        if write is not None:
-                            logprobs, offsets[index] = write(piece.entries, offsets[index])
-                        event = shape.chunk(response_id, piece.text, piece.reason, index, logprobs)
-                        yield format_sse_event(data_str=json.dumps(event))
+                    async for _, piece in each:
+                        yield piece.event
                 except EngineFailed as e:
                     yield format_sse_event(data_str=json.dumps(error_body(500, str(e))))
                     return
@@ -256,33 +280,13 @@ class OpenAIServing:
             return error_response(500, str(e))
         finally:
             await each.aclose()
-        return {**shape.whole(response_id, [
-            shape.choice("".join(texts[p.choice_index(j)]), reasons[p.choice_index(j)], p.choice_index(j),
-                         None if write is None else write(p.entries[j], 0)[0])
-            for p in started for j in range(p.n)]), "usage": usage()}
 
-
-def num_logprobs(body: SamplingFields) -> int | None:
-    """How many top log-probabilities per token the body asks for, or None; a 400 for a value out of place.
-    Completions take `logprobs: k` (an integer); chat takes `logprobs: true` and `top_logprobs: k`."""
-    if isinstance(body, ChatCompletionRequest):
-        top = body.top_logprobs
-        if top is not None and not body.logprobs:
-            raise APIError(400, f"top_logprobs={top} needs logprobs=true; send both, or leave top_logprobs out",
-                           "top_logprobs")
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs={top} must be in [0, {MAX_LOGPROBS}]: how many of the most likely "
-                                "tokens to list at each position", "top_logprobs")
-        return (top or 0) if body.logprobs else None
-    k = getattr(body, "logprobs", None)
-    if isinstance(k, bool):
-        raise APIError(400, f"logprobs={str(k).lower()} is a boolean; in /v1/completions logprobs is how many of "
-                            f"the most likely tokens to list at each position, an integer in [0, {MAX_LOGPROBS}] "
-                            "(e.g. 1), or null; `logprobs: true` with `top_logprobs` is the chat API's", "logprobs")
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs={k} must be in [0, {MAX_LOGPROBS}] (this server's most, as vLLM's "
-                            "max_logprobs): how many of the most likely tokens to list at each position", "logprobs")
-    return k
+        def whole() -> bytes:  # the logprob objects and the JSON of the whole answer, off the event loop
+            return json.dumps({**shape.whole(response_id, [
+                shape.choice("".join(texts[p.choice_index(j)]), reasons[p.choice_index(j)], p.choice_index(j),
+                             None if write is None else write(p.entries[j], 0)[0])
+                for p in started for j in range(p.n)]), "usage": usage()}).encode()
+        return Response(await asyncio.to_thread(whole), media_type="application/json")
 
 
 async def until_disconnected(request: Request) -> None:
