@@ -27,7 +27,8 @@ and gains nothing. What it costs in accuracy is the rounding above; the tests bo
 
 Which kernel computes the product (`int8_product`). On a CPU, whatever the model's dtype, the products take
 the activations rounded to bf16, accumulate in fp32 and round the output to bf16 before the fp32 scale multiplies
-it: for up to `FUSED_MAX_ROWS` rows (decode steps) through torch's fused `_weight_int8pack_mm`, which reads the
+it: for up to `FUSED_MAX_ROWS` rows (decode steps), where `in` is a multiple of 16 (every GPT-2 width; the kernel
+gives garbage elsewhere), through torch's fused `_weight_int8pack_mm`, which reads the
 int8 weights once and widens them in registers (it vectorises for bf16 activations only: in fp32 it is a scalar
 loop, slower than fp32's own product); for more rows (prefill) through a bf16 matmul over q widened to bf16, the
 same numbers up to the order of the sums, so a row's logits do not depend on how many rows share its step. The
@@ -99,8 +100,8 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torc
     if x.device.type != "cpu":
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
     rows, xb = x.numel() // x.shape[-1], x.to(torch.bfloat16)
-    if rows <= FUSED_MAX_ROWS:  # unit scales: the real ones are applied after, in full precision
-        unit = torch.ones(q.shape[0], dtype=torch.bfloat16)
+    if rows <= FUSED_MAX_ROWS and x.shape[-1] % 16 == 0:  # the kernel takes `in` 16 at a time
+        unit = torch.ones(q.shape[0], dtype=torch.bfloat16)  # the real scales are applied after, in full precision
         y = torch.ops.aten._weight_int8pack_mm(xb.reshape(rows, -1), q, unit).view(*x.shape[:-1], -1)
     else:
         y = F.linear(xb, q.to(torch.bfloat16))
