@@ -21,21 +21,21 @@ What it costs, in bytes a decode step reads (L layers, width C, vocabulary V, b 
 so about a quarter of fp32's bytes, half of bf16's, and a step that is about that much faster while it is
 memory-bound. As the batch grows a step turns compute-bound and the saving fades: the FLOPs are the same, and
 each int8 weight must still be widened before it is multiplied. Prefill is compute-bound from the start, and
-most CPUs have no instruction that multiplies int8 weights by floating activations: the weights are widened to
-the activations' dtype (a transient copy of each matrix) and multiplied there, so prefill pays the widening
-and gains nothing. What it costs in accuracy is the rounding above; the tests bound it in logits.
+most CPUs have no instruction that multiplies int8 weights by floating activations: the weights are widened to a
+floating dtype (a transient copy of each matrix; bf16 on a CPU, below) and multiplied there, so prefill pays the
+widening and gains nothing. What it costs in accuracy is the rounding above; the tests bound it in logits.
 
-Which kernel computes the product (`int8_product`). On a CPU, whatever the model's dtype, the products take
-the activations rounded to bf16, accumulate in fp32 and round the output to bf16 before the fp32 scale multiplies
-it: for up to `FUSED_MAX_ROWS` rows (decode steps), where `in` is a multiple of 16 (every GPT-2 width; the kernel
-gives garbage elsewhere), through torch's fused `_weight_int8pack_mm`, which reads the
-int8 weights once and widens them in registers (it vectorises for bf16 activations only: in fp32 it is a scalar
-loop, slower than fp32's own product); for more rows (prefill) through a bf16 matmul over q widened to bf16, the
-same numbers up to the order of the sums, so a row's logits do not depend on how many rows share its step. The
-two bf16 roundings err about a third as much as the weights' own rounding; the tests bound the total. On a CPU
-without bf16 instructions that matmul is emulated, and prefill in int8 is slower than in fp32. On any other
-device (a GPU, where gpt-fast leaves the fusion to torch.compile) the product widens q to the activations' dtype
-and multiplies there: `F.linear(x, q.to(x.dtype)) · scale`, as gpt-fast writes it.
+Which kernel computes the product (`int8_product`). On a CPU, whatever the model's dtype, a product takes the
+activations rounded to bf16, sums in fp32, and rounds its output to bf16 before the fp32 scales multiply it.
+Up to `FUSED_MAX_ROWS` rows (decode steps) go through torch's fused `_weight_int8pack_mm`, which reads the int8
+weights once and widens them in registers; it vectorises for bf16 activations only (in fp32 it is a scalar
+loop, slower than fp32's own product), and takes `in` 16 at a time (every GPT-2 width; other widths take the
+matmul). More rows (prefill) go through a bf16 matmul over q widened to bf16: the same numbers up to the order
+of the sums, so a row's logits do not depend on how many rows share its step. The two bf16 roundings err about
+a third as much as the weights' own; the tests bound the total. On a CPU without bf16 instructions that matmul
+is emulated, and prefill in int8 is slower than in fp32. On any other device (a GPU, where gpt-fast leaves the
+fusion to torch.compile) the product widens q to the activations' dtype: `F.linear(x, q.to(x.dtype)) · scale`,
+as gpt-fast writes it.
 
 The tied head. vLLM and gpt-fast keep embeddings in full precision, and so does this file: `wte` stays as it is
 for the lookup, which reads only one row per token. But the head, logits = x·wteᵀ, is the largest matmul in
@@ -47,18 +47,19 @@ The swap, as gpt-fast's quantize.py does it and `cpu_layout.py` does for a CPU's
 in, `quantize(model, "int8")` replaces each `Conv1D` with a `WeightOnlyInt8Linear` (W transposed to [out, in],
 the layout the fused kernel reads) and the `LMHead` with a `WeightOnlyInt8LMHead`; model.py stays as written,
 and `cpu_layout.lay_out` lays out only the modules that are still model.py's. The knob is vLLM's
-`--quantization`; vLLM's closest method is W8A16 (int8 weights, 16-bit activations), loaded from llm-compressor's
-checkpoints (`compressed-tensors`); here the weights are quantized as they load, with no calibration.
+`--quantization`. vLLM has no plain `int8` value: its closest methods are a `compressed-tensors` checkpoint with
+8-bit weights and 16-bit activations (W8A16, made offline by llm-compressor), and `experts_int8`, which
+quantizes MoE expert weights to per-channel int8 as they load; here every projection is, with no calibration.
 
 state_dict of a quantized model: each projection's `weight` (int8 [out, in]), `scales` (fp32 [out]) and `bias`,
 `lm_head.weight` (int8 [V, C]) and `lm_head.scales`, and the rest as the plain model's. It loads into a model
 quantized the same way (strict: a plain state_dict lacks the scales and is refused); the checkpoint format is
 the plain model's, so `save_pretrained` refuses a quantized model.
 
-Invariants held by the tests: the round trip errs by at most scale/2 per element, scales are per output
-channel; the int8 model's logits stay within a stated max |diff| and KL of fp32's on a context-sensitive model,
-and its greedy tokens agree over a long generation at a stated rate, through the engine's paged path at batch > 1;
-`cpu_layout` leaves the int8 modules alone.
+Invariants held by the tests: the round trip errs by at most scale/2 per element, with one scale per output
+channel; on a context-sensitive model the int8 logits stay within a stated max |diff| and KL of fp32's, and int8's
+greedy choice agrees with fp32's along a long generation at a stated rate; the engine (paged, batched, chunked)
+gives the int8 model its own tokens; a row's logits do not depend on its batch; `cpu_layout` leaves int8 alone.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ import torch.nn.functional as F
 from .model import GPT2, Conv1D, LMHead
 
 QUANTIZATIONS = ("int8",)  # vLLM's knob, --quantization; None: the weights stay in the model's dtype
-FUSED_MAX_ROWS = 16  # on a CPU, the fused kernel for up to this many rows; above it the bf16 matmul wins (docs/quantize.md)
+FUSED_MAX_ROWS = 16  # on a CPU, the fused kernel up to this many rows; above, the bf16 matmul (docs/quantize.md)
 
 
 def check_quantization(quantization: str | None) -> None:

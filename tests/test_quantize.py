@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from minillm import PRESETS, SamplingParams, kv_cache
+from minillm.bench.cost import decode_cost, weight_bytes_read
 from minillm.checkpoints import load as load_module
 from minillm.checkpoints.load import load_model, random_model, save_pretrained
 from minillm.cli import main
@@ -232,3 +233,12 @@ def test_int8_on_cuda_gives_the_cpu_int8_logits_within_bf16(fp32):
         ref, got = fp32(ids), gpu(ids.cuda()).cpu()
     assert (ref - got).abs().max() <= MAX_ABS_DIFF and kl(ref, got).mean() <= MEAN_KL
     assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values()))
+
+
+def test_bench_counts_the_weight_bytes_a_step_reads_as_stored(fp32, int8):
+    """fp32: every weight in 4 bytes, the tied head once more (cost.py's count); int8: quantize.py's formula."""
+    cfg = fp32.config
+    L, C, V = cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    assert weight_bytes_read(fp32) == decode_cost(cfg, 0, 1).weight_bytes
+    small = 9 * L * C + 4 * L * C + 2 * C  # biases, then the LayerNorms' weights and biases, in fp32
+    assert weight_bytes_read(int8) == (12 * L * C ** 2 + V * C) * 1 + (9 * L * C + V) * 4 + small * 4
