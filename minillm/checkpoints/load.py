@@ -260,6 +260,6 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
     return random_model(PRESETS[preset], device, dtype, seed, quantization)
 
 
-__all__ = ["CheckpointError", "add_model_arguments", "add_quantization_argument", "default_weights_dir", "load_checkpoint",
-           "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
+__all__ = ["CheckpointError", "add_model_arguments", "add_quantization_argument", "default_weights_dir",
+           "load_checkpoint", "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
            "config_from_hf", "config_to_hf", "is_complete", "missing_files", "warn_absent", "warn_once"]
