@@ -18,8 +18,9 @@ What it costs, in bytes a decode step reads (L layers, width C, vocabulary V, b 
     int8:   (12·L·C² + V·C) · 1  +  (9·L·C + V) · 4         the weights, and one fp32 scale per row
     fp32:   (12·L·C² + V·C) · 4          bf16: · 2           (biases and LayerNorms, ~13·L·C·b, in both)
 
-so about a quarter of fp32's bytes, half of bf16's, and a step that is about that much faster while it is
-memory-bound. As the batch grows a step turns compute-bound and the saving fades: the FLOPs are the same, and
+so about a quarter of fp32's bytes and half of bf16's: the floor under a memory-bound step falls by that ratio
+(`bench` prints a step beside the floor for the bytes it reads; how close it comes is the kernel's business,
+below). As the batch grows a step turns compute-bound and the saving fades: the FLOPs are the same, and
 each int8 weight must still be widened before it is multiplied. Prefill is compute-bound from the start, and
 most CPUs have no instruction that multiplies int8 weights by floating activations: the weights are widened to a
 floating dtype (a transient copy of each matrix; bf16 on a CPU, below) and multiplied there, so prefill pays the
