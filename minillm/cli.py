@@ -27,7 +27,7 @@ from .kv_cache import generate as cached_generate
 from .request_checks import check_prompt
 from .sampling_params import SamplingParams
 from .checkpoints.tokenizer import load_tokenizer
-from .checkpoints.load import add_model_arguments, load_model
+from .checkpoints.load import add_model_arguments, add_quantization_argument, load_model
 from .device import resolve_device, resolve_dtype, synchronize
 
 
@@ -47,7 +47,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = load_model(args.model, device, dtype, args.weights_dir)
+    model = load_model(args.model, device, dtype, args.weights_dir, quantization=args.quantization)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     prompt_ids = tokenizer.encode(args.prompt)
     check_prompt(model.config, prompt_ids, params.max_tokens)
@@ -66,7 +66,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     print(tokenizer.decode(prompt_ids + new_ids))
     print("-" * 60)
-    print(f"model    {args.model} ({model.weights_source}) on {device}, {str(dtype).removeprefix('torch.')}")
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    print(f"model    {args.model} ({model.weights_source}) on {device}, {str(dtype).removeprefix('torch.')}{weights}")
     print(f"tokens   prompt {len(prompt_ids)}, generated {len(new_ids)}; tokenizer: {tokenizer.name}")
     ttft = marks[0] - start
     line = f"TTFT     {ttft * 1e3:.1f} ms (prefill {len(prompt_ids) / ttft:.0f} tok/s; after an untimed warm-up run)"
@@ -81,6 +82,7 @@ def add_generate_command(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt and time it",
                               description="Generate with the KV cache; print the text, TTFT and decode tok/s.")
     add_model_arguments(p)
+    add_quantization_argument(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")

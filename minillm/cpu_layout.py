@@ -160,7 +160,8 @@ def lay_out(model: GPT2, head_copy: bool | None = None, packed: bool | None = No
         for name, child in list(parent.named_children()):
             if isinstance(child, Conv1D):
                 setattr(parent, name, linear_in_layout(child, packed, numpy_one_row))
-    model.lm_head = head_in_layout(model.lm_head, model.wte.weight, head_copy, packed, numpy_one_row)
+    if isinstance(model.lm_head, LMHead):  # another file's head (quantize.py's int8 copy) is left as it is
+        model.lm_head = head_in_layout(model.lm_head, model.wte.weight, head_copy, packed, numpy_one_row)
     return model
 
 
@@ -263,6 +264,8 @@ def numpy_serves(model: GPT2) -> bool:
 
 
 def lm_head_layout(model: GPT2) -> str:
+    if not isinstance(model.lm_head, LMHead):
+        return f"{type(model.lm_head).__name__} ({model.lm_head.extra_repr()})"
     packed = getattr(model.lm_head, "packed", None)
     if packed is not None and packed.dtype == torch.bfloat16:
         return "a oneDNN-packed copy of wte, for every row count"
@@ -271,6 +274,8 @@ def lm_head_layout(model: GPT2) -> str:
 
 
 def linears_layout(model: GPT2) -> str:
+    if not isinstance(model.h[0].mlp.c_fc, Conv1D):
+        return f"{type(model.h[0].mlp.c_fc).__name__} ({model.h[0].mlp.c_fc.extra_repr()})"
     one_row = "numpy" if numpy_serves(model) else "F.linear"
     packed = getattr(model.h[0].mlp.c_fc, "packed", None)
     if packed is not None and packed.dtype == torch.bfloat16:

@@ -95,6 +95,7 @@ def test_the_book_has_no_import_cycle_and_the_model_knows_only_its_config():
         visit(m)
     assert graph["model"] == {"config"}, "the model must learn nothing about caches, blocks or steps"
     assert graph["cpu_layout"] <= {"model", "config", "device"}, "a layout swaps modules: it knows no cache or step"
+    assert graph["quantize"] <= {"model", "config"}, "int8 weights are modules swapped in: the model and its config"
 
 
 def test_the_scheduler_side_needs_no_torch_all_the_way_down():

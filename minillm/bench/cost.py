@@ -17,7 +17,9 @@
     read, i.e. 0.5 FLOP/byte in fp32; a 512-token prefill does ~512 times that.
 
 `weight_read_floor` is the fastest a decode step can be: every weight read
-once at a measured bandwidth.
+once at a measured bandwidth. `weight_bytes_read(model)` counts the weight bytes
+a built model's step reads as it stores them (int8 projections with their scales,
+`quantize.py`), where `step_cost` counts every weight in the model's dtype.
 
 Invariants held by the tests: `step_cost` equals a hand count for the tiny
 shape; a decode step's FLOPs equal `GPT2Config.flops_per_token`; half precision
@@ -25,7 +27,7 @@ halves the bytes, not the FLOPs.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 import torch
@@ -101,6 +103,20 @@ def decode_cost(config: GPT2Config, cached_len: int, batch: int = 1,
                 dtype: torch.dtype = torch.float32) -> StepCost:
     """One decode step: `batch` sequences each add one token after `cached_len` cached ones."""
     return step_cost(config, [1] * batch, [cached_len] * batch, dtype)
+
+
+def weight_bytes_read(model) -> int:
+    """The weight bytes one step reads, as the model stores them: every tensor of its state_dict but the
+    embeddings, whose lookup reads a few rows, and wte once more where the head is tied to it (no head of its
+    own in the state_dict). For a plain model, `step_cost`'s weight_bytes with the head used."""
+    state = model.state_dict()
+    tied_head = model.wte.weight.nbytes if "lm_head.weight" not in state else 0
+    return sum(t.nbytes for name, t in state.items() if name not in ("wte.weight", "wpe.weight")) + tied_head
+
+
+def as_stored(cost: StepCost, model) -> StepCost:
+    """`cost` with the weight bytes this built model reads (`weight_bytes_read`)."""
+    return replace(cost, weight_bytes=weight_bytes_read(model))
 
 
 def weight_read_floor(config: GPT2Config, dtype: torch.dtype, bandwidth: float, batch: int = 1) -> float:

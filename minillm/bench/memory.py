@@ -62,7 +62,7 @@ def layout_copy_bytes_of(config, dtype: torch.dtype, head_copy: bool, packed: bo
 
 def accounted_memory(model: torch.nn.Module | None = None, caches: Sequence = ()) -> dict:
     """Bytes the weights, their layout's copies and the caches own; on the CPU this stands in for a measurement."""
-    weights = sum(p.nbytes for p in model.parameters()) if model is not None else 0
+    weights = sum(t.nbytes for t in model.state_dict().values()) if model is not None else 0  # int8 ones too
     copies = layout_copy_bytes(model) if model is not None else 0
     kv = sum(c.nbytes for c in caches)
     return {"weights": weights, "layout_copies": copies, "kv_cache": kv, "total": weights + copies + kv,

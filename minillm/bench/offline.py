@@ -13,8 +13,8 @@ elsewhere), and prints for each phase:
 
     tokens/s, achieved FLOP/s (% of the peak), achieved bytes/s (% of the bandwidth)
 
-For decode it also prints the *weight-read floor*: weight bytes ÷ bandwidth,
-the fastest any step could be that reads every weight once. A batch-1 decode
+For decode it also prints the *weight-read floor*: weight bytes ÷ bandwidth, the
+fastest any step could be that reads every weight once as stored (int8: a byte). A batch-1 decode
 step is judged by how close it comes to that floor (weight bytes read per step
 ÷ step time, as a share of the bandwidth), a prefill by its share of the peak.
 Small models on big GPUs stay far from the floor: each step is a few hundred
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from ..config import dtype_bytes
-from .cost import decode_cost, prefill_cost
+from .cost import as_stored, decode_cost, prefill_cost
 from ..device import available_memory
 from .roofline import achieved, measure_ceilings
 from .steps import time_decode, time_prefill
@@ -56,7 +56,7 @@ from .sweep import (DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, blas_check
 from .sweep import report as sweep_report
 from .threads import apply_threads, choose_threads
 from .timing import environment, si, time_fn
-from ..checkpoints.load import add_model_arguments, load_model
+from ..checkpoints.load import add_model_arguments, add_quantization_argument, load_model
 from ..device import resolve_device, resolve_dtype
 
 # minillm's speed goals (benchmarks, not tests), for batch 1 and 512-token prompts, each against a ceiling that
@@ -72,6 +72,7 @@ EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_quantization_argument(parser)
     parser.add_argument("--prompt-len", type=int, default=GOAL_PROMPT_LEN, help="prefill tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--context-len", type=int, default=None,
@@ -165,8 +166,8 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
     mode = "graph" if device.type == "cuda" else "eager"  # the step the engine decodes with on this device
     progress(f"timing a decode step ({mode}): {warmup} + {repeats} steps after {context_len} cached tokens")
     t_decode = time_decode(model, context_len, batch, warmup, repeats, mode=mode).median_s
-    pre = achieved(prefill_cost(cfg, prompt_len, batch, dtype), t_prefill, ceilings)
-    dec = achieved(decode_cost(cfg, context_len, batch, dtype), t_decode, ceilings)
+    pre = achieved(as_stored(prefill_cost(cfg, prompt_len, batch, dtype), model), t_prefill, ceilings)  # int8: 1 B
+    dec = achieved(as_stored(decode_cost(cfg, context_len, batch, dtype), model), t_decode, ceilings)
     weight_floor = dec["seconds"] * dec["weight_bytes_per_s"] / ceilings.bandwidth  # weight bytes ÷ bandwidth
     return {"prefill": {**pre, "tokens_per_s": batch * prompt_len / t_prefill},
             "decode": {**dec, "mode": mode, "tokens_per_s": batch / t_decode,
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{device}: add --device cpu --dtype fp32")
     choice = apply_threads(choose_threads(args.threads))  # the free cores, or --threads
     load_before = _loadavg()
-    model = load_model(args.model, device, dtype, args.weights_dir)
+    model = load_model(args.model, device, dtype, args.weights_dir, quantization=args.quantization)
     context = _check(args, model.config.n_ctx)
     check_memory(model.config, dtype, device, args.prompt_len, context, args.batch)
     slowdown, rate = emulation_slowdown(device, dtype)
@@ -279,8 +280,8 @@ def run(args: argparse.Namespace) -> int:
                       + (f"; other processes kept {busy:.1f} cores busy as bench started" if choice.busy is not None
                          else "")}
     env = environment(device, dtype)
-    print(f"bench    {args.model} ({model.weights_source}) on {env['device_name']}, {env['dtype']}, "
-          f"torch {env['torch']}")
+    print(f"bench    {args.model} ({model.weights_source}) on {env['device_name']}, {env['dtype']}"
+          f"{f', {args.quantization} weights' if args.quantization else ''}, torch {env['torch']}")
     print("\n".join(report(result, device.type == "cuda")))
     if "sweep" in result:
         print("\n".join(sweep_report(result["sweep"])))
@@ -292,6 +293,6 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"model": args.model, "weights_source": model.weights_source,
-                                    "environment": env, **result}, indent=2) + "\n")
+                                    "quantization": args.quantization, "environment": env, **result}, indent=2) + "\n")
         print(f"results: {path}")
     return 0

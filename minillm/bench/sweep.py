@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from .cost import decode_cost
+from .cost import as_stored, decode_cost
 from .roofline import Ceilings
 from ..cpu_layout import attention_layout, lay_out, layout_of, linears_layout, lm_head_layout
 from ..device import set_num_threads
@@ -77,7 +77,7 @@ def sweep(model, batches, context_len: int, ceilings: Ceilings, rounds: int = 5,
             times[b].append(time_fn(step, device, warmup=0, repeats=1).median_s)
     rows = []
     for b in batches:
-        cost = decode_cost(model.config, context_len, b, model.dtype)
+        cost = as_stored(decode_cost(model.config, context_len, b, model.dtype), model)  # int8: one byte a weight
         weight_floor = cost.weight_bytes / ceilings.bandwidth
         memory, compute = cost.bytes / ceilings.bandwidth, cost.flops / ceilings.matmul_flops
         seconds = statistics.median(times[b])

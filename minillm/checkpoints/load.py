@@ -2,8 +2,9 @@
 
 What a checkpoint folder holds, and what its config.json may say, is checkpoint.py's;
 this file finds the folder (a path, or `<weights dir>/<preset>/`), checks it is
-complete, places its tensors on a device in a dtype, and hands the model to
-`cpu_layout.choose_layout`, which swaps in the modules this device's kernels read.
+complete, places its tensors on a device in a dtype, quantizes its weights if asked
+(`quantize.py`: `quantization="int8"`, vLLM's `--quantization`), and hands the model to
+`cpu_layout.choose_layout`, which lays out for this device's kernels what is still model.py's.
 
 What it costs
 -------------
@@ -45,6 +46,7 @@ from ..device import resolve_device, resolve_dtype
 from ..config import HF_CHECKPOINTS, PRESETS, GPT2Config
 from ..model import GPT2
 from ..cpu_layout import choose_layout
+from ..quantize import QUANTIZATIONS, check_quantization, quantization_of, quantize
 
 # ---- where, and in what precision -------------------------------------------
 
@@ -90,8 +92,10 @@ def _open(path: Path, device: torch.device):
 
 
 def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
-                    dtype: str | torch.dtype = "auto") -> GPT2:
-    """Load a GPT-2 checkpoint folder onto `device` in `dtype`, or raise a CheckpointError."""
+                    dtype: str | torch.dtype = "auto", quantization: str | None = None) -> GPT2:
+    """Load a GPT-2 checkpoint folder onto `device` in `dtype` (its projections in int8 if quantization="int8"),
+    or raise a CheckpointError."""
+    check_quantization(quantization)
     folder = Path(folder)
     check_folder(folder, folder.name)
     device = resolve_device(device)
@@ -118,12 +122,13 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
         model = GPT2(config, seed=None)
     model.load_state_dict(state, strict=True, assign=True)
     model.weights_source = str(folder)
+    quantize(model, quantization)  # after the weights are in, before the layout: int8 modules are not laid out
     choose_layout(model)  # after the weights are in: the copies a CPU's kernels read are made from them
     return model.eval()
 
 
 def random_model(config: GPT2Config, device: str | torch.device = "auto",
-                 dtype: str | torch.dtype = "auto", seed: int = 0) -> GPT2:
+                 dtype: str | torch.dtype = "auto", seed: int = 0, quantization: str | None = None) -> GPT2:
     """GPT-2's seeded init, built straight on `device` in `dtype`.
 
     Same values as `GPT2(config, seed).to(device, dtype)`: the init draws every
@@ -136,6 +141,7 @@ def random_model(config: GPT2Config, device: str | torch.device = "auto",
     model = model.to(dtype).to_empty(device=device)
     model.init_weights(seed)
     model.weights_source = f"random-init (seed {seed})"
+    quantize(model, quantization)
     choose_layout(model)
     return model.eval()
 
@@ -147,6 +153,9 @@ def save_pretrained(model: GPT2, folder: str | Path) -> Path:
     written: the layout of openai-community/gpt2, which transformers'
     GPT2LMHeadModel.from_pretrained and our loader both read.
     """
+    if quantization_of(model) is not None:
+        raise ValueError(f"save_pretrained writes the plain checkpoint format, and this model's projections are "
+                         f"{quantization_of(model)}; save the model before quantizing it, or torch.save its state_dict")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -222,9 +231,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, weights_dir: bool = Tru
                             help="where preset folders live (default: $MINILLM_WEIGHTS_DIR or the repo's weights/)")
 
 
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    """--quantization, vLLM's flag: the commands whose `load_model` call passes it on take it."""
+    parser.add_argument("--quantization", default=None, metavar="METHOD",
+                        help=f"weights in fewer bytes: {', '.join(QUANTIZATIONS)} (int8 weight-only, per-channel "
+                             "scales; minillm/quantize.py); default: the weights stay in --dtype")
+
+
 def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
                dtype: str | torch.dtype = "auto", weights_dir: str | Path | None = None,
-               seed: int = 0) -> GPT2:
+               seed: int = 0, quantization: str | None = None) -> GPT2:
     """A GPT-2 in eval mode, from a checkpoint folder, a downloaded preset, or a random init.
 
     - a path to a folder: load that checkpoint;
@@ -234,14 +250,16 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
       no real weights to miss).
     `weights_dir` defaults to `default_weights_dir()`. The model's
     `weights_source` says where its values came from, for lessons to record.
+    `quantization` ("int8" or None) is checked before anything is read.
     """
+    check_quantization(quantization)
     folder, preset = locate(name_or_path, weights_dir)
-    if preset is None or is_complete(folder):
-        return load_checkpoint(folder, device, dtype)  # an explicit folder that is incomplete: an error saying why
+    if preset is None or is_complete(folder):  # an explicit folder that is incomplete: an error saying why
+        return load_checkpoint(folder, device, dtype, quantization)
     warn_absent(preset, folder)
-    return random_model(PRESETS[preset], device, dtype, seed)
+    return random_model(PRESETS[preset], device, dtype, seed, quantization)
 
 
-__all__ = ["CheckpointError", "add_model_arguments", "default_weights_dir", "load_checkpoint",
-           "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
+__all__ = ["CheckpointError", "add_model_arguments", "add_quantization_argument", "default_weights_dir",
+           "load_checkpoint", "random_model", "save_pretrained", "load_model", "locate", "expected_shapes", "download_command",
            "config_from_hf", "config_to_hf", "is_complete", "missing_files", "warn_absent", "warn_once"]

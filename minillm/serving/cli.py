@@ -34,10 +34,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's knobs under vLLM's flag names, and the server's own."""
-    from ..checkpoints.load import add_model_arguments
+    from ..checkpoints.load import add_model_arguments, add_quantization_argument
     from ..scheduler import SchedulerConfig
     d = SchedulerConfig()
     add_model_arguments(parser)
+    add_quantization_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")

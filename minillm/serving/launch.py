@@ -179,7 +179,11 @@ def run(args) -> int:
     from ..bench.threads import apply_threads, choose_threads
     threads = apply_threads(choose_threads(args.threads))  # the free cores or --threads, as bench and lessons
     device = resolve_device(args.device)
-    model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir)
+    if args.disaggregate and args.quantization:
+        raise ValueError(f"--quantization {args.quantization} with --disaggregate: the workers load the weights in "
+                         "--dtype; serve int8 weights without --disaggregate")
+    model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir,
+                       quantization=args.quantization)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
     if args.disaggregate:
         from .disaggregated import serve_disaggregated

@@ -1,0 +1,173 @@
+"""Fewer bytes per token: weight-only int8, swapped into a loaded model.
+
+A decode step reads every weight once to push one token per sequence through the model: about 2 FLOPs per
+weight read, far left of any device's ridge point, so its time is the bytes it reads ÷ the bandwidth. The one
+lever that follows is to read fewer bytes per weight. Weight-only int8 stores each projection as int8 with one
+floating scale per output channel, and widens the weights back to the activations' precision inside the product:
+
+    scale_o = max_i |W[o, i]| / 127              one per output channel (row of W [out, in]), symmetric
+    q[o, i] = round(W[o, i] / scale_o)           round half to even, clamped to [-127, 127], stored int8
+    y       = x · (q · scale)ᵀ + b               = (x · qᵀ) · scale + b: the scale leaves the sum
+
+Per channel, not per tensor: one scale for the whole matrix would let its largest row set the step size of every
+row, and a row of small weights would round to a few levels, or to zero. With one scale per row each row uses
+all 255 levels, and its error per element is at most scale_o / 2.
+
+What it costs, in bytes a decode step reads (L layers, width C, vocabulary V, b bytes per element otherwise):
+
+    int8:   (12·L·C² + V·C) · 1  +  (9·L·C + V) · 4         the weights, and one fp32 scale per row
+    fp32:   (12·L·C² + V·C) · 4          bf16: · 2           (biases and LayerNorms, ~13·L·C·b, in both)
+
+so about a quarter of fp32's bytes and half of bf16's: the floor under a memory-bound step falls by that ratio
+(`bench` prints a step beside the floor for the bytes it reads; how close it comes is the kernel's business,
+below). As the batch grows a step turns compute-bound and the saving fades: the FLOPs are the same, and
+each int8 weight must still be widened before it is multiplied. Prefill is compute-bound from the start, and
+most CPUs have no instruction that multiplies int8 weights by floating activations: the weights are widened to a
+floating dtype (a transient copy of each matrix; bf16 on a CPU, below) and multiplied there, so prefill pays the
+widening and gains nothing. What it costs in accuracy is the rounding above; the tests bound it in logits.
+
+Which kernel computes the product (`int8_product`). On a CPU, whatever the model's dtype, a product takes the
+activations rounded to bf16, sums in fp32, and rounds its output to bf16 before the fp32 scales multiply it.
+Up to `FUSED_MAX_ROWS` rows (decode steps) go through torch's fused `_weight_int8pack_mm`, which reads the int8
+weights once and widens them in registers; it vectorises for bf16 activations only (in fp32 it is a scalar
+loop, slower than fp32's own product), and takes `in` 16 at a time (every GPT-2 width; other widths take the
+matmul). More rows (prefill) go through a bf16 matmul over q widened to bf16: the same numbers up to the order
+of the sums, so a row's logits do not depend on how many rows share its step. The two bf16 roundings err about
+a third as much as the weights' own; the tests bound the total. On a CPU without bf16 instructions that matmul
+is emulated, and prefill in int8 is slower than in fp32. On any other device (a GPU, where gpt-fast leaves the
+fusion to torch.compile) the product widens q to the activations' dtype: `F.linear(x, q.to(x.dtype)) · scale`,
+as gpt-fast writes it.
+
+The tied head. vLLM and gpt-fast keep embeddings in full precision, and so does this file: `wte` stays as it is
+for the lookup, which reads only one row per token. But the head, logits = x·wteᵀ, is the largest matmul in
+GPT-2 (V·C = 38.6M of gpt2's 124M weights) and a decode step reads all of it, so the head gets an int8 copy of its
+own (V·C bytes more memory), and reads that. The model then holds wte, wpe and the LayerNorms in its dtype,
+every projection and the head in int8 with fp32 scales.
+
+The swap, as gpt-fast's quantize.py does it and `cpu_layout.py` does for a CPU's layouts: once the weights are
+in, `quantize(model, "int8")` replaces each `Conv1D` with a `WeightOnlyInt8Linear` (W transposed to [out, in],
+the layout the fused kernel reads) and the `LMHead` with a `WeightOnlyInt8LMHead`; model.py stays as written,
+and `cpu_layout.lay_out` lays out only the modules that are still model.py's. The knob is vLLM's
+`--quantization`. vLLM has no plain `int8` value: its closest methods are a `compressed-tensors` checkpoint with
+8-bit weights and 16-bit activations (W8A16, made offline by llm-compressor), and `experts_int8`, which
+quantizes MoE expert weights to per-channel int8 as they load; here every projection is, with no calibration.
+
+state_dict of a quantized model: each projection's `weight` (int8 [out, in]), `scales` (fp32 [out]) and `bias`,
+`lm_head.weight` (int8 [V, C]) and `lm_head.scales`, and the rest as the plain model's. It loads into a model
+quantized the same way (strict: a plain state_dict lacks the scales and is refused); the checkpoint format is
+the plain model's, so `save_pretrained` refuses a quantized model.
+
+Invariants held by the tests: the round trip errs by at most scale/2 per element, with one scale per output
+channel; on a context-sensitive model the int8 logits stay within a stated max |diff| and KL of fp32's, and int8's
+greedy choice agrees with fp32's along a long generation at a stated rate; the engine (paged, batched, chunked)
+gives the int8 model its own tokens; a row's logits do not depend on its batch; `cpu_layout` leaves int8 alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .model import GPT2, Conv1D, LMHead
+
+QUANTIZATIONS = ("int8",)  # vLLM's knob, --quantization; None: the weights stay in the model's dtype
+FUSED_MAX_ROWS = 16  # on a CPU, the fused kernel up to this many rows; above, the bf16 matmul (docs/quantize.md)
+
+
+def check_quantization(quantization: str | None) -> None:
+    """A ValueError naming the value and the choices, for anything but None or a method this file implements."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r} is not a method minillm implements; choose one of "
+                         f"{', '.join(QUANTIZATIONS)}, or leave it out to keep the weights in the model's dtype")
+
+
+def quantize_per_channel(weight_out_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] → (q int8 [out, in], scales fp32 [out]): one symmetric scale per output channel, so that
+    q · scale[:, None] is W to within scale / 2 per element."""
+    w = weight_out_in.detach().float()
+    scales = w.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale gives zeros
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [out, in], row-major
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q int8 [out, in] and scales [out] → the fp32 W [out, in] they stand for."""
+    return q.float() * scales.float()[:, None]
+
+
+def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., in] · (q · scales)ᵀ → [..., out], in x's dtype. On a CPU in bf16 with fp32 sums: fused for a few
+    rows, a bf16 matmul over q widened for more; elsewhere q widened to x's dtype."""
+    if x.device.type != "cpu":
+        return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+    rows, xb = x.numel() // x.shape[-1], x.to(torch.bfloat16)
+    if rows <= FUSED_MAX_ROWS and x.shape[-1] % 16 == 0:  # the kernel takes `in` 16 at a time
+        unit = torch.ones(q.shape[0], dtype=torch.bfloat16)  # the real scales are applied after, in full precision
+        y = torch.ops.aten._weight_int8pack_mm(xb.reshape(rows, -1), q, unit).view(*x.shape[:-1], -1)
+    else:
+        y = F.linear(xb, q.to(torch.bfloat16))
+    return y.to(x.dtype) * scales.to(x.dtype)
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    """y = x·W + b, with W held as int8 [out, in] and an fp32 scale per output channel (`int8_product`)."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_conv1d(cls, conv: Conv1D) -> "WeightOnlyInt8Linear":
+        q, scales = quantize_per_channel(conv.weight.t())  # Conv1D stores [in, out]: one scale per column of it
+        return cls(q, scales, conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_product(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"int8 weight {tuple(self.weight.shape)} [out, in], per-channel scales"
+
+
+class WeightOnlyInt8LMHead(nn.Module):
+    """The tied head as its own int8 copy of wte [V, C] with a scale per token: logits = x · (q · scale)ᵀ.
+    The model still hands it wte at each call (for the lookup wte stays as it was); it reads its copy instead."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_wte(cls, wte: torch.Tensor) -> "WeightOnlyInt8LMHead":
+        return cls(*quantize_per_channel(wte))
+
+    def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
+        return int8_product(x, self.weight, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"int8 copy of wte {tuple(self.weight.shape)}, per-token scales"
+
+
+@torch.no_grad()
+def quantize(model: GPT2, quantization: str | None = "int8") -> GPT2:
+    """Swap every Conv1D (a CPU layout's included) and the head for its int8 module, from the weights as they
+    are now; None leaves the model as it is. Call it once the weights are final, before `choose_layout`."""
+    check_quantization(quantization)
+    if quantization is None:
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                setattr(parent, name, WeightOnlyInt8Linear.from_conv1d(child))
+    if isinstance(model.lm_head, LMHead):
+        model.lm_head = WeightOnlyInt8LMHead.from_wte(model.wte.weight)
+    return model
+
+
+def quantization_of(model: GPT2) -> str | None:
+    """"int8" if this model's projections are int8, None if they are in the model's dtype."""
+    return "int8" if isinstance(model.h[0].mlp.c_fc, WeightOnlyInt8Linear) else None
