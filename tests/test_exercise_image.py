@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from minillm.classroom import runner
+from minillm.classroom import access, runner
 from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import find_exercises
 
@@ -125,7 +125,7 @@ def image():
     base = Path(tempfile.mkdtemp(prefix="minillm-image-"))
     try:
         base.chmod(0o755)
-        needs(not runner.unreadable_for("nobody", [str(base)]), f"nobody cannot reach {base}: the temporary folder "
+        needs(not access.unreadable_for("nobody", [str(base)]), f"nobody cannot reach {base}: the temporary folder "
                                                                 f"{tempfile.gettempdir()} must be world-readable")
         python = base / "python"
         made = subprocess.run([str(SYSTEM_PYTHON), "-m", "venv", "--without-pip", str(python)], capture_output=True,

@@ -14,7 +14,8 @@ from .exposure import check_out_of_reach
 from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
 from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
-from .runner import check_user_can_run, run_children
+from .access import check_user_can_run
+from .runner import run_children
 from .splice import spliced_folder
 from .wire import to_wire
 
