@@ -54,11 +54,16 @@ def run_autograder_script() -> str:
 
 
 def distributions_for(project: str) -> list[importlib.metadata.Distribution]:
-    """The installed distributions `project` needs (its dependencies, with theirs, no extras), pytest (the checks
-    are pytest tests, and the grader loads them), and pip and setuptools for the editable install."""
+    """The installed distributions `project` needs (the dependencies its pyproject.toml names, with theirs, no
+    extras: the project itself need not be installed), pytest (the checks are pytest tests, and the grader loads
+    them), and pip and setuptools for the editable install."""
+    import tomllib
+
     from packaging.requirements import Requirement
     found: dict[str, importlib.metadata.Distribution] = {}
-    needed = [Requirement(r) for r in importlib.metadata.requires(project) or []]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert declared["name"] == project, declared["name"]
+    needed = [Requirement(r) for r in declared.get("dependencies", [])]
     todo = [r.name for r in needed if r.marker is None or r.marker.evaluate({"extra": ""})] + ["pytest", "pip",
                                                                                                "setuptools"]
     while todo:
@@ -69,7 +74,8 @@ def distributions_for(project: str) -> list[importlib.metadata.Distribution]:
             found[name] = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             pytest.fail(f"{name}, which {project} needs, is not installed in this environment, so the image's "
-                        f"interpreter cannot copy it; install the project first (pip install -e .)", pytrace=False)
+                        f"interpreter cannot copy it; install the project's dependencies first (pip install -e .)",
+                        pytrace=False)
         for r in found[name].requires or []:
             req = Requirement(r)
             if req.marker is None or req.marker.evaluate({"extra": ""}):

@@ -79,12 +79,13 @@ def package_files(root: Path, listed: list[str] | None) -> list[str]:
                   if p.is_file() and "__pycache__" not in p.parts)
 
 
-def spliced_folder(root: Path, submission: Path, graded: list[Exercise],
-                   listed: list[str] | None) -> tuple[Path, dict[str, str]]:
+def spliced_folder(root: Path, submission: Path, graded: list[Exercise], listed: list[str] | None,
+                   group: int | None = None) -> tuple[Path, dict[str, str]]:
     """A fresh folder holding the instructor's package with each graded region's code taken from `submission`,
     and, by exercise, why a region could not be taken: that region holds its stub, and only it fails.
 
-    Readable by everyone and writable by no one but its owner: the children read it as an unprivileged user."""
+    Writable by its owner alone; with `group` (the student's user's own group), readable by that group and no
+    one else, so that a run of another grade cannot read it; else readable by everyone."""
     from .regions import parse_regions
     root, submission = Path(root), Path(submission)
     by_file: dict[str, list[Exercise]] = {}
@@ -114,5 +115,7 @@ def spliced_folder(root: Path, submission: Path, graded: list[Exercise],
     folder = Path(tempfile.mkdtemp(prefix="minillm-graded-"))
     write_tree(root, folder, package_files(root, listed), texts)
     for path in [folder, *folder.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        if group is not None:
+            os.chown(path, -1, group)
+        os.chmod(path, (0o755 if path.is_dir() else 0o644) & (0o750 if group is not None else 0o777))
     return folder, broken
