@@ -135,13 +135,15 @@ def tiny_with_checks(tiny_project, monkeypatch):
 class OneCheck:
     """verify: the output must equal the input's "want"."""
 
+    floor = 0.5
+
     def verify(self, inputs, output):
         assert output == inputs["want"], f"expected {inputs['want']}, got {output}"
 
 
-def judged(messages, ended="", stray=0):
+def judged(messages, ended="", stray=0, names=None):
     (ex,) = parse(REGION)
-    cases = [judging.Case(f"c{i}", {"want": i}, held_out=i >= 2) for i in range(6)]
+    cases = [judging.Case(name, {"want": i}, held_out=i >= 2) for i, name in enumerate(names or [f"c{i}" for i in range(6)])]
     return judging.judge(ex, OneCheck(), cases, runner.ChildRun(messages, stray, ended, "printed this"))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from .answers import read_answers
 from .callers import caller_source
 from .exposure import check_out_of_reach
-from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
+from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks, off_limits_of
 from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
 from . import users
@@ -65,7 +65,7 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
                 scores[ex.id] = failed_all(ex, cases, f"not graded, as its region cannot be taken: {broken[ex.id]}")
                 continue
             body = _region_body(folder, ex)
-            banned = forbidden_calls(ex, body)
+            banned = forbidden_calls(ex, body, off_limits_of(ex, check, exercises, root))
             if banned:
                 scores[ex.id] = failed_all(ex, cases, f"the code uses {', '.join(banned)}, which this exercise puts "
                                                       f"off limits (see its hint): write it yourself")

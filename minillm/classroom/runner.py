@@ -6,8 +6,9 @@ cheap to start. The grader writes each child's job (its caller's source and
 the inputs, as plain data) to a file only the grader can open and hands it
 over, open, with the file for what the code prints and the pipe back. When a
 run ends, the child and everything it started are killed, wherever they moved
-(reaper.py), and before the grader returns, no process of the graded code is
-left.
+(reaper.py). With `--user`, what the starter says is a claim the kernel must
+confirm, and before the grader returns every process of that uid is killed
+(users.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import select
 import selectors
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import reaper, users
 from .access import user_ids
+from .wire import parse_messages
 
 MAX_OUTPUT = 64 << 20
 
@@ -247,23 +248,6 @@ class Child:
                 kill(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError, TypeError):
                 pass
-
-
-def parse_messages(data: bytes) -> tuple[list[dict], int]:
-    """The JSON objects, one per line, and how many lines were something else."""
-    messages, stray = [], 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            message = json.loads(line)
-        except (ValueError, RecursionError):
-            message = None
-        if isinstance(message, dict):
-            messages.append(message)
-        else:
-            stray += 1
-    return messages, stray
 
 
 def run_children(jobs: list[tuple[str, dict]], folder: Path, timeout: float, parallel: int,

@@ -174,8 +174,8 @@ def remove_leftovers(uid: int) -> list[str]:
 
 
 def _remove_owned(top: str, uid: int) -> list[str]:
-    """Remove every entry owned by `uid` under `top`, descending only into folders any user may write (where
-    `uid` could put something), never following a link."""
+    """Remove every entry owned by `uid` anywhere under `top` (a folder of mode 777 deep in another is as
+    writable as `top`), never following a link; a folder of `uid` goes whole."""
     removed, todo = [], [top]
     while todo:
         folder = todo.pop()
@@ -197,6 +197,6 @@ def _remove_owned(top: str, uid: int) -> list[str]:
                     except OSError:
                         continue
                 removed.append(entry.path)
-            elif stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
+            elif stat.S_ISDIR(st.st_mode):
                 todo.append(entry.path)
     return removed
