@@ -68,13 +68,6 @@ if _pid == 0:
         if _os.fork():
             _os._exit(0)
         open(_os.path.join({pids!r}, str(_os.getpid())), "w").close()
-        for _name in _os.listdir("/tmp"):   # the next grade's spliced solutions, if it could read them
-            if _name.startswith("minillm-graded-"):
-                try:
-                    _os.listdir(_os.path.join("/tmp", _name))
-                    open(_os.path.join({pids!r}, "read-" + _name), "w").close()
-                except OSError:
-                    pass
         _time.sleep(0.1)
     _os._exit(0)
 _time.sleep(0.5)
@@ -130,8 +123,8 @@ def leftovers() -> list[str]:
 @reference_only
 def test_what_the_uid_sends_leaves_or_stops_hurts_no_one_and_outlives_nothing(image, reference, tmp_path):
     """A run copies the starter's socket and forges the pids of a root process and of the grader; another makes a
-    sibling with clone(CLONE_PARENT) that changes its pid every 0.1 s and looks for the next grade's spliced
-    folder; another leaves files in /tmp, /var/tmp, /dev/shm and System V IPC objects; another SIGSTOPs the
+    sibling with clone(CLONE_PARENT) that changes its pid every 0.1 s, to wait for the next grade; another
+    leaves files in /tmp, /var/tmp, /dev/shm and System V IPC objects; another SIGSTOPs the
     starter; two regions make the parser raise MemoryError and RecursionError; one calls decode_attention.
     The root process and the grader live, the grade ends in minutes with every honest exercise in full and every
     attack at 0, and when run_autograder returns, nobody has no process, no file and no IPC object left."""
@@ -146,8 +139,8 @@ def test_what_the_uid_sends_leaves_or_stops_hurts_no_one_and_outlives_nothing(im
         "sampling-top-k": OUTLIVER.format(clone=clone, pids=str(pids)),
         "sampling-top-p": LEAVER.format(log=str(pids / "leaver.json"), root="_os.getcwd()"),
         "paged-gather": "\n".join(STOPPER),
-        "kv-cache-write": "x = " + "-" * 19_000 + "1",       # MemoryError in the parser
-        "kv-cache-read": "x = a" + ".a" * 9_000,             # RecursionError building the syntax tree
+        "kv-cache-write": "x = (" + "\n".join(["-" * 900] * 21) + "1)",    # MemoryError in the parser, within
+        "kv-cache-read": "x = (a" + "\n".join([".a" * 450] * 21) + ")",    # the caps; RecursionError building the tree
         "model-causal-attention": "\n".join(DOOR),
     }
     assert set(attacks) | HONEST == set(by_id)
@@ -160,6 +153,7 @@ def test_what_the_uid_sends_leaves_or_stops_hurts_no_one_and_outlives_nothing(im
         started = time.monotonic()
         proc = image.run_autograder()
         took = time.monotonic() - started
+        print(f"the grade with the attacks took {took:.1f} s")
         assert victim.poll() is None, "the root process was killed on a forged pid"
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert not users.processes_of(NOBODY), f"nobody's processes outlived the grade: {users.processes_of(NOBODY)}"
@@ -170,7 +164,6 @@ def test_what_the_uid_sends_leaves_or_stops_hurts_no_one_and_outlives_nothing(im
         forger = json.loads((pids / "forger.json").read_text())
         leaver = json.loads((pids / "leaver.json").read_text())
         hops = [p.name for p in pids.iterdir() if p.name.isdigit()]
-        read = [p.name for p in pids.iterdir() if p.name.startswith("read-")]
     finally:
         victim.kill()
         victim.wait()
@@ -186,7 +179,6 @@ def test_what_the_uid_sends_leaves_or_stops_hurts_no_one_and_outlives_nothing(im
     assert leaver["home"] == leaver["tmpdir"] and leaver["home"] not in ("/tmp", "/root"), leaver
     assert leaver["mode"] == 0o700 and leaver["owner"] == NOBODY and leaver["graded"] == 0o750, leaver
     assert len(hops) > 1, f"the sibling never ran ({hops}): the test shows nothing"
-    assert read == [], f"a run of one grade could list a graded folder: {read}"
 
 
 @reference_only

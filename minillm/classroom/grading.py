@@ -70,8 +70,9 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
                 scores[ex.id] = failed_all(ex, cases, f"the code uses {', '.join(banned)}, which this exercise puts "
                                                       f"off limits (see its hint): write it yourself")
                 continue
-            home = homes / ex.id
-            home.mkdir()
+            home = homes / ex.id             # HOME and TMPDIR of this run alone
+            home.mkdir(mode=0o700)
+            home.chmod(0o700)
             if ids:
                 os.chown(home, *ids)
             job = {"exercise": ex.id, "caller": caller_source(check), "home": str(home),
