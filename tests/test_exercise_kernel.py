@@ -236,3 +236,42 @@ def test_the_kernel_names_a_process_of_the_user_or_none():
     assert users.held(me, NOBODY) is None, "a root process must never pass for nobody's"
     assert users.held(me, os.getuid(), parent=me) is None, "nor a process for a child of one that is not its parent"
     assert users.held(2**22 + 12345, os.getuid()) is None
+
+
+KILLER = """\
+import os as _os, signal as _signal, time as _time
+open("/run/lock/minillm-left-by-a-run", "w").write("for the next student")
+if _os.fork() == 0:
+    _os.setsid()
+    _end = _time.monotonic() + 120
+    while _time.monotonic() < _end:  # every other process of its user dies, the grader's helper among them
+        try:
+            _os.kill(-1, _signal.SIGKILL)
+        except OSError:
+            pass
+    _os._exit(0)
+raise NotImplementedError("the killer")
+"""
+
+
+@reference_only
+def test_a_run_that_kills_every_process_of_its_user_cannot_outlive_the_grade(image, reference):
+    """An adversary who has read users.py: a process that calls kill(-1, SIGKILL) without pause kills the starter,
+    the other runs and the grader's own helper as soon as it becomes the user's, and leaves a file in /run/lock.
+    The grade still ends with a results file, the killer's exercise at 0, no process of nobody alive and nothing
+    of nobody's left in /run/lock; what it cost is its own submission's other exercises."""
+    assert not users.processes_of(NOBODY), "nobody has processes before the grade: the test needs it unused"
+    submission = student_copy(image)
+    by_id = {ex.id: ex for ex in find_exercises(submission)}
+    for ex in reference:
+        restore(submission, ex)
+    restore(submission, by_id["paged-free"], KILLER.splitlines())
+    world_readable(submission)
+    started = time.monotonic()
+    proc = image.run_autograder()
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not users.processes_of(NOBODY), f"nobody's processes outlived the grade: {users.processes_of(NOBODY)}"
+    assert not leftovers(), f"left behind by the grade: {leftovers()}"
+    assert results_by_exercise(image.results())["paged-free"]["held-out checks"]["score"] == 0
+    assert took < 300, f"the grade took {took:.0f} s"
