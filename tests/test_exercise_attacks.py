@@ -186,3 +186,11 @@ def test_a_region_may_not_reach_attention_written_elsewhere_nor_another_regions_
     for honest in reference:                               # and every reference region still passes
         allowed = judging.off_limits_of(honest, checks[honest.id], reference, ROOT)
         assert judging.forbidden_calls(honest, list(honest.body), allowed) == [], honest.id
+
+
+def test_the_user_whose_processes_the_grader_kills_is_never_root_nor_its_own(capsys):
+    """`--user root` (or the grader's own user) would have the end of the grade kill every process of root: refused
+    before anything runs."""
+    from minillm.classroom.cli import main
+    assert main(["grade", "--user", "root"]) == 2
+    assert "the grader's own or root's" in capsys.readouterr().err
