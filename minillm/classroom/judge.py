@@ -153,10 +153,13 @@ def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = Non
     banned = set(ex.off_limits) if banned is None else banned
     # A prefix bans every module it starts (key_sampling); a name of one's own (key_states) is no offence, so
     # the answer keys' and the catalogue's prefixes are matched on what is imported, or named in a string.
-    found = sorted(n for n in used | imported if n in banned or n in FORBIDDEN_EVERYWHERE
-                   or any(k in n for k in KERNELS)
-                   or any(f.endswith("_") and n.startswith(f) and (n in imported or f == "test_ex_")
-                          for f in FORBIDDEN_EVERYWHERE))
+    dotted = {n for n in used if "." in n}   # Class.method: matched against another region's method alone
+    used -= dotted
+    found = sorted(dotted & banned)
+    found += sorted(n for n in used | imported if n in banned or n in FORBIDDEN_EVERYWHERE
+                    or any(k in n for k in KERNELS)
+                    or any(f.endswith("_") and n.startswith(f) and (n in imported or f == "test_ex_")
+                           for f in FORBIDDEN_EVERYWHERE))
     found += sorted(n for n in strings - set(found) if any(f.endswith("_") and n.startswith(f)
                                                            for f in FORBIDDEN_EVERYWHERE))
     return found
