@@ -34,7 +34,7 @@ from minillm.classroom.regions import find_exercises
 
 from exercise_tool_support import reference  # noqa: F401  (fixtures)
 from exercise_tool_support import (HONEST, ROOT, THIEF, cheat, reference_only, restore,
-                                    results_by_exercise, world_readable)
+                                    results_by_exercise, sign_in_folder, world_readable)
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 PROJECT = "minillm-course"
@@ -188,18 +188,20 @@ def test_run_autograder_grades_only_the_regions_and_no_attack_scores(image, refe
     exercise and costs no other exercise a point; the honest ones, one with a lazy import of the standard library,
     score in full. Nothing the graded code started is alive when run_autograder returns."""
     submission = student_copy(image)
-    pids = image.base / "pids"
-    pids.mkdir(exist_ok=True)
-    pids.chmod(0o777)                                    # nobody's lingering processes sign in here
-    attacks = cheat(submission, reference, image.autograder / "source", image.results(), pids)
-    assert set(attacks) | HONEST == {ex.id for ex in reference}
-    world_readable(submission)
-    proc = image.run_autograder("--held-out-visibility", "after_due_date")
-    lingering = [p.name for p in pids.iterdir() if Path(f"/proc/{p.name}").exists()]
+    pids = sign_in_folder()                              # nobody's lingering processes sign in here
+    try:
+        attacks = cheat(submission, reference, image.autograder / "source", image.results(), pids)
+        assert set(attacks) | HONEST == {ex.id for ex in reference}
+        world_readable(submission)
+        proc = image.run_autograder("--held-out-visibility", "after_due_date")
+        signed = list(pids.iterdir())
+        lingering = [p.name for p in signed if Path(f"/proc/{p.name}").exists()]
+    finally:
+        shutil.rmtree(pids)
     raw = image.results().read_bytes()
     assert all(b < 128 for b in raw), "the results file must be ASCII"
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert list(pids.iterdir()) and not lingering, f"alive after the grade: {lingering}"
+    assert signed and not lingering, f"alive after the grade: {lingering}"
     results = results_by_exercise(image.results())
     for ex in reference:
         held = results[ex.id]["held-out checks"]

@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import find_exercises
 
 from exercise_tool_support import reference  # noqa: F401  (fixtures)
-from exercise_tool_support import reference_only, region_lines, restore, results_by_exercise, world_readable
+from exercise_tool_support import reference_only, restore, results_by_exercise, sign_in_folder, world_readable
 from test_exercise_image import image, student_copy  # noqa: F401  (the image fixture)
 
 NOBODY = 65534
@@ -96,15 +95,6 @@ STOPPER = ["import os, signal", "os.kill(os.getppid(), signal.SIGSTOP)   # the s
 DOOR = ["return decode_attention(q, k, v, mask)   # attention written out already, for any number of queries"]
 HONEST = {"paged-allocate", "paged-free", "paged-slot-mapping", "scheduler-preempt", "scheduler-budget-fill",
           "prefix-match", "speculative-accept"}
-
-
-def sign_in_folder() -> Path:
-    """A folder that nobody may write, outside the folders the grader cleans (/run): the attacks leave their
-    pids and what they saw there, for the test to read after the grade."""
-    assert Path("/run").is_dir(), "/run is missing: the attacks sign in there, outside /tmp, /var/tmp and /dev/shm"
-    folder = Path(tempfile.mkdtemp(dir="/run", prefix="minillm-kernel-"))
-    folder.chmod(0o777)
-    return folder
 
 
 def leftovers() -> list[str]:
