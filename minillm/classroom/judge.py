@@ -103,7 +103,8 @@ def off_limits_of(ex: Exercise, check, graded: list[Exercise], root: Path) -> se
 
 
 def _names_in(node: ast.AST) -> set[str]:
-    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
 
 
 IMPORTERS = ("import_module", "__import__", "find_spec", "spec_from_file_location", "import_from_path")
