@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -135,13 +136,15 @@ def tiny_with_checks(tiny_project, monkeypatch):
 class OneCheck:
     """verify: the output must equal the input's "want"."""
 
+    floor = 0.5
+
     def verify(self, inputs, output):
         assert output == inputs["want"], f"expected {inputs['want']}, got {output}"
 
 
-def judged(messages, ended="", stray=0):
+def judged(messages, ended="", stray=0, names=None):
     (ex,) = parse(REGION)
-    cases = [judging.Case(f"c{i}", {"want": i}, held_out=i >= 2) for i in range(6)]
+    cases = [judging.Case(name, {"want": i}, held_out=i >= 2) for i, name in enumerate(names or [f"c{i}" for i in range(6)])]
     return judging.judge(ex, OneCheck(), cases, runner.ChildRun(messages, stray, ended, "printed this"))
 
 
@@ -352,6 +355,15 @@ def visible_and_seeded_slots(seed: int) -> dict:
     cases = {**check.visible(), **check.held_out(seed)}
     return {(tuple(c["table"]), c["start"], c["num_tokens"], c["block_size"]):
             slot_mapping(list(c["table"]), c["start"], c["num_tokens"], c["block_size"]) for c in cases.values()}
+
+
+def sign_in_folder() -> Path:
+    """A folder that nobody may write, outside the folders the grader cleans (/run): the attacks leave their
+    pids and what they saw there, for the test to read after the grade."""
+    assert Path("/run").is_dir(), "/run is missing: the attacks sign in there, outside /tmp, /var/tmp and /dev/shm"
+    folder = Path(tempfile.mkdtemp(dir="/run", prefix="minillm-kernel-"))
+    folder.chmod(0o777)
+    return folder
 
 
 def world_readable(path: Path) -> None:

@@ -150,3 +150,47 @@ def test_a_region_that_masks_the_callers_logits_in_place_fails_and_is_told_so(tm
         assert held["score"] == 0, held
         assert f"{function} changed its input logits in place" in held["output"], held["output"]
         assert "changed its input logits in place" in results[ex_id]["visible cases"]["output"]
+
+
+DOORS = {   # exercise -> lines that hand its work to code it did not write, and the name each must be refused for
+    "model-causal-attention": [
+        (["return decode_attention(q, k, v, mask)"], "decode_attention"),
+        (["return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, is_causal=True)[0]"],
+         "_scaled_dot_product_attention_math"),
+        (["return getattr(torch.ops.aten, '_scaled_dot_product_flash_attention')(q, k, v)[0]"],
+         "_scaled_dot_product_flash_attention"),
+        (["from minillm.kv_cache import KVCache", "return KVCache.read(stand_in, 0, q, k, v)"], "KVCache.read"),
+        (["return getattr(KVCache, 'read')(stand_in, 0, q, k, v)"], "KVCache.read"),
+        (["return CausalSelfAttention.forward(marked, q)"], "CausalSelfAttention.forward"),
+    ],
+    "model-heads": [   # a door planted here, for another region to call
+        (["if getattr(x, 'marked', False):", "    return F.scaled_dot_product_attention(x.q, x.k, x.v)"],
+         "scaled_dot_product_attention"),
+    ],
+    "kv-cache-read": [(["return attention_by_hand(q, keys, values, mask)"], "attention_by_hand")],
+}
+
+
+@pytest.mark.parametrize("ex_id", sorted(DOORS))
+def test_a_region_may_not_reach_attention_written_elsewhere_nor_another_regions_function(ex_id, reference):
+    """Off limits beyond the hint: decode_attention (the check's own list), every fused attention op by any of its
+    names, any function of the graded file that reaches an off-limits name, and the function holding another
+    graded region (scheduler-budget-fill may call scheduler-preempt's _reserve: its check says so)."""
+    checks = judging.load_checks(ROOT)
+    ex = next(r for r in reference if r.id == ex_id)
+    banned = judging.off_limits_of(ex, checks[ex_id], reference, ROOT)
+    for lines, name in DOORS[ex_id]:
+        assert name in judging.forbidden_calls(ex, lines, banned), (ex_id, lines)
+    assert judging.forbidden_calls(ex, ["text = open('notes').read()", "return text"], banned) == [], \
+        "a method's name on any object is no offence: only through the class of another region's method"
+    for honest in reference:                               # and every reference region still passes
+        allowed = judging.off_limits_of(honest, checks[honest.id], reference, ROOT)
+        assert judging.forbidden_calls(honest, list(honest.body), allowed) == [], honest.id
+
+
+def test_the_user_whose_processes_the_grader_kills_is_never_root_nor_its_own(capsys):
+    """`--user root` (or the grader's own user) would have the end of the grade kill every process of root: refused
+    before anything runs."""
+    from minillm.classroom.cli import main
+    assert main(["grade", "--user", "root"]) == 2
+    assert "the grader's own or root's" in capsys.readouterr().err

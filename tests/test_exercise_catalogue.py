@@ -1,5 +1,7 @@
 """The grade catches the wrong, not only the absent: each plausible wrong version of a region in
-tests/exercises/wrong_<concept>.py scores below full marks on every one of 200 held-out draws.
+tests/exercises/wrong_<concept>.py scores below full marks on every one of 200 held-out draws, and a one-line
+non-solution earns nothing: an exercise earns its share of points only when at least its check's `floor` (half)
+of its held-out edges pass, and the non-solutions below pass fewer on every seed, though some drawn cases pass.
 
 One process per exercise: it splices each wrong version into the reference module in turn, and judges each
 seed's held-out cases with the check's own run and verify until one fails, a case whose inputs came back
@@ -32,6 +34,7 @@ def catalogue() -> dict[str, dict[str, str]]:
 WRONG = catalogue()
 
 SEEDS = 200
+FLOOR_SEEDS = 40
 pytestmark = pytest.mark.skipif((ROOT / MANIFEST).exists(), reason="a copy: the catalogue is the instructor's")
 
 SCRIPT = r'''
@@ -105,3 +108,59 @@ def test_no_held_out_case_is_the_same_on_two_seeds():
         if same:
             repeated[ex_id] = same
     assert not repeated, f"held-out cases that seeds 1 and 2 share, so a table of answers would pass them: {repeated}"
+
+
+NON_SOLUTIONS = {   # exercise -> (what it is, the region's code)
+    "scheduler-budget-fill": ("the parent class's policy", "return super()._plan(out)"),
+    "sampling-top-p": ("greedy as top-p: only the largest logit kept",
+                       "return logits.masked_fill(logits < logits.max(dim=-1, keepdim=True).values, float('-inf'))"),
+    "speculative-accept": ("accept every guess",
+                           "return list(draft_token_ids) + [int(torch.multinomial(target_probs[len(draft_token_ids)], "
+                           "1, generator=generator))]"),
+    "prefix-match": ("no block is ever cached", "return []"),
+}
+
+FLOOR_SCRIPT = r'''
+import copy, importlib, json, sys
+sys.path[:0] = [ROOT, ROOT + "/tests/exercises"]
+import torch
+torch.set_num_threads(1)
+from minillm.classroom.judge import load_checks
+from minillm.classroom.regions import find_exercises, replace_region
+from minillm.classroom.wire import changed_inputs, over_the_wire, to_wire
+from pathlib import Path
+ex = next(e for e in find_exercises(Path(ROOT)) if e.id == EX)
+check = load_checks(Path(ROOT))[EX]
+module = importlib.import_module(ex.file[:-3].replace("/", "."))
+original = (Path(ROOT) / ex.file).read_text()
+exec(compile(replace_region(original, ex.file, EX, [ex.indent + BODY]), ex.file, "exec"), module.__dict__)
+
+def shares(seed):
+    """The share of the held-out checks passed, and of the edges."""
+    passed = {}
+    for name, inputs in check.held_out(seed).items():
+        try:
+            given = copy.deepcopy(inputs)
+            check.verify(inputs, over_the_wire(check.run(given)))
+            passed[name] = not changed_inputs(to_wire(inputs), given)
+        except Exception:
+            passed[name] = False
+    edges = [ok for name, ok in passed.items() if name.startswith("edge: ")]
+    return sum(passed.values()) / len(passed), sum(edges) / len(edges)
+
+print(json.dumps([shares(s) for s in range(SEEDS)]))
+'''
+
+
+@pytest.mark.parametrize("ex_id", sorted(NON_SOLUTIONS))
+def test_a_one_line_non_solution_scores_nothing_on_any_seed(ex_id):
+    from minillm.classroom.judge import load_checks
+    what, body = NON_SOLUTIONS[ex_id]
+    floor = load_checks(ROOT)[ex_id].floor
+    code = f"ROOT = {str(ROOT)!r}\nEX = {ex_id!r}\nSEEDS = {FLOOR_SEEDS}\nBODY = {body!r}\n" + FLOOR_SCRIPT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shares = json.loads(proc.stdout.splitlines()[-1])
+    assert max(share for share, _ in shares) > 0, f"{ex_id} ({what}) passes no case: it shows nothing of the floor"
+    over = {seed: edges for seed, (_, edges) in enumerate(shares) if edges >= floor}
+    assert not over, f"{ex_id} ({what}) passes {floor:.0%} of its held-out edges or more on seeds {over}"

@@ -72,6 +72,12 @@ def test_the_grader_judges_each_case_once_and_says_what_happened():
     half = judged([{"case": i, "output": i if i < 4 else -1} for i in range(6)])
     assert half.score == 1.0                       # 2 pts × 2/4 held-out checks; the visible cases do not count
     assert "2/4 held-out checks" in report.feedback(half, True) and "printed this" in report.feedback(half, True)
+    edges = ["c0", "c1", "edge: a", "edge: b", "edge: c", "c5"]   # one edge of three passes: below the floor
+    no_edge = judged([{"case": i, "output": i if i in (0, 1, 2, 5) else -1} for i in range(6)], names=edges)
+    assert [r.passed for r in no_edge.of(True)] == [True, False, False, True] and no_edge.score == 0.0
+    assert "No points" in report.feedback(no_edge, True) and "at least 50% of its edges" in report.feedback(no_edge, True)
+    two_edges = judged([{"case": i, "output": i if i != 4 else -1} for i in range(6)], names=edges)
+    assert two_edges.score == 1.5 and "No points" not in report.feedback(two_edges, True)
 
 
 def test_gradescope_results_are_valid_field_by_field():
@@ -303,6 +309,8 @@ def test_what_a_child_sends_costs_its_own_cases_only():
     assert "cannot read" in score.results[3].message
 
     class Exploding:
+        floor = 0.5
+
         def verify(self, inputs, output):
             raise RecursionError("a structure too deep to compare")   # a check's own error stays in its exercise
 

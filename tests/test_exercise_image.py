@@ -28,13 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from minillm.classroom import runner
+from minillm.classroom import access, runner
 from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import find_exercises
 
 from exercise_tool_support import reference  # noqa: F401  (fixtures)
 from exercise_tool_support import (HONEST, ROOT, THIEF, cheat, reference_only, restore,
-                                    results_by_exercise, world_readable)
+                                    results_by_exercise, sign_in_folder, world_readable)
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 PROJECT = "minillm-course"
@@ -54,11 +54,16 @@ def run_autograder_script() -> str:
 
 
 def distributions_for(project: str) -> list[importlib.metadata.Distribution]:
-    """The installed distributions `project` needs (its dependencies, with theirs, no extras), pytest (the checks
-    are pytest tests, and the grader loads them), and pip and setuptools for the editable install."""
+    """The installed distributions `project` needs (the dependencies its pyproject.toml names, with theirs, no
+    extras: the project itself need not be installed), pytest (the checks are pytest tests, and the grader loads
+    them), and pip and setuptools for the editable install."""
+    import tomllib
+
     from packaging.requirements import Requirement
     found: dict[str, importlib.metadata.Distribution] = {}
-    needed = [Requirement(r) for r in importlib.metadata.requires(project) or []]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert declared["name"] == project, declared["name"]
+    needed = [Requirement(r) for r in declared.get("dependencies", [])]
     todo = [r.name for r in needed if r.marker is None or r.marker.evaluate({"extra": ""})] + ["pytest", "pip",
                                                                                                "setuptools"]
     while todo:
@@ -69,7 +74,8 @@ def distributions_for(project: str) -> list[importlib.metadata.Distribution]:
             found[name] = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             pytest.fail(f"{name}, which {project} needs, is not installed in this environment, so the image's "
-                        f"interpreter cannot copy it; install the project first (pip install -e .)", pytrace=False)
+                        f"interpreter cannot copy it; install the project's dependencies first (pip install -e .)",
+                        pytrace=False)
         for r in found[name].requires or []:
             req = Requirement(r)
             if req.marker is None or req.marker.evaluate({"extra": ""}):
@@ -125,7 +131,7 @@ def image():
     base = Path(tempfile.mkdtemp(prefix="minillm-image-"))
     try:
         base.chmod(0o755)
-        needs(not runner.unreadable_for("nobody", [str(base)]), f"nobody cannot reach {base}: the temporary folder "
+        needs(not access.unreadable_for("nobody", [str(base)]), f"nobody cannot reach {base}: the temporary folder "
                                                                 f"{tempfile.gettempdir()} must be world-readable")
         python = base / "python"
         made = subprocess.run([str(SYSTEM_PYTHON), "-m", "venv", "--without-pip", str(python)], capture_output=True,
@@ -168,6 +174,7 @@ def test_run_autograder_as_written_gives_an_honest_complete_submission_full_mark
     world_readable(submission)
     proc = image.run_autograder()
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(next(line for line in proc.stdout.splitlines() if line.startswith("graded in")))
     results = results_by_exercise(image.results())
     short = {ex_id: t["held-out checks"]["output"][:500] for ex_id, t in results.items()
              if any(part["status"] != "passed" for part in t.values())}
@@ -182,18 +189,20 @@ def test_run_autograder_grades_only_the_regions_and_no_attack_scores(image, refe
     exercise and costs no other exercise a point; the honest ones, one with a lazy import of the standard library,
     score in full. Nothing the graded code started is alive when run_autograder returns."""
     submission = student_copy(image)
-    pids = image.base / "pids"
-    pids.mkdir(exist_ok=True)
-    pids.chmod(0o777)                                    # nobody's lingering processes sign in here
-    attacks = cheat(submission, reference, image.autograder / "source", image.results(), pids)
-    assert set(attacks) | HONEST == {ex.id for ex in reference}
-    world_readable(submission)
-    proc = image.run_autograder("--held-out-visibility", "after_due_date")
-    lingering = [p.name for p in pids.iterdir() if Path(f"/proc/{p.name}").exists()]
+    pids = sign_in_folder()                              # nobody's lingering processes sign in here
+    try:
+        attacks = cheat(submission, reference, image.autograder / "source", image.results(), pids)
+        assert set(attacks) | HONEST == {ex.id for ex in reference}
+        world_readable(submission)
+        proc = image.run_autograder("--held-out-visibility", "after_due_date")
+        signed = list(pids.iterdir())
+        lingering = [p.name for p in signed if Path(f"/proc/{p.name}").exists()]
+    finally:
+        shutil.rmtree(pids)
     raw = image.results().read_bytes()
     assert all(b < 128 for b in raw), "the results file must be ASCII"
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert list(pids.iterdir()) and not lingering, f"alive after the grade: {lingering}"
+    assert signed and not lingering, f"alive after the grade: {lingering}"
     results = results_by_exercise(image.results())
     for ex in reference:
         held = results[ex.id]["held-out checks"]

@@ -54,6 +54,12 @@ Grading, and what it defends against
     or inputs changed in place fail that exercise only. When its run ends,
     the child and every process it started are killed, wherever they moved
     (reaper.py: subreapers on Linux).
+  * The grader believes only the kernel (users.py). With `--user`, root
+    signals only what /proc and a pidfd say is that user's, never a pid a run
+    names; at the end a helper dropped to the uid kills all of its processes
+    until none is left; runs get a private HOME and TMPDIR and rlimits, and
+    what the uid left in /tmp, /var/tmp, /dev/shm and System V IPC is removed.
+    The submission's files are read without following links (splice.py).
   * The results file is written once, at the end, when no process of the
     graded code is left: whole (renamed into place) and ASCII, also when
     grading fails, with the reason (results.py).
@@ -62,9 +68,10 @@ Grading, and what it defends against
     answers built for it would pass, so it is only for reproducing a grade.
   * With held-out results hidden (--held-out-visibility), nothing the code
     printed, and no way its run ended, reaches the visible output.
-What no check stops: code that reads other files its user can read (a copy
-of the reference left elsewhere on the image), network use, and exhausting
-memory or disk.
+What no check stops: names computed at run time (the off-limits check reads
+names), code that reads other files its user can read (a copy of the
+reference left elsewhere on the image), network use, and exhausting memory or
+disk up to the rlimits (docs/grading.md).
 
 Adding an exercise
 ------------------

@@ -44,6 +44,9 @@ def run_job(channel: int, root: str) -> None:
     """In a child: the job from stdin, each case's inputs through the caller, each output back as data."""
     job = json.loads(sys.stdin.buffer.read())
     os.close(0)
+    os.environ["HOME"] = os.environ["TMPDIR"] = job["home"]   # this run's own, that only its user may enter
+    import tempfile
+    tempfile.tempdir = None
     from minillm.classroom.wire import changed_inputs, from_wire, to_wire
     namespace = {"__name__": "exercise_caller"}
     exec(compile(job["caller"], f"<the caller of exercise {job['exercise']}>", "exec"), namespace)
@@ -94,7 +97,24 @@ def fork_child(sock: socket.socket, fds: list[int], root: str) -> int:
         os._exit(code)
 
 
+def confine(limits: dict) -> None:
+    """Before anything else, and before any run forks: no process of this user may read this one's memory or
+    take its file descriptors (not dumpable), no program it starts gains privileges, and every run meets the
+    grader's rlimits (soft = hard: a run cannot raise them)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import resource
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) or libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl failed")
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
 def main() -> None:
+    confine(json.loads(sys.argv[2]))
     sock = socket.socket(fileno=int(sys.argv[1]))
     root = os.getcwd()
     sys.path.insert(0, root)

@@ -142,7 +142,10 @@ def _checked_user(user: str | None) -> str | None:
         entry = pwd.getpwnam(user)
     except KeyError:
         raise ExerciseError(f"--user {user}: no such user on this system (Gradescope's images have nobody)") from None
-    if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
+    if entry.pw_uid in (0, os.geteuid()):   # every process of that uid is killed at the end of the grade
+        raise ExerciseError(f"--user {user} is uid {entry.pw_uid}, the grader's own or root's: the grader kills every "
+                            f"process of that uid, so name a user nothing else runs as (nobody)")
+    if os.geteuid() != 0:
         raise ExerciseError(f"--user {user} needs the grader to run as root, to hand the children to that user; "
                             f"Gradescope runs run_autograder as root")
     return user

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from .regions import Exercise, ExerciseError, PACKAGE, parse_regions
-from .runner import unreadable_for
+from .access import unreadable_for
 
 EXERCISE_TESTS = "tests/exercises"
 

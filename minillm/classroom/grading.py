@@ -6,15 +6,18 @@ import os
 import secrets
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from .answers import read_answers
 from .callers import caller_source
 from .exposure import check_out_of_reach
-from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks
+from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks, off_limits_of
 from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
-from .runner import check_user_can_run, run_children
+from . import users
+from .access import check_user_can_run, user_ids
+from .runner import run_children
 from .splice import spliced_folder
 from .wire import to_wire
 
@@ -44,9 +47,13 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
         raise ExerciseError(f"no check in {EXERCISE_TESTS}/ for exercise{'s' if len(missing) > 1 else ''} "
                             f"{', '.join(missing)}; every exercise needs one (see exercise_checks.py)")
     listed = read_manifest(root)["files"] if (root / MANIFEST).exists() else None
-    if user:
+    ids = user_ids(user) if user else None
+    if ids:
         check_out_of_reach(user, root, exercises)
-    folder, broken = spliced_folder(root, submission, exercises, listed)
+        users.refuse_if_busy(user, ids[0])
+        users.remove_leftovers(ids[0])       # each grade starts clean, whatever an older grader left
+    folder, broken = spliced_folder(root, submission, exercises, listed, ids[1] if ids else None)
+    homes = users.private_folder(*ids, "minillm-homes-") if ids else Path(tempfile.mkdtemp(prefix="minillm-homes-"))
     try:
         if user:
             check_user_can_run(user, folder)
@@ -58,21 +65,29 @@ def grade_exercises(exercises: list[Exercise], root: Path, submission: Path | No
                 scores[ex.id] = failed_all(ex, cases, f"not graded, as its region cannot be taken: {broken[ex.id]}")
                 continue
             body = _region_body(folder, ex)
-            banned = forbidden_calls(ex, body)
+            banned = forbidden_calls(ex, body, off_limits_of(ex, check, exercises, root))
             if banned:
                 scores[ex.id] = failed_all(ex, cases, f"the code uses {', '.join(banned)}, which this exercise puts "
                                                       f"off limits (see its hint): write it yourself")
                 continue
-            job = {"exercise": ex.id, "caller": caller_source(check),
+            home = homes / ex.id             # HOME and TMPDIR of this run alone
+            home.mkdir(mode=0o700)
+            home.chmod(0o700)
+            if ids:
+                os.chown(home, *ids)
+            job = {"exercise": ex.id, "caller": caller_source(check), "home": str(home),
                    "cases": [[i, c.name, to_wire(c.inputs)] for i, c in enumerate(cases)]}
             work.append((ex, check, cases, job))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        runs = run_children([(ex.id, job) for ex, _, _, job in work], folder, timeout, jobs or cores, user)
+        runs = run_children([(ex.id, job) for ex, _, _, job in work], folder, timeout, jobs or cores, user, homes)
         for ex, check, cases, _ in work:
             scores[ex.id] = judge(ex, check, cases, runs[ex.id])
         return [scores[ex.id] for ex in exercises], seed
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(homes, ignore_errors=True)
+        if ids:                              # every process of the uid is gone: what it left, it left for good
+            users.remove_leftovers(ids[0])
 
 
 def _region_body(folder: Path, ex: Exercise) -> list[str]:

@@ -47,6 +47,7 @@ def load_checks(root: Path) -> dict:
     return checks
 
 
+EDGE = "edge: "         # how a held-out edge's name starts (exercise_checks.Check.held_out)
 NO_ANSWER = object()   # a case whose answer the grader works out here, with the check's key (`verify`)
 
 
@@ -67,6 +68,45 @@ def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]
     return [Case(name, inputs, False, literal_answer(answers, check, name)) for name, inputs in check.visible().items()]
 
 
+# Attention kernels no region writes by calling: torch's fused attention under any of its names
+# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...); a name holding one
+# of these is off limits in every region.
+KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "multi_head_attention_forward")
+
+
+def off_limits_of(ex: Exercise, check, graded: list[Exercise], root: Path) -> set[str]:
+    """The names region `ex` may not use beyond what no region may: its hint's "Off limits", its check's
+    `off_limits`, every function of its file that reaches one of those or a kernel (by name, within the file: a
+    door planted elsewhere in the file is closed too), and the function holding every other graded region, but
+    those its check's `calls` names: a region may not hand its work to another exercise's."""
+    banned = set(ex.off_limits) | set(getattr(check, "off_limits", ()))
+    uses: dict[str, set[str]] = {}
+    try:
+        tree = ast.parse((Path(root) / ex.file).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        tree = ast.Module(body=[], type_ignores=[])
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            uses.setdefault(node.name, set()).update(_names_in(node))
+    own = ex.function.split(".")[-1]
+    reach = set()
+    while True:
+        more = {f for f, names in uses.items() if f != own and f not in reach and any(
+            n in banned or n in reach or any(k in n for k in KERNELS) for n in names)}
+        if not more:
+            break
+        reach |= more
+    allowed = set(getattr(check, "calls", ()))   # a method as Class.method, so that `f.read()` is no offence
+    others = {e.function.split(".", e.function.count(".") - 1)[-1] for e in graded
+              if e.id != ex.id and e.id not in allowed}
+    return banned | reach | (others - {ex.function, "<module>"})
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
 IMPORTERS = ("import_module", "__import__", "find_spec", "spec_from_file_location", "import_from_path")
 GETTERS = ("getattr", "hasattr", "attrgetter")
 
@@ -76,7 +116,7 @@ def _constant_strings(node: ast.Call) -> list[str]:
             if isinstance(a, ast.Constant) and isinstance(a.value, str)]
 
 
-def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
+def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = None) -> list[str]:
     """The off-limits names a region's code uses: its hint's "Off limits: ..." and what no region may reach.
     Checked on the code's syntax tree, so a comment or a docstring that names one is no offence, but a name given
     as a constant string to what imports or looks up by name is: `importlib.import_module("transformers")`,
@@ -84,7 +124,7 @@ def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
     time ("trans" + "formers") still slips through: that is for a reader of the code to catch."""
     try:
         tree = ast.parse(textwrap.dedent("\n".join(body)))
-    except SyntaxError:
+    except (SyntaxError, MemoryError, RecursionError, ValueError):   # splice.py refused it already
         return []
     used, imported, strings = set(), set(), set()
     for node in ast.walk(tree):
@@ -92,12 +132,16 @@ def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
             used.add(node.id)
         elif isinstance(node, ast.Attribute):
             used.add(node.attr)
+            if isinstance(node.value, ast.Name):   # KVCache.read: another region's method, reached by its class
+                used.add(f"{node.value.id}.{node.attr}")
         elif isinstance(node, ast.Call):
             called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             if called in IMPORTERS:
                 imported.update(part for name in _constant_strings(node) for part in name.split("."))
             elif called in GETTERS:
                 used.update(name for name in _constant_strings(node) if name.isidentifier())
+                if node.args and isinstance(node.args[0], ast.Name):
+                    used.update(f"{node.args[0].id}.{name}" for name in _constant_strings(node) if name.isidentifier())
         elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "modules"
               and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
             imported.update(node.slice.value.split("."))
@@ -107,12 +151,16 @@ def forbidden_calls(ex: Exercise, body: list[str]) -> list[str]:
             imported.update((node.module or "").split(".") + [alias.name for alias in node.names])
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
             strings.add(node.value)   # importlib.import_module("key_sampling") names a module too
-    banned = set(ex.off_limits)
+    banned = set(ex.off_limits) if banned is None else banned
     # A prefix bans every module it starts (key_sampling); a name of one's own (key_states) is no offence, so
     # the answer keys' and the catalogue's prefixes are matched on what is imported, or named in a string.
-    found = sorted(n for n in used | imported if n in banned or n in FORBIDDEN_EVERYWHERE
-                   or any(f.endswith("_") and n.startswith(f) and (n in imported or f == "test_ex_")
-                          for f in FORBIDDEN_EVERYWHERE))
+    dotted = {n for n in used if "." in n}   # Class.method: matched against another region's method alone
+    used -= dotted
+    found = sorted(dotted & banned)
+    found += sorted(n for n in used | imported if n in banned or n in FORBIDDEN_EVERYWHERE
+                    or any(k in n for k in KERNELS)
+                    or any(f.endswith("_") and n.startswith(f) and (n in imported or f == "test_ex_")
+                           for f in FORBIDDEN_EVERYWHERE))
     found += sorted(n for n in strings - set(found) if any(f.endswith("_") and n.startswith(f)
                                                            for f in FORBIDDEN_EVERYWHERE))
     return found
@@ -132,15 +180,25 @@ class Score:
     results: list[CaseResult]
     ended: str = ""
     printed: str = ""
+    floor: float = 0.5   # the check's: no points unless at least this share of the held-out edges pass
 
     def of(self, held_out: bool) -> list[CaseResult]:
         return [r for r in self.results if r.held_out == held_out]
 
     @property
     def score(self) -> float:
-        """The exercise's points times the share of held-out checks passed: the visible cases are feedback."""
+        """The exercise's points times the share of held-out checks passed, or nothing when more than `floor` of
+        its edges fail: a one-line non-solution passes some drawn cases by chance, never the edges; the visible
+        cases are feedback."""
         held = self.of(True)
-        return round(self.exercise.points * sum(r.passed for r in held) / len(held), 2) if held else 0.0
+        if not held or not self.edges_held():
+            return 0.0
+        return round(self.exercise.points * sum(r.passed for r in held) / len(held), 2)
+
+    def edges_held(self) -> bool:
+        """At least `floor` of the held-out edges pass (true when there are none)."""
+        edges = [r for r in self.of(True) if r.name.startswith(EDGE)]
+        return not edges or sum(r.passed for r in edges) >= self.floor * len(edges)
 
 
 def failed_all(ex: Exercise, cases: list[Case], why: str) -> Score:
@@ -181,7 +239,7 @@ def _judge(ex: Exercise, check, cases: list[Case], run: ChildRun) -> Score:
             message = _verify(check, case, got[0].get("output"))
         results.append(CaseResult(case.name, case.held_out, message == "", message))
     ended = run.ended + (f"; {stray} line(s) on the grader's channel were not its messages" if stray else "")
-    return Score(ex, results, ended, run.printed)
+    return Score(ex, results, ended, run.printed, check.floor)
 
 
 def changed_message(check, names) -> str:

@@ -26,6 +26,8 @@ import signal
 import sys
 import time
 
+from .users import real_uid, signal_verified
+
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 CAN_REAP = sys.platform.startswith("linux")
 
@@ -77,7 +79,10 @@ def descendants(pid: int, table: dict[int, int] | None = None) -> set[int]:
     return found
 
 
-def _signal(pids, sig: int) -> None:
+def _signal(pids, sig: int, uid: int | None) -> None:
+    if uid is not None:          # only what the kernel says is that user's (users.py)
+        signal_verified(pids, sig, uid)
+        return
     for p in pids:
         try:
             os.kill(p, sig)
@@ -85,9 +90,10 @@ def _signal(pids, sig: int) -> None:
             pass
 
 
-def kill_tree(roots: set[int], ours: set[int] = frozenset()) -> None:
+def kill_tree(roots: set[int], ours: set[int] = frozenset(), uid: int | None = None) -> None:
     """SIGSTOP `roots` and everything below them until no new process appears, then SIGKILL them all, and reap
-    those that are this process's own children (`ours` are left to whoever waits for them)."""
+    those that are this process's own children (`ours` are left to whoever waits for them). With `uid`, a process
+    that the kernel does not say is that user's is never signalled, whatever tree it is found in."""
     frozen: set[int] = set()
     for _ in range(1000):
         table = parents()
@@ -96,9 +102,11 @@ def kill_tree(roots: set[int], ours: set[int] = frozenset()) -> None:
         new = found - frozen
         if not new:
             break
-        _signal(new, signal.SIGSTOP)
+        _signal(new, signal.SIGSTOP, uid)
         frozen |= new
-    _signal(frozen, signal.SIGKILL)
+    _signal(frozen, signal.SIGKILL, uid)
+    if uid is not None:
+        frozen = {p for p in frozen if real_uid(p) in (uid, None)}
     wait_until_gone(frozen - set(ours))   # a killed process whose parent died too is handed to us: reaped here
 
 

@@ -20,6 +20,9 @@ def feedback(score: Score, held_out: bool, limit: int = 6, private_run: bool = F
     passed = sum(r.passed for r in results)
     what = "held-out checks (fresh inputs)" if held_out else "visible cases (the tests in tests/exercises/)"
     lines = [f"{passed}/{len(results)} {what} pass."]
+    if held_out and passed and not score.edges_held():
+        lines.append(f"No points: an exercise earns its share only when at least {score.floor:.0%} of its edges "
+                     f"(the held-out checks named 'edge: ...') pass; a non-solution passes some drawn cases by chance.")
     if score.ended and not private_run:
         lines.append(f"The run did not finish normally: {score.ended}.")
     failed = [r for r in results if not r.passed]

@@ -6,26 +6,28 @@ cheap to start. The grader writes each child's job (its caller's source and
 the inputs, as plain data) to a file only the grader can open and hands it
 over, open, with the file for what the code prints and the pipe back. When a
 run ends, the child and everything it started are killed, wherever they moved
-(reaper.py), and before the grader returns, no process of the graded code is
-left.
+(reaper.py). With `--user`, what the starter says is a claim the kernel must
+confirm, and before the grader returns every process of that uid is killed
+(users.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import select
 import selectors
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from . import reaper
-from .regions import ExerciseError
+from . import reaper, users
+from .access import user_ids
+from .wire import parse_messages
 
 MAX_OUTPUT = 64 << 20
 
@@ -46,85 +48,28 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def user_ids(user: str) -> tuple[int, int]:
-    import pwd
-    entry = pwd.getpwnam(user)
-    return entry.pw_uid, entry.pw_gid
-
-
-def unreadable_for(user: str, paths: list[str]) -> list[str]:
-    """The paths in `paths` (or folders above them) that `user` cannot read or pass through."""
-    uid, gid = user_ids(user)
-
-    def allowed(st: os.stat_result, want: int) -> bool:
-        if st.st_uid == uid:
-            bits = st.st_mode >> 6
-        elif st.st_gid == gid:
-            bits = st.st_mode >> 3
-        else:
-            bits = st.st_mode
-        return bits & want == want
-
-    bad = []
-    for path in paths:
-        p = Path(path)
-        if not p.exists():
-            continue
-        chain = [*reversed(p.parents), p]
-        for i, part in enumerate(chain):
-            st = part.stat()
-            last = i == len(chain) - 1
-            want = (5 if stat.S_ISDIR(st.st_mode) else 4) if last else 1
-            if not allowed(st, want):
-                bad.append(f"{part} (needed for {path})" if part != p else str(p))
-                break
-    return bad
-
-
-def child_sys_path() -> list[str]:
-    """The folders the children's interpreter (`python -I`, as the starter runs) imports from: its standard
-    library and installed packages, what .pth files add, and nothing of the grader's own sys.path."""
-    probe = subprocess.run([sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
-                           capture_output=True, text=True, cwd="/", timeout=120)
-    if probe.returncode != 0:
-        raise ExerciseError(f"{sys.executable} -I could not start ({probe.stderr.strip()[-300:]}), so the children "
-                            f"could not either; grade with an interpreter that starts")
-    return [p for p in json.loads(probe.stdout) if p and os.path.isabs(p) and not p.endswith(".zip")]
-
-
-def check_user_can_run(user: str, folder: Path) -> None:
-    """Refuse before grading when `user` cannot read the interpreter, its standard library, a folder the
-    children's interpreter imports from, or the graded folder: otherwise an honest solution would fail on an
-    import. The grader's own sys.path is not the children's: the checks' folder is on it, and private."""
-    import sysconfig
-    paths = [os.path.realpath(sys.executable), sys.executable, sysconfig.get_paths()["stdlib"], str(folder),
-             str(folder / "minillm" / "classroom" / "child.py"), *child_sys_path()]
-    bad = unreadable_for(user, paths)
-    if bad:
-        raise ExerciseError(f"--user {user} cannot read what the student's code needs to run: {', '.join(bad[:4])}"
-                            f"{' ...' if len(bad) > 4 else ''}; install Python and the packages where {user} can "
-                            f"read them, not under a folder of mode 700 such as a private home or a mktemp -d "
-                            f"folder (on Gradescope's image: the system Python, and setup.sh's pip install into it)")
-
-
 class Starter:
-    """The fresh interpreter (child.py) that forks one child per exercise, as `user`; the grader's handle on it."""
+    """The fresh interpreter (child.py) that forks one child per exercise, as `user`; the grader's handle on it.
 
-    def __init__(self, folder: Path, user: str | None):
+    What it sends is a claim: with `user`, a child's pid counts only once the kernel says it is a process of that
+    user and a child of this starter, and the grader then holds a pidfd of it; whether the starter is alive and not
+    stopped is read from /proc, not from what it says."""
+
+    def __init__(self, folder: Path, user: str | None, home: Path, limits: dict[str, int]):
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()
-        ids = user_ids(user) if user else None
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tempfile.gettempdir(),
+        self.ids = user_ids(user) if user else None
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TMPDIR": str(home),
                "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-X", "utf8", str(folder / "minillm" / "classroom" / "child.py"),
-                 str(theirs.fileno())], stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
-                pass_fds=(theirs.fileno(),), cwd=folder, env=env, start_new_session=True,
-                **({"user": ids[0], "group": ids[1], "extra_groups": []} if ids else {}))
+                 str(theirs.fileno()), json.dumps(limits)], stdin=subprocess.DEVNULL, stdout=self.log,
+                stderr=self.log, pass_fds=(theirs.fileno(),), cwd=folder, env=env, start_new_session=True,
+                **({"user": self.ids[0], "group": self.ids[1], "extra_groups": []} if self.ids else {}))
         finally:
             theirs.close()
-        self.ended: dict[int, int] = {}   # pid -> exit code, as the starter reported it
+        self.ended: dict[int, int] = {}   # pid -> exit code, as the starter reported it (a claim: only words)
         self.alive = True
         self.known: set[int] = set()      # the grader's own children: the starter, and what it had before
 
@@ -137,31 +82,64 @@ class Starter:
             try:
                 socket.send_fds(self.sock, [json.dumps({"exercise": ex_id}).encode()],
                                 [stdin.fileno(), out.fileno(), write])
-                pid = self._wait_started(ex_id)
+                pid, pidfd = self._wait_started(ex_id)
             except OSError:
-                pid = None
+                pid, pidfd = None, None
             finally:
                 os.close(write)
-        return Child(ex_id, pid, len(job["cases"]), read, out, timeout, self)
+        return Child(ex_id, pid, pidfd, job, read, out, timeout, self)
 
-    def _wait_started(self, ex_id: str):
-        self.sock.settimeout(120)          # the starter imports torch first: seconds on a busy machine
+    def healthy(self) -> bool:
+        """The starter is alive and not stopped, as /proc says (a run of the same user can stop it)."""
+        if self.proc.poll() is not None:
+            return False
+        if not reaper.CAN_REAP:
+            return True
         try:
-            while True:
-                data = self.sock.recv(4096)
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            return False
+        return data[data.rindex(b")") + 2:][:1] not in (b"T", b"t", b"Z", b"X")
+
+    def _wait_started(self, ex_id: str) -> tuple[int | None, int | None]:
+        deadline = time.monotonic() + 120   # the starter imports torch first: seconds on a busy machine
+        self.sock.settimeout(0.05)
+        try:
+            while self.alive and time.monotonic() < deadline:
+                try:
+                    data = self.sock.recv(4096)
+                except socket.timeout:
+                    self.alive = self.healthy()
+                    continue
                 if not data:
                     self.alive = False
-                    return None
-                message = json.loads(data)
-                if "ended" in message:
-                    self.ended[message["ended"]] = message["code"]
-                elif message.get("started") == ex_id:
-                    return message["pid"]
-        except (OSError, ValueError):
+                    break
+                message = self._note(data)
+                if message.get("started") == ex_id and type(message.get("pid")) is int:
+                    if not self.ids:                  # the grader's own user: nothing to defend
+                        return message["pid"], None
+                    pidfd = users.held(message["pid"], self.ids[0], parent=self.proc.pid)
+                    if pidfd is not None:             # otherwise a forgery: the real report follows
+                        return message["pid"], pidfd
+        except OSError:
             self.alive = False
-            return None
         finally:
             self.sock.settimeout(None)
+        self.alive = self.alive and self.healthy()
+        return None, None
+
+    def _note(self, data: bytes) -> dict:
+        """One report of the starter, decoded; an end ("ended") is noted. Anything else is an empty dict."""
+        try:
+            message = json.loads(data)
+        except (ValueError, RecursionError):
+            return {}
+        if not isinstance(message, dict):
+            return {}
+        if type(message.get("ended")) is int and type(message.get("code")) is int:
+            self.ended[message["ended"]] = message["code"]
+        return message
 
     def poll(self) -> None:
         """Collect the starter's reports of children that ended."""
@@ -172,23 +150,18 @@ class Starter:
                 if not data:
                     self.alive = False
                     return
-                message = json.loads(data)
-                if "ended" in message:
-                    self.ended[message["ended"]] = message["code"]
+                self._note(data)
         except BlockingIOError:
             pass
-        except (OSError, ValueError):
+        except OSError:
             self.alive = False
         finally:
             self.sock.setblocking(True)
 
     def close(self) -> None:
+        """Kill the starter: the grader's own child, whose pid the kernel gave it (Popen), not yet reaped."""
         self.sock.close()
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        self.proc.kill()
         self.proc.wait()
         self.log.close()
 
@@ -196,9 +169,9 @@ class Starter:
 class Child:
     """One exercise's run, forked by the starter in a session of its own."""
 
-    def __init__(self, ex_id, pid, num_cases, fd, out, timeout, starter: Starter):
-        self.ex_id, self.pid, self.num_cases, self.fd, self.out = ex_id, pid, num_cases, fd, out
-        self.timeout, self.starter = timeout, starter
+    def __init__(self, ex_id, pid, pidfd, job, fd, out, timeout, starter: Starter):
+        self.ex_id, self.pid, self.pidfd, self.job, self.fd, self.out = ex_id, pid, pidfd, job, fd, out
+        self.num_cases, self.timeout, self.starter = len(job["cases"]), timeout, starter
         os.set_blocking(fd, False)
         self.deadline = time.monotonic() + timeout
         self.buffer = bytearray()
@@ -214,6 +187,9 @@ class Child:
             self.buffer += chunk
 
     def exited(self) -> bool:
+        """With a pidfd, the kernel's word (it reads as ready once the process ended); else the starter's."""
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], 0)[0])
         return self.pid is None or self.pid in self.starter.ended or not self.starter.alive
 
     def finish(self) -> ChildRun:
@@ -222,10 +198,12 @@ class Child:
         too_much = len(self.buffer) > MAX_OUTPUT
         self.kill()
         for _ in range(100):               # the starter reports the end of a killed child at once
-            if self.exited():
+            if self.pid in self.starter.ended or not self.starter.alive:
                 break
             time.sleep(0.01)
             self.starter.poll()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
         code = self.starter.ended.get(self.pid)
         self.read()
         os.close(self.fd)
@@ -258,52 +236,48 @@ class Child:
 
     def kill(self) -> None:
         """Kill the child and everything it started, wherever that moved, and any orphan handed back to the
-        grader (reaper.py); without a subreaper (not Linux), its session's process group and the child."""
-        if self.pid is None:
-            return
+        grader (reaper.py); with `user`, only what the kernel says is that user's is signalled. Without a
+        subreaper (not Linux), its session's process group and the child."""
+        uid = self.starter.ids[0] if self.starter.ids else None
         if reaper.CAN_REAP:
-            reaper.kill_tree({self.pid} | reaper.strays(self.starter.known), ours=self.starter.known)
+            roots = ({self.pid} if self.pid is not None else set()) | reaper.strays(self.starter.known)
+            reaper.kill_tree(roots, ours=self.starter.known, uid=uid)
             return
         for kill in (os.killpg, os.kill):
             try:
                 kill(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+            except (ProcessLookupError, PermissionError, TypeError):
                 pass
 
 
-def parse_messages(data: bytes) -> tuple[list[dict], int]:
-    """The JSON objects, one per line, and how many lines were something else."""
-    messages, stray = [], 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            message = json.loads(line)
-        except (ValueError, RecursionError):
-            message = None
-        if isinstance(message, dict):
-            messages.append(message)
-        else:
-            stray += 1
-    return messages, stray
-
-
 def run_children(jobs: list[tuple[str, dict]], folder: Path, timeout: float, parallel: int,
-                 user: str | None) -> dict[str, ChildRun]:
-    """Run each exercise's job in a child of its own, `parallel` at a time; what each sent, by exercise id."""
-    pending, running, done = list(jobs), [], {}
+                 user: str | None, home: Path) -> dict[str, ChildRun]:
+    """Run each exercise's job in a child of its own, `parallel` at a time; what each sent, by exercise id.
+
+    A run can stop or kill the starter (it is the same user): then no new run starts until those under way
+    end, every process of the user is killed, and a fresh starter runs the rest one at a time, an exercise
+    whose start it cost tried once more. With `user`, every process of that uid is killed at the end, until
+    /proc shows none (users.py)."""
+    pending, running, done, tries = list(jobs), [], {}, {ex_id: 0 for ex_id, _ in jobs}
     if not jobs:
         return done
+    ids = user_ids(user) if user else None
+    limits = users.rlimits(timeout) if user else {}
     was_subreaper = reaper.set_subreaper(True) if reaper.CAN_REAP else False
     before = reaper.strays(set()) if reaper.CAN_REAP else set()
-    starter = Starter(folder, user)
+    starter = Starter(folder, user, home, limits)
     starter.known = before | {starter.proc.pid}
     selector = selectors.PollSelector()
     try:
         while pending or running:
-            while pending and len(running) < parallel:
+            while pending and len(running) < parallel and starter.alive:
                 ex_id, job = pending.pop(0)
+                tries[ex_id] += 1
                 child = starter.start(ex_id, job, folder, timeout)
+                if child.pid is None and not starter.alive and tries[ex_id] < 2:
+                    pending.insert(0, (ex_id, job))   # not its fault: the starter was stopped or gone
+                    child.finish()
+                    continue
                 running.append(child)
                 selector.register(child.fd, selectors.EVENT_READ, child)
             for key, _ in selector.select(timeout=0.02):
@@ -315,15 +289,24 @@ def run_children(jobs: list[tuple[str, dict]], folder: Path, timeout: float, par
                     selector.unregister(child.fd)
                     running.remove(child)
                     done[child.ex_id] = child.finish()
+            if pending and not running and not starter.alive:
+                starter.close()
+                if ids:
+                    users.kill_all(*ids)
+                starter, parallel = Starter(folder, user, home, limits), 1
+                starter.known = before | {starter.proc.pid}
     finally:
         for child in running:
             child.kill()
         starter.close()
+        if ids:                  # every process of the uid, whatever it claimed or where it moved
+            users.kill_all(*ids)
         if reaper.CAN_REAP:      # what the starter's end handed back; then nothing of the graded code is left
             left = reaper.strays(before)
-            reaper.kill_tree(left, ours=before)
+            reaper.kill_tree(left, ours=before, uid=ids[0] if ids else None)
             alive = reaper.wait_until_gone(left)
             reaper.set_subreaper(was_subreaper)
             if alive:
                 raise RuntimeError(f"processes of the graded code outlived its kill: {sorted(alive)}")
     return done
+

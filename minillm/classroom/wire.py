@@ -90,8 +90,6 @@ def over_the_wire(value):
     return from_wire(json.loads(json.dumps(to_wire(value))))
 
 
-
-
 def changed_inputs(sent, inputs: dict) -> list[str]:
     """The names of the inputs that a call changed: `sent` is how the inputs were (to_wire of the dict), `inputs`
     what they are now. A region must leave its inputs as it found them: the engine keeps using them (the logits
@@ -99,3 +97,20 @@ def changed_inputs(sent, inputs: dict) -> list[str]:
     before = dict(sent["dict"]) if isinstance(sent, dict) and isinstance(sent.get("dict"), list) else {}
     return [name for name, value in inputs.items()
             if json.dumps(to_wire(value), allow_nan=True) != json.dumps(before.get(name), allow_nan=True)]
+
+
+def parse_messages(data: bytes) -> tuple[list[dict], int]:
+    """The JSON objects, one per line, and how many lines were something else."""
+    messages, stray = [], 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            message = None
+        if isinstance(message, dict):
+            messages.append(message)
+        else:
+            stray += 1
+    return messages, stray

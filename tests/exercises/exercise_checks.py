@@ -78,6 +78,9 @@ class Check:
     exercise = ""    # the id in the region's marker
     where = ""       # "minillm/<file>.py, <function>": where the student's code goes
     draws = 3        # held-out cases drawn per situation
+    off_limits: tuple[str, ...] = ()   # names the region may not use, besides its hint's (the grader reads them)
+    calls: tuple[str, ...] = ()        # the other exercises whose functions the region may call
+    floor = 0.5      # no points unless at least this share of the held-out edges pass (the grader reads it)
 
     def visible(self) -> dict[str, dict]:
         raise TypeError(f"{type(self).__name__} must define visible()")

@@ -269,6 +269,7 @@ class Preempt(Check):
 class BudgetFill(Check):
     exercise = "scheduler-budget-fill"
     where = "minillm/chunked_prefill.py, ChunkedPrefillScheduler._plan"
+    calls = ("scheduler-preempt",)   # it makes room as the scheduler does: by preempting
 
     @staticmethod
     def case(budget, running=(), waiting=(), max_num_seqs=None, capacity=10_000, steps=1, victim=None):
