@@ -117,18 +117,19 @@ def pack(results: Path, out: Path) -> Path:
 
 
 class ModelCache:
-    """`weights.random_model`, memoised on (config, device, dtype, seed): each random model is built once per
+    """`weights.random_model`, memoised on (config, device, dtype, seed, quantization): each random model is built once per
     process, however many lessons ask for it. Its models are never modified (lessons only read them)."""
 
     def __init__(self, build):
         self.build, self.models, self.builds = build, {}, 0
 
-    def __call__(self, config, device="auto", dtype="auto", seed=0):
+    def __call__(self, config, device="auto", dtype="auto", seed=0, quantization=None):
         from minillm.device import resolve_device, resolve_dtype
         device = resolve_device(device)
-        key = (repr(config), str(device), str(resolve_dtype(dtype, device)), seed)
+        key = (repr(config), str(device), str(resolve_dtype(dtype, device)), seed, quantization)
         if key not in self.models:
-            self.models[key], self.builds = self.build(config, device, dtype, seed), self.builds + 1
+            self.models[key] = self.build(config, device, dtype, seed, quantization)
+            self.builds += 1
         return self.models[key]
 
 

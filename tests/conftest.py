@@ -23,18 +23,30 @@ import pytest
 
 from minillm.bench.alarm import time_limit
 
-@pytest.fixture(autouse=True)
-def one_kernel_path_on_every_machine(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def one_cpu_on_every_machine():
     """The loader's CPU-dependent choices (`cpu_layout.choose_layout`: numpy's BLAS for one row on an AMD
-    CPU, bf16 packing and bf16 decode attention by hand where the CPU has native bf16) are pinned, in this
-    process, to what every x86 CPU takes: torch's BLAS for one row, packed copies in fp32 only, torch's fused
-    attention (whatever a test swaps in is put back after it). So a test takes the same path on every machine; the
-    other paths are asked for by name (`choose_layout(numpy_one_row=..., packed=...)`) and tested the same way
-    everywhere, and the choices themselves are tested as pure functions of the flags."""
-    from minillm import cpu_layout, model
-    monkeypatch.setattr(cpu_layout, "cpu_vendor", lambda: "")      # no vendor: numpy's BLAS never pays
-    monkeypatch.setattr(cpu_layout, "cpuinfo", lambda field: "")    # no flags: no native bf16
-    monkeypatch.setattr(model, "scaled_dot_product_attention", model.scaled_dot_product_attention)  # restored after
+    CPU, bf16 packing and bf16 decode attention by hand where the CPU has native bf16) are pinned, for the whole
+    session, to what every x86 CPU takes: torch's BLAS for one row, packed copies in fp32 only, torch's fused
+    attention. Session-wide, so that a model a module- or session-scoped fixture lays out (set up before any
+    function-scoped fixture) takes the same path as one a test builds. The other paths are asked for by name
+    (`choose_layout(numpy_one_row=..., packed=...)`) and tested the same way everywhere, and the choices
+    themselves are tested as pure functions of the flags."""
+    from minillm import cpu_layout
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_layout, "cpu_vendor", lambda: "")      # no vendor: numpy's BLAS never pays
+        mp.setattr(cpu_layout, "cpuinfo", lambda field: "")    # no flags: no native bf16
+        yield
+
+
+@pytest.fixture(autouse=True)
+def one_attention_kernel_per_test(monkeypatch):
+    """Every test starts on torch's fused attention, as model.py has it, and whatever it swaps in is put back
+    after it (`cpu_layout.use_decode_attention_by_hand` swaps process-wide)."""
+    import torch.nn.functional as F
+
+    from minillm import model
+    monkeypatch.setattr(model, "scaled_dot_product_attention", F.scaled_dot_product_attention)
 
 
 EXERCISE_TEST_TIMEOUT_S = 30   # an exercise test takes well under a second; more means a loop that never ends
