@@ -54,7 +54,7 @@ import torch
 from minillm.config import HF_CHECKPOINTS, PRESETS, dtype_bytes
 from minillm.kv_cache import KVCache
 from minillm.bench.cost import decode_cost
-from minillm.bench.memory import layout_copy_bytes_of, memory_budget, resident_bytes
+from minillm.bench.memory import layout_copy_bytes_of, memory_budget, release_free_memory, resident_bytes
 from minillm.cpu_layout import layout_of
 from minillm.device import synchronize
 
@@ -75,6 +75,7 @@ def measure_cache(config, device, dtype) -> dict:
     per_token = config.kv_bytes_per_token(dtype)
     seqs = max(1, math.ceil(2 * MIN_TENSOR_BYTES / (per_token * config.n_ctx)))
     gc.collect()
+    release_free_memory()  # else the cache may be carved from freed memory the OS still counts
     before = memory_now(device)
     cache = KVCache(config, seqs, config.n_ctx, device, dtype)
     cache.k.fill_(1.0)  # write every page: the OS counts a page only once it is touched

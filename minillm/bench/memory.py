@@ -80,6 +80,17 @@ def memory_budget(device: torch.device | str) -> dict:
             "source": "stated budget: total RAM from os.sysconf (shared with the OS and other processes)"}
 
 
+def release_free_memory() -> None:
+    """Hand the pages that the C allocator holds free back to the OS (glibc's `malloc_trim(0)`), so that the
+    resident set counts only memory in use. Without it a new tensor may be carved from an arena left large by
+    earlier, freed ones: its pages are resident already, and filling it moves `resident_bytes` by nothing.
+    Where the C library has no `malloc_trim` (not glibc) it does nothing."""
+    import ctypes
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory as the OS counts it (Linux's /proc/self/statm), or None elsewhere."""
     try:
