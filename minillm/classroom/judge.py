@@ -69,9 +69,11 @@ def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]
 
 
 # Attention kernels no region writes by calling: torch's fused attention under any of its names
-# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...); a name holding one
-# of these is off limits in every region.
-KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "multi_head_attention_forward")
+# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...), flex attention,
+# torch's multi-head attention ops and the modules built on them (nn.MultiheadAttention, nn.Transformer*); a name
+# holding one of these is off limits in every region.
+KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention",
+           "multi_head_attention", "MultiheadAttention", "Transformer", "transformer_encoder")
 
 
 def off_limits_of(ex: Exercise, check, graded: list[Exercise], root: Path) -> set[str]:
@@ -120,7 +122,8 @@ def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = Non
     """The off-limits names a region's code uses: its hint's "Off limits: ..." and what no region may reach.
     Checked on the code's syntax tree, so a comment or a docstring that names one is no offence, but a name given
     as a constant string to what imports or looks up by name is: `importlib.import_module("transformers")`,
-    `__import__("key_model")`, `sys.modules["transformers"]`, `getattr(torch, "topk")`. A name computed at run
+    `__import__("key_model")`, `sys.modules["transformers"]`, `getattr(torch, "topk")`, and any string that is an
+    off-limits name (`vars(F)["scaled_dot_product_attention"]`). A name computed at run
     time ("trans" + "formers") still slips through: that is for a reader of the code to catch."""
     try:
         tree = ast.parse(textwrap.dedent("\n".join(body)))
@@ -163,6 +166,11 @@ def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = Non
                            for f in FORBIDDEN_EVERYWHERE))
     found += sorted(n for n in strings - set(found) if any(f.endswith("_") and n.startswith(f)
                                                            for f in FORBIDDEN_EVERYWHERE))
+    # A string that is an off-limits name looks it up, whatever does the looking: vars(F)["..."],
+    # F.__dict__.get("..."), inspect.getattr_static, __getattribute__, vars(KVCache)["read"] (with KVCache named).
+    found += sorted(n for n in strings - set(found) if n in banned or any(k in n for k in KERNELS))
+    found += sorted(d for d in banned if "." in d and d not in found
+                    and d.rsplit(".", 1)[1] in strings and d.rsplit(".", 1)[0] in used)
     return found
 
 
