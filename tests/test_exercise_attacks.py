@@ -176,6 +176,9 @@ DOORS = {   # exercise -> lines that hand its work to code it did not write, and
         (["return object.__getattribute__(torch.ops.aten, '_scaled_dot_product_attention_math')(q, k, v)[0]"],
          "_scaled_dot_product_attention_math"),
         (["return vars(KVCache)['read'](stand_in, 0, q, k, v)"], "KVCache.read"),
+        # a door in another file of the package: it calls the fused kernel for q of several queries
+        (["from minillm.cpu_layout import attention_with_decode_by_hand as a", "return a(q, k, v, mask)"],
+         "attention_with_decode_by_hand"),
     ],
     "model-heads": [   # a door planted here, for another region to call
         (["if getattr(x, 'marked', False):", "    return F.scaled_dot_product_attention(x.q, x.k, x.v)"],
