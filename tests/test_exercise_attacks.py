@@ -179,6 +179,7 @@ DOORS = {   # exercise -> lines that hand its work to code it did not write, and
         # a door in another file of the package: it calls the fused kernel for q of several queries
         (["from minillm.cpu_layout import attention_with_decode_by_hand as a", "return a(q, k, v, mask)"],
          "attention_with_decode_by_hand"),
+        (["return PagedKVCache.attend(stand_in, 0, q, k, v)"], "PagedKVCache.attend"),
     ],
     "model-heads": [   # a door planted here, for another region to call
         (["if getattr(x, 'marked', False):", "    return F.scaled_dot_product_attention(x.q, x.k, x.v)"],

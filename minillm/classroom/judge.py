@@ -116,9 +116,9 @@ def _reaching(uses: dict[str, set[str]], own: str, bad) -> set[str]:
 
 @functools.lru_cache(maxsize=4)
 def _package_functions(root: Path) -> dict[str, set[str]]:
-    """The names each module-level function of the package's other files uses (cpu_layout's
-    `attention_with_decode_by_hand` reaches the fused kernel); methods are left out, as their names (`read`,
-    `forward`) are shared by every class."""
+    """The names each module-level function of the package's files uses (cpu_layout's
+    `attention_with_decode_by_hand` reaches the fused kernel), and each method's under `Class.method`: a bare
+    method name (`read`, `forward`) is shared by every class."""
     uses: dict[str, set[str]] = {}
     for path in sorted((root / "minillm").rglob("*.py")):
         if "classroom" in path.parts:
@@ -130,6 +130,10 @@ def _package_functions(root: Path) -> dict[str, set[str]]:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 uses.setdefault(node.name, set()).update(_names_in(node))
+            elif isinstance(node, ast.ClassDef):   # a method only as Class.method: PagedKVCache.attend(stand_in, ...)
+                for method in node.body:
+                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        uses.setdefault(f"{node.name}.{method.name}", set()).update(_names_in(method))
     return uses
 
 
