@@ -168,6 +168,9 @@ DOORS = {   # exercise -> lines that hand its work to code it did not write, and
         (["return torch._native_multi_head_attention(q, k, v, 8, 1, w, b, w2, b2)[0]"],
          "_native_multi_head_attention"),
         (["m = torch.nn.MultiheadAttention(8, 1)", "return m(q, k, v)[0]"], "MultiheadAttention"),
+        (["from torch.nn.attention.varlen import varlen_attn", "return varlen_attn(q, k, v, c, c, T, T)"],
+         "varlen_attn"),   # CUDA only, as is the next
+        (["return torch._triton_scaled_dot_attention(q, k, v)"], "_triton_scaled_dot_attention"),
         (["return vars(F)['scaled_dot_product_attention'](q, k, v, is_causal=True)"],
          "scaled_dot_product_attention"),
         (["return F.__dict__.get('scaled_dot_product_attention')(q, k, v, is_causal=True)"],

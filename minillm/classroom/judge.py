@@ -70,11 +70,12 @@ def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]
 
 
 # Attention kernels no region writes by calling: torch's fused attention under any of its names
-# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...), flex attention,
+# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...), flex and varlen attention,
 # torch's multi-head attention ops and the modules built on them (nn.MultiheadAttention, nn.Transformer*); a name
 # holding one of these is off limits in every region.
-KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "flex_attention",
-           "multi_head_attention", "MultiheadAttention", "Transformer", "transformer_encoder")
+KERNELS = ("scaled_dot_product", "scaled_dot_attention", "flash_attention", "efficient_attention", "cudnn_attention",
+           "flex_attention", "varlen_attn", "multi_head_attention", "MultiheadAttention", "Transformer",
+           "transformer_encoder")
 
 
 def off_limits_of(ex: Exercise, check, graded: list[Exercise], root: Path) -> set[str]:
