@@ -162,6 +162,27 @@ DOORS = {   # exercise -> lines that hand its work to code it did not write, and
         (["from minillm.kv_cache import KVCache", "return KVCache.read(stand_in, 0, q, k, v)"], "KVCache.read"),
         (["return getattr(KVCache, 'read')(stand_in, 0, q, k, v)"], "KVCache.read"),
         (["return CausalSelfAttention.forward(marked, q)"], "CausalSelfAttention.forward"),
+        # (after reading the fix) torch's other attention kernels, and the same names looked up by a literal
+        (["from torch.nn.attention.flex_attention import flex_attention", "return flex_attention(q, k, v)"],
+         "flex_attention"),
+        (["return torch._native_multi_head_attention(q, k, v, 8, 1, w, b, w2, b2)[0]"],
+         "_native_multi_head_attention"),
+        (["m = torch.nn.MultiheadAttention(8, 1)", "return m(q, k, v)[0]"], "MultiheadAttention"),
+        (["from torch.nn.attention.varlen import varlen_attn", "return varlen_attn(q, k, v, c, c, T, T)"],
+         "varlen_attn"),   # CUDA only, as is the next
+        (["return torch._triton_scaled_dot_attention(q, k, v)"], "_triton_scaled_dot_attention"),
+        (["return vars(F)['scaled_dot_product_attention'](q, k, v, is_causal=True)"],
+         "scaled_dot_product_attention"),
+        (["return F.__dict__.get('scaled_dot_product_attention')(q, k, v, is_causal=True)"],
+         "scaled_dot_product_attention"),
+        (["import inspect", "return inspect.getattr_static(F, 'causal_attention')(q, k, v)"], "causal_attention"),
+        (["return object.__getattribute__(torch.ops.aten, '_scaled_dot_product_attention_math')(q, k, v)[0]"],
+         "_scaled_dot_product_attention_math"),
+        (["return vars(KVCache)['read'](stand_in, 0, q, k, v)"], "KVCache.read"),
+        # a door in another file of the package: it calls the fused kernel for q of several queries
+        (["from minillm.cpu_layout import attention_with_decode_by_hand as a", "return a(q, k, v, mask)"],
+         "attention_with_decode_by_hand"),
+        (["return PagedKVCache.attend(stand_in, 0, q, k, v)"], "PagedKVCache.attend"),
     ],
     "model-heads": [   # a door planted here, for another region to call
         (["if getattr(x, 'marked', False):", "    return F.scaled_dot_product_attention(x.q, x.k, x.v)"],

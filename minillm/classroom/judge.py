@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
 import sys
 import textwrap
@@ -69,9 +70,12 @@ def cases_of(check, seed: int | None, answers: dict | None = None) -> list[Case]
 
 
 # Attention kernels no region writes by calling: torch's fused attention under any of its names
-# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...); a name holding one
-# of these is off limits in every region.
-KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention", "multi_head_attention_forward")
+# (F.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_flash_attention, ...), flex and varlen attention,
+# torch's multi-head attention ops and the modules built on them (nn.MultiheadAttention, nn.Transformer*); a name
+# holding one of these is off limits in every region.
+KERNELS = ("scaled_dot_product", "scaled_dot_attention", "flash_attention", "efficient_attention", "cudnn_attention",
+           "flex_attention", "varlen_attn", "multi_head_attention", "MultiheadAttention", "Transformer",
+           "transformer_encoder")
 
 
 def off_limits_of(ex: Exercise, check, graded: list[Exercise], root: Path) -> set[str]:
@@ -89,17 +93,49 @@ def off_limits_of(ex: Exercise, check, graded: list[Exercise], root: Path) -> se
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             uses.setdefault(node.name, set()).update(_names_in(node))
     own = ex.function.split(".")[-1]
-    reach = set()
-    while True:
-        more = {f for f, names in uses.items() if f != own and f not in reach and any(
-            n in banned or n in reach or any(k in n for k in KERNELS) for n in names)}
-        if not more:
-            break
-        reach |= more
+    reach = _reaching(uses, own, lambda n: n in banned or any(k in n for k in KERNELS))
+    # a door in another file of the package: a function (a method as Class.method) that reaches this region's
+    # own off-limits names (cpu_layout's attention_with_decode_by_hand); the fused kernel alone is no offence
+    # there, as kv-cache-read may call model.causal_attention
+    reach |= _reaching(_package_functions(Path(root)), own, lambda n: n in banned or n in reach)
     allowed = set(getattr(check, "calls", ()))   # a method as Class.method, so that `f.read()` is no offence
     others = {e.function.split(".", e.function.count(".") - 1)[-1] for e in graded
               if e.id != ex.id and e.id not in allowed}
     return banned | reach | (others - {ex.function, "<module>"})
+
+
+def _reaching(uses: dict[str, set[str]], own: str, bad) -> set[str]:
+    """The functions of `uses` (but `own`) that name a `bad` name, or a function that does, and so on."""
+    reach: set[str] = set()
+    while True:
+        more = {f for f, names in uses.items() if f != own and f not in reach and any(
+            bad(n) or n in reach for n in names)}
+        if not more:
+            return reach
+        reach |= more
+
+
+@functools.lru_cache(maxsize=4)
+def _package_functions(root: Path) -> dict[str, set[str]]:
+    """The names each module-level function of the package's files uses (cpu_layout's
+    `attention_with_decode_by_hand` reaches the fused kernel), and each method's under `Class.method`: a bare
+    method name (`read`, `forward`) is shared by every class."""
+    uses: dict[str, set[str]] = {}
+    for path in sorted((root / "minillm").rglob("*.py")):
+        if "classroom" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                uses.setdefault(node.name, set()).update(_names_in(node))
+            elif isinstance(node, ast.ClassDef):   # a method only as Class.method: PagedKVCache.attend(stand_in, ...)
+                for method in node.body:
+                    if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        uses.setdefault(f"{node.name}.{method.name}", set()).update(_names_in(method))
+    return uses
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -120,13 +156,14 @@ def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = Non
     """The off-limits names a region's code uses: its hint's "Off limits: ..." and what no region may reach.
     Checked on the code's syntax tree, so a comment or a docstring that names one is no offence, but a name given
     as a constant string to what imports or looks up by name is: `importlib.import_module("transformers")`,
-    `__import__("key_model")`, `sys.modules["transformers"]`, `getattr(torch, "topk")`. A name computed at run
-    time ("trans" + "formers") still slips through: that is for a reader of the code to catch."""
+    `__import__("key_model")`, `sys.modules["transformers"]`, `getattr(torch, "topk")`, and an off-limits
+    name as a string given to any call or as a subscript (`vars(F)["scaled_dot_product_attention"]`). A name
+    computed at run time ("trans" + "formers") still slips through: that is for a reader of the code to catch."""
     try:
         tree = ast.parse(textwrap.dedent("\n".join(body)))
     except (SyntaxError, MemoryError, RecursionError, ValueError):   # splice.py refused it already
         return []
-    used, imported, strings = set(), set(), set()
+    used, imported, strings, keys = set(), set(), set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             used.add(node.id)
@@ -151,6 +188,10 @@ def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = Non
             imported.update((node.module or "").split(".") + [alias.name for alias in node.names])
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
             strings.add(node.value)   # importlib.import_module("key_sampling") names a module too
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):   # vars(F)["..."]
+            keys.add(node.slice.value)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") != "print":   # F.__dict__.get("...")
+            keys.update(_constant_strings(node))
     banned = set(ex.off_limits) if banned is None else banned
     # A prefix bans every module it starts (key_sampling); a name of one's own (key_states) is no offence, so
     # the answer keys' and the catalogue's prefixes are matched on what is imported, or named in a string.
@@ -163,6 +204,13 @@ def forbidden_calls(ex: Exercise, body: list[str], banned: set[str] | None = Non
                            for f in FORBIDDEN_EVERYWHERE))
     found += sorted(n for n in strings - set(found) if any(f.endswith("_") and n.startswith(f)
                                                            for f in FORBIDDEN_EVERYWHERE))
+    # A string that is an off-limits name, given to a call or as a subscript, looks it up, whatever does the
+    # looking: vars(F)["..."], F.__dict__.get("..."), inspect.getattr_static, __getattribute__,
+    # vars(KVCache)["read"] (with KVCache named); a string that only mentions one (x = "heapq") is no offence.
+    keys &= strings
+    found += sorted(n for n in keys - set(found) if n in banned or any(k in n for k in KERNELS))
+    found += sorted(d for d in banned if "." in d and d not in found
+                    and d.rsplit(".", 1)[1] in keys and d.rsplit(".", 1)[0] in used)
     return found
 
 
