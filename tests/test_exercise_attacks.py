@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from minillm.classroom import answers, judge as judging, wire
+from minillm.classroom import answers, judge as judging, off_limits, wire
 from minillm.classroom.copies import make_copy
 from minillm.classroom.regions import find_exercises
 
@@ -37,19 +37,19 @@ def test_tampering_with_a_copys_answers_changes_no_grade(tmp_path):
 def test_off_limits_names_are_found_in_the_code_not_in_its_comments():
     (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: heapq, sorted."))
     assert ex.off_limits == ("heapq", "sorted")
-    assert judging.forbidden_calls(ex, ["# sorted and heapq are banned", "x = 'heapq'", "return 1"]) == []
-    assert judging.forbidden_calls(ex, ["import heapq", "return sorted(self.free)"]) == ["heapq", "sorted"]
-    assert judging.forbidden_calls(ex, ["from transformers import TopKLogitsWarper", "return 1"]) == ["transformers"]
-    assert judging.forbidden_calls(ex, ["import test_ex_pool", "return 1"]) == ["test_ex_pool"]
+    assert off_limits.forbidden_calls(ex, ["# sorted and heapq are banned", "x = 'heapq'", "return 1"]) == []
+    assert off_limits.forbidden_calls(ex, ["import heapq", "return sorted(self.free)"]) == ["heapq", "sorted"]
+    assert off_limits.forbidden_calls(ex, ["from transformers import TopKLogitsWarper", "return 1"]) == ["transformers"]
+    assert off_limits.forbidden_calls(ex, ["import test_ex_pool", "return 1"]) == ["test_ex_pool"]
 
 
 def test_no_region_may_import_the_answer_keys_or_the_catalogue():
     (ex,) = parse(REGION)
-    assert judging.forbidden_calls(ex, ["import key_sampling", "from wrong_sampling import WRONG", "return 1"]) == \
+    assert off_limits.forbidden_calls(ex, ["import key_sampling", "from wrong_sampling import WRONG", "return 1"]) == \
         ["key_sampling", "wrong_sampling"]
-    assert judging.forbidden_calls(ex, ["import importlib", "return importlib.import_module('key_model').f"]) == \
+    assert off_limits.forbidden_calls(ex, ["import importlib", "return importlib.import_module('key_model').f"]) == \
         ["key_model"]
-    assert judging.forbidden_calls(ex, ["key_states = self.free", "wrong_way = 1", "return key_states"]) == [], \
+    assert off_limits.forbidden_calls(ex, ["key_states = self.free", "wrong_way = 1", "return key_states"]) == [], \
         "a name of one's own that starts like a key module is no offence"
 
 ESCAPES = {  # what the region does before its first fork, and what the middle process does before the second
@@ -121,12 +121,12 @@ def test_a_name_given_as_a_string_is_checked_like_one_in_the_code(lines, named):
     """Importing or looking up an off-limits name by a constant string is using it: the name check reads the
     strings given to import_module, __import__, find_spec, sys.modules[...] and getattr."""
     (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: sorted."))
-    assert judging.forbidden_calls(ex, lines) == named
+    assert off_limits.forbidden_calls(ex, lines) == named
 
 
 def test_a_string_that_only_mentions_a_name_is_no_offence():
     (ex,) = parse(REGION.replace("# hint: pop from the end", "# hint: pop from the end. Off limits: sorted."))
-    assert judging.forbidden_calls(ex, ["message = 'not sorted, and transformers are not used'",
+    assert off_limits.forbidden_calls(ex, ["message = 'not sorted, and transformers are not used'",
                                         "print('transformers')", "return getattr(self, 'free')"]) == []
 
 
@@ -199,14 +199,14 @@ def test_a_region_may_not_reach_attention_written_elsewhere_nor_another_regions_
     graded region (scheduler-budget-fill may call scheduler-preempt's _reserve: its check says so)."""
     checks = judging.load_checks(ROOT)
     ex = next(r for r in reference if r.id == ex_id)
-    banned = judging.off_limits_of(ex, checks[ex_id], reference, ROOT)
+    banned = off_limits.off_limits_of(ex, checks[ex_id], reference, ROOT)
     for lines, name in DOORS[ex_id]:
-        assert name in judging.forbidden_calls(ex, lines, banned), (ex_id, lines)
-    assert judging.forbidden_calls(ex, ["text = open('notes').read()", "return text"], banned) == [], \
+        assert name in off_limits.forbidden_calls(ex, lines, banned), (ex_id, lines)
+    assert off_limits.forbidden_calls(ex, ["text = open('notes').read()", "return text"], banned) == [], \
         "a method's name on any object is no offence: only through the class of another region's method"
     for honest in reference:                               # and every reference region still passes
-        allowed = judging.off_limits_of(honest, checks[honest.id], reference, ROOT)
-        assert judging.forbidden_calls(honest, list(honest.body), allowed) == [], honest.id
+        allowed = off_limits.off_limits_of(honest, checks[honest.id], reference, ROOT)
+        assert off_limits.forbidden_calls(honest, list(honest.body), allowed) == [], honest.id
 
 
 def test_the_user_whose_processes_the_grader_kills_is_never_root_nor_its_own(capsys):

@@ -12,7 +12,8 @@ from pathlib import Path
 from .answers import read_answers
 from .callers import caller_source
 from .exposure import check_out_of_reach
-from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, forbidden_calls, judge, load_checks, off_limits_of
+from .judge import EXERCISE_TESTS, Score, cases_of, failed_all, judge, load_checks
+from .off_limits import forbidden_calls, off_limits_of
 from .manifest import MANIFEST, is_student_copy, read_manifest
 from .regions import Exercise, ExerciseError, parse_regions
 from . import users

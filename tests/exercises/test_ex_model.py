@@ -207,7 +207,7 @@ test_heads = HEADS.pytest_test()
 def test_the_grader_refuses_an_attention_that_calls_a_fused_kernel():
     """The attention exercise is the math itself: its hint puts torch's fused kernel, and the engine's
     causal_attention that calls it, off limits, and the grader finds them in a region's code."""
-    from minillm.classroom.judge import forbidden_calls
+    from minillm.classroom.off_limits import forbidden_calls
     from minillm.classroom.regions import ROOT, find_exercises
     (ex,) = [e for e in find_exercises(ROOT) if e.id == CAUSAL_ATTENTION.exercise]
     assert {"scaled_dot_product_attention", "causal_attention", "transformers"} <= set(ex.off_limits)
