@@ -1,0 +1,91 @@
+"""What an adversary who has read the server found: a value that turns one request's logits to NaN, and a
+step that fails for one request failing every other stream beside it.
+
+The tiny server (tests/serving_support.py); each test runs an innocent stream beside the hostile request
+and asks that it end as it would alone, with no block left behind.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+import minillm.engine
+from minillm.sampling import NonFiniteLogitsError
+from serving_support import assert_no_block_leaked, model, start, tokenizer, wait_until  # noqa: F401
+
+
+def innocent_stream(url: str, lines: list) -> threading.Thread:
+    """A stream of 40 tokens on a thread; its data lines land in `lines`."""
+    def run():
+        body = {"prompt": [1, 2], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def finish_reasons(lines: list) -> list:
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    return [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+
+
+@pytest.mark.parametrize("penalty", [1e-308, 1e-40, 1e308, 1e39])
+def test_a_repetition_penalty_that_overflows_the_logits_is_a_400_and_harms_no_other_stream(model, tokenizer,
+                                                                                           penalty, caplog):
+    with start(model, tokenizer, step_delay=0.01) as server:
+        lines = []
+        thread = innocent_stream(server.url, lines)
+        wait_until(lambda: server.serving.loop.num_running == 1, what="the innocent stream running")
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"prompt": [5, 6, 5, 6], "repetition_penalty": penalty, "max_tokens": 4})
+        thread.join()
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "repetition_penalty" and f"{penalty:g}" in error["message"], error
+        assert finish_reasons(lines) == ["length"], lines[-3:]
+        assert "Traceback" not in caplog.text
+        assert_no_block_leaked(server)
+
+
+def test_a_step_that_fails_for_one_request_fails_only_that_request(model, tokenizer, monkeypatch, caplog):
+    """The engine aborts only the rows whose logits are not finite; the server tells only their clients."""
+    sample = minillm.engine.sample_sequences
+
+    def poisoned(logits, samplers, eos):  # the request seeded 666 draws from NaN logits
+        bad = [i for i, s in enumerate(samplers) if s.params.seed == 666]
+        if bad:
+            raise NonFiniteLogitsError(bad)
+        return sample(logits, samplers, eos)
+    monkeypatch.setattr(minillm.engine, "sample_sequences", poisoned)
+    with start(model, tokenizer, step_delay=0.01) as server:
+        lines = []
+        thread = innocent_stream(server.url, lines)
+        wait_until(lambda: server.serving.loop.num_running == 1, what="the innocent stream running")
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"prompt": [5, 6], "seed": 666, "max_tokens": 4})
+        thread.join()
+        assert r.status_code == 500 and "NonFiniteLogitsError" in r.json()["error"]["message"], r.text
+        assert finish_reasons(lines) == ["length"], lines[-3:]
+        assert_no_block_leaked(server)
+
+
+def test_a_request_failing_alone_leaves_nothing_behind(model, tokenizer, monkeypatch):
+    sample = minillm.engine.sample_sequences
+
+    def poisoned(logits, samplers, eos):
+        bad = [i for i, s in enumerate(samplers) if s.params.seed == 666]
+        if bad:
+            raise NonFiniteLogitsError(bad)
+        return sample(logits, samplers, eos)
+    monkeypatch.setattr(minillm.engine, "sample_sequences", poisoned)
+    with start(model, tokenizer) as server:
+        for stream in (False, True):
+            r = httpx.post(server.url + "/v1/completions", timeout=30,
+                           json={"prompt": [5, 6], "seed": 666, "n": 2, "max_tokens": 4, "stream": stream})
+            assert ("NonFiniteLogitsError" in r.text) and (r.status_code == (200 if stream else 500)), r.text
+            assert_no_block_leaked(server)
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 200
