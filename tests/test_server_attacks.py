@@ -89,3 +89,30 @@ def test_a_request_failing_alone_leaves_nothing_behind(model, tokenizer, monkeyp
             assert ("NonFiniteLogitsError" in r.text) and (r.status_code == (200 if stream else 500)), r.text
             assert_no_block_leaked(server)
         assert httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 200
+
+
+WRONG_ITEMS = [  # (endpoint, a body whose list holds 300,000 items of the wrong type, the param named)
+    ("/v1/completions", {"prompt": [1.5] * 300_000}, "prompt[0]"),
+    ("/v1/completions", {"prompt": [1] * 299_999 + [1.5]}, "prompt[299999]"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": ["x"] * 300_000}, "stop_token_ids[0]"),
+    ("/v1/completions", {"prompt": "a", "stop": [True] * 300_000}, "stop[0]"),
+    ("/v1/chat/completions", {"messages": [5] * 300_000}, "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [5] * 300_000}]}, "messages[0].content[0]"),
+    ("/detokenize", {"tokens": [None] * 300_000}, "tokens[0]"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", WRONG_ITEMS, ids=[p for _, _, p in WRONG_ITEMS])
+def test_a_list_of_wrong_items_is_one_error_naming_the_first(model, tokenizer, path, body, param):
+    """Validation stops at a list's first wrong item: a million of them cost one error, not a million Python
+    dicts built with the GIL held (seconds in which no other stream moves)."""
+    from pydantic import ValidationError
+    from minillm.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+    kind = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+            "/detokenize": DetokenizeRequest}[path]
+    with pytest.raises(ValidationError) as caught:
+        kind.model_validate({"prompt": "a", **body} if "messages" in body else body, strict=True)
+    assert caught.value.error_count() <= 4, caught.value.error_count()  # one per branch of a union
+    with start(model, tokenizer) as server:
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
