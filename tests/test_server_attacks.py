@@ -118,10 +118,13 @@ def test_a_list_of_wrong_items_is_one_error_naming_the_first(model, tokenizer, p
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_messages_that_render_past_the_context_are_refused_before_tokenizing(model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("messages, phrase", [(60_000, "60000 messages"), (100, "characters as rendered")])
+def test_messages_that_render_past_the_context_are_refused_before_tokenizing(model, tokenizer, monkeypatch,
+                                                                           messages, phrase):
     """60,000 empty messages are 0 characters of content, but the template renders each with its markers:
-    1.7 million characters. They are counted as rendered and refused, never tokenized (a GIL-bound pass
-    over megabytes, in which no other stream moves)."""
+    1.7 million characters. More messages than the context has tokens are refused before rendering; fewer
+    that render past it are counted as rendered and refused, never tokenized (a GIL-bound pass over
+    megabytes, in which no other stream moves)."""
     from minillm.serving.chat_template import ChatTemplate
     from test_server_chat import CHATML
     encoded = []
@@ -129,10 +132,10 @@ def test_messages_that_render_past_the_context_are_refused_before_tokenizing(mod
     monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: encoded.append(len(text)) or encode(text, *a, **k))
     with start(model, tokenizer, chat_template=ChatTemplate(CHATML)) as server:
         r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                       json={"messages": [{"role": "user"}] * 60_000, "max_tokens": 2})
+                       json={"messages": [{"role": "user", "content": "x" * 10}] * messages, "max_tokens": 2})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["param"] == "messages" and "characters as rendered" in error["message"], error
+        assert error["param"] == "messages" and phrase in error["message"], error
         assert max(encoded, default=0) < 100_000, f"tokenized {max(encoded)} characters before refusing"
         assert httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200

@@ -188,6 +188,10 @@ class OpenAIServing:
         """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
         arrival = time.perf_counter()
         logprobs = self.check(body, [])
+        if len(body.messages) > self.max_model_len:  # each rendered with its role's marker: a token at least
+            raise APIError(400, f"messages holds {len(body.messages)} messages, more than the model's context of "
+                                f"max_model_len={self.max_model_len} tokens could hold (a chat template marks each "
+                                "message with a token at least); send fewer", "messages")
         most = self.max_model_len * self.bounds.longest_token  # characters the context could hold
 
         def prompt_ids() -> list[int]:  # reading, rendering and tokenizing thousands of messages: off the loop
