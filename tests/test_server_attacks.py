@@ -140,3 +140,19 @@ def test_messages_that_render_past_the_context_are_refused_before_tokenizing(mod
         assert httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
         assert_no_block_leaked(server)
+
+
+@pytest.mark.parametrize("fields", [{"stop_token_ids": list(range(512))},
+                                    {"stop": list(range(511)), "stop_token_ids": [511]},
+                                    {"stop_token_ids": list(range(511)) + [511], "top_k": 1}])
+def test_min_tokens_with_every_token_a_stop_is_a_400_not_nan_logits(model, tokenizer, fields):
+    """min_tokens masks every stop token until it is met: with all 512 tokens stops, no token is left."""
+    with start(model, tokenizer) as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"prompt": "a", "min_tokens": 5, "max_tokens": 8, **fields})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "min_tokens" and "all 512 tokens" in error["message"], error
+        assert httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "prompt": "a", "min_tokens": 5, "max_tokens": 8, "stop_token_ids": list(range(511))}).status_code == 200
+        assert_no_block_leaked(server)
