@@ -156,3 +156,32 @@ def test_min_tokens_with_every_token_a_stop_is_a_400_not_nan_logits(model, token
         assert httpx.post(server.url + "/v1/completions", timeout=30, json={
             "prompt": "a", "min_tokens": 5, "max_tokens": 8, "stop_token_ids": list(range(511))}).status_code == 200
         assert_no_block_leaked(server)
+
+
+def test_shutdown_with_clients_that_read_nothing_logs_no_traceback(model, tokenizer, caplog):
+    import logging
+    """Streams whose clients stopped reading cannot send their last bytes: the shutdown lets those clients
+    go (as if they had left), so their handlers end instead of being cancelled by uvicorn, which logs each
+    cancellation with a traceback."""
+    import socket
+    from serving_support import post_bytes
+    body = json.dumps({"prompt": [1] * 120, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1,
+                       "stream": True}).encode()  # about 4 MB of events: more than the sockets buffer
+    clients = []
+    logging.getLogger("uvicorn").addHandler(caplog.handler)  # uvicorn's loggers do not propagate to the root
+    with start(model, tokenizer, max_num_seqs=64, num_blocks=1024) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect((host, int(port)))
+            client.sendall(post_bytes("/v1/completions", body))
+            clients.append(client)
+        connections = server.server.server_state.connections
+        wait_until(lambda: len(connections) == 3 and all(c.cycle is not None and c.cycle.flow.write_paused
+                                                          for c in list(connections)),
+                   what="three answers waiting on clients that read nothing")
+    logging.getLogger("uvicorn").removeHandler(caplog.handler)
+    for client in clients:
+        client.close()
+    assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text, caplog.text[-2000:]
