@@ -266,7 +266,7 @@ class LLMEngine(RemotePrefill):
             for request_id in bad:
                 self.abort_request(request_id)
             raise NonFiniteLogitsError(e.rows, f"{e}. Requests {bad} were aborted; the next step() reports "
-                                               "them") from None
+                                               "them", bad) from None
         for chunk in plan.chunks:  # their keys and values are in the cache now, and every token was sampled
             chunk.seq.num_computed_tokens += chunk.num_tokens
         return sampled

@@ -127,6 +127,11 @@ def check_request(config: GPT2Config, prompt_token_ids, params, request_id, arri
         if t >= vocab:
             raise ValueError(f"stop token id {t} is outside the vocabulary of {vocab} tokens (ids 0 to "
                              f"{vocab - 1}): it could never be generated; drop it or use the model's tokenizer")
+    ends = set(params.stop_token_ids) | ({config.eos_token_id} if not params.ignore_eos else set())
+    if params.min_tokens and len(ends - {None}) >= vocab:  # min_tokens masks them all: no token could be drawn
+        raise ValueError(f"min_tokens={params.min_tokens} with stop token ids (and the end of text) covering all "
+                         f"{vocab} tokens: until min_tokens every token is masked, so none could be chosen; "
+                         "drop min_tokens or some stop token ids")
     if arrival_time is not None:
         if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
                 or not math.isfinite(arrival_time) or arrival_time > now:

@@ -35,10 +35,11 @@ from .sampling_params import SamplingParams
 
 
 class NonFiniteLogitsError(ValueError):
-    """Logits holding NaN or ±inf, so no token can be chosen; `rows` are the rows of the batch at fault."""
+    """Logits holding NaN or ±inf, so no token can be chosen; `rows` are the rows of the batch at fault,
+    `request_ids` their requests (the engine fills them in, having aborted those requests and no other)."""
 
-    def __init__(self, rows: list[int], message: str | None = None):
-        self.rows = rows
+    def __init__(self, rows: list[int], message: str | None = None, request_ids: list[str] = ()):
+        self.rows, self.request_ids = rows, list(request_ids)  # the requests of those rows, once the engine knows
         super().__init__(message or (
             f"the logits of row(s) {rows} hold NaN or ±inf, so no token can be chosen. Likely causes: weights "
             "holding NaN or inf (a corrupt or badly converted checkpoint; re-download it), a config.json whose "

@@ -104,6 +104,9 @@ class SamplingParams:
         if r <= 0:
             raise ValueError(f"repetition_penalty={r:g} must be > 0: 1 is off, above 1 discourages repeats, "
                              "below 1 encourages them")
+        if not MIN_TEMPERATURE <= r <= 1 / MIN_TEMPERATURE:  # as temperature: past it, logits overflow to ±inf
+            raise ValueError(f"repetition_penalty={r:g} must be in [{MIN_TEMPERATURE}, {1 / MIN_TEMPERATURE:g}]: "
+                             "beyond that it divides or multiplies a seen token's logit past float32's range")
         checked["repetition_penalty"] = r
         n = checked["n"]
         if checked["best_of"] not in (None, n):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..engine import LLMEngine, RequestOutput
+from ..sampling import NonFiniteLogitsError
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("minillm.server")
@@ -224,6 +225,9 @@ class EngineLoop:
         engine = self.engine
         try:
             outputs = engine.step()
+        except NonFiniteLogitsError as e:  # the engine aborted those rows' requests, and the rest go on
+            self._fail(e.request_ids, e)
+            return
         except Exception as e:  # noqa: BLE001  (a step that fails must not kill the thread that serves)
             self._fail_all(e)
             return
@@ -247,6 +251,14 @@ class EngineLoop:
                 self.on_step(engine)
             except Exception:  # noqa: BLE001  (watching must not stop the serving)
                 log.error("recording a step failed\n%s", traceback.format_exc())
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """The engine aborted these requests (and no other) in a step that raised: tell their clients only."""
+        log.error("engine step failed for %d request(s), aborted: %s", len(request_ids), error)
+        for request_id in request_ids:
+            put = self._streams.pop(request_id, None)
+            if put is not None:
+                put(Failed(f"the engine failed: {type(error).__name__}: {error}"))
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: abort every request it could have touched, tell their clients, keep serving."""

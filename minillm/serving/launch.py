@@ -124,6 +124,10 @@ class Server(uvicorn.Server):
             while live.recorder.watchers and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         self.should_exit = True
+        await asyncio.sleep(LAST_BYTES_S / 2)  # every stream has ended; a client that reads none of its last
+        for connection in list(self.server_state.connections):  # bytes is let go, so its handler ends (as if it
+            if connection.cycle is not None and not connection.cycle.response_complete:  # left), not cancelled
+                connection.transport.abort()  # by uvicorn with a traceback in the log
 
 
 class BackgroundServer:

@@ -27,12 +27,17 @@ silently.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
 from .errors import APIError, param_of
+
+# A list's validation stops at its first wrong item: a body of a million wrong items is one error, not a
+# million (each turned into a Python dict, for seconds, with the GIL held), and the error names that item.
+FAIL_FAST = Field(fail_fast=True)
+Ints, Strs = Annotated[list[int], FAIL_FAST], Annotated[list[str], FAIL_FAST]
 
 
 class StreamOptions(BaseModel):
@@ -51,8 +56,8 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Strs | Ints | None = None
+    stop_token_ids: Ints | None = None
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
@@ -67,7 +72,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     """The body of POST /v1/completions."""
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Ints | Strs | Annotated[list[Ints], FAIL_FAST]
     logprobs: int | bool | None = None  # an integer here; a bool is taken only to be refused with a clear message
     best_of: int | None = None
     echo: bool = False
@@ -83,7 +88,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = None
 
     def as_template_input(self) -> dict:
@@ -96,7 +101,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """The body of POST /v1/chat/completions: OpenAI's `messages`, `max_completion_tokens` (the newer name of
     `max_tokens`), and vLLM's `add_generation_prompt`."""
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], FAIL_FAST]
     max_tokens: int | None = None  # as OpenAI's chat: by default, up to the end of the context
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -109,14 +114,14 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], FAIL_FAST] | None = None
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: Ints
 
 
 # ---- what comes back ---------------------------------------------------------------------------------

@@ -188,12 +188,20 @@ class OpenAIServing:
         """POST /v1/chat/completions: the messages through the chat template, then as a completion."""
         arrival = time.perf_counter()
         logprobs = self.check(body, [])
-        chars = sum(len(m.as_template_input()["content"]) for m in body.messages)
-        if chars > self.max_model_len * self.bounds.longest_token:
-            raise APIError(400, f"the messages hold {chars} characters, more than the model's context of "
-                                f"max_model_len={self.max_model_len} tokens could hold; shorten them", "messages")
-        prompt = await asyncio.to_thread(
-            lambda: self.tokenizer.encode(self.render_chat(body.messages, body.add_generation_prompt)))
+        if len(body.messages) > self.max_model_len:  # a template marks each message with a token at least
+            raise APIError(400, f"messages holds {len(body.messages)} messages, more than max_model_len="
+                                f"{self.max_model_len} tokens hold (each takes one at least); send fewer", "messages")
+        most = self.max_model_len * self.bounds.longest_token  # characters the context could hold
+
+        def prompt_ids() -> list[int]:  # reading, rendering and tokenizing thousands of messages: off the loop
+            chars = sum(len(m.as_template_input()["content"]) for m in body.messages)
+            text = "" if chars > most else self.render_chat(body.messages, body.add_generation_prompt)
+            if max(chars, len(text)) > most:  # the template may repeat what it renders: bounded before tokenizing
+                raise APIError(400, f"the messages hold {max(chars, len(text))} characters as rendered, more than the "
+                                    f"context of max_model_len={self.max_model_len} tokens holds; shorten them",
+                               "messages")
+            return self.tokenizer.encode(text)
+        prompt = await asyncio.to_thread(prompt_ids)
         return await self.respond(body, [(prompt, None)], arrival, ChatShape(self.model_name, int(time.time())),
                                   logprobs)
 
