@@ -234,7 +234,8 @@ def test_generate_runs_on_int8_weights(capsys):
     assert "int8" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with -m gpu on a GPU machine)")
 def test_int8_on_cuda_gives_the_cpu_int8_logits_within_bf16(fp32):
     cpu = quantize(copy.deepcopy(fp32))
     gpu = quantize(copy.deepcopy(fp32).to("cuda"))
