@@ -268,7 +268,7 @@ def plot(lesson, s: dict, m: dict, verdict) -> None:
     axes[2].loglog(grid, [ROOF_SHARE * ceil.attainable(x) for x in grid], "k--", lw=0.8,
                    label=f"{ROOF_SHARE:.0%} of the roof (the claim's line)")
     axes[2].legend(fontsize=8, loc="lower right")
-    axes[2].set_title(f"roofline, each ceiling its fastest kernel's best round, {ceil.dtype}")
+    axes[2].set_title(f"roofline ({ceil.dtype}): each ceiling its fastest kernel's best round", fontsize=10)
     save_plot(lesson, fig, verdict)
 
 
