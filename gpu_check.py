@@ -135,7 +135,7 @@ class ModelCache:
 
 @contextlib.contextmanager
 def model_cache():
-    """Route every random build (weights.load_model's, lessons/common.py's and lesson 09's, bench's) through
+    """Route every random build (weights.load_model's, lessons/common.py's and lesson 03's, bench's) through
     one ModelCache for as long as the block runs."""
     import common  # lessons/common.py
     from minillm.checkpoints import load as weights
@@ -207,7 +207,7 @@ def missing_packages(lesson: Path) -> tuple:
     return tuple(m for m in LESSON_NEEDS.get(topic, []) if importlib.util.find_spec(m) is None)
 
 
-NEEDS_TWO_GPUS = {"13_disaggregation"}  # a prefill and a decode worker, a GPU each (NCCL)
+NEEDS_TWO_GPUS = {"15_disaggregation"}  # a prefill and a decode worker, a GPU each (NCCL)
 
 
 def plan(device: str, models: list[str], lessons: list[Path], results: Path, scratch: Path) -> list[Stage]:

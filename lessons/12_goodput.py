@@ -6,7 +6,7 @@ A user is served well when the first token comes soon (TTFT) and the text then
 never stalls (every inter-token gap, ITL, short). Goodput counts only those
 requests: the rate of requests that met *both* targets (DistServe). Under a mix
 of long prompts and running streams, a server that prefills each prompt whole
-stalls every stream for the length of that prefill (lesson 07), so as the
+stalls every stream for the length of that prefill (lesson 10), so as the
 request rate grows, more and more streams miss the ITL target, while raw
 throughput hardly changes. Chunked prefill bounds the stall by one step of
 `max_num_batched_tokens` tokens, so the same server meets the targets up to a

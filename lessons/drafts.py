@@ -1,4 +1,4 @@
-"""Lesson 11's draft models: which one it speculates with, and why.
+"""Lesson 14's draft models: which one it speculates with, and why.
 
 A draft must propose the target's tokens, so it needs the target's vocabulary.
 The classic pairs share GPT-2's tokenizer: distilgpt2 drafts for gpt2, gpt2 for

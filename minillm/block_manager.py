@@ -31,7 +31,7 @@ only a sequence's last block is partly empty:
 
 Blocks are reference-counted, so that a block can be shared: by the samples of
 one prompt (`fork`, `parallel_sampling.py`) and by sequences with a common
-prefix (`prefix_caching.py`, lesson 10); it returns to the free list when its
+prefix (`prefix_caching.py`, lesson 13); it returns to the free list when its
 last reference goes. A sequence about to write into a block that another table
 also holds first gets a copy of its own (copy-on-write): `append_slots` swaps
 the block for a fresh one and queues (source, copy) in `copies`, which the
@@ -47,7 +47,7 @@ Why block_size = 16
 Smaller blocks waste less but mean longer block tables, more scattered reads
 and more bookkeeping per token. Larger blocks read more efficiently and waste
 more. 16 tokens is vLLM's default and sits where the waste is already a few
-percent. Lesson 05 sweeps it.
+percent. Lesson 07 sweeps it.
 
 Invariants held by the tests: after every step each block is either free or
 referenced exactly as often as the block tables hold it, none lost and none
@@ -90,7 +90,7 @@ class BlockAllocator:
 
     def allocate(self) -> int:
         """Take the block at the head of the free list, the one freed longest ago; its reference count becomes 1."""
-        # >>> exercise paged-allocate (lesson 05, 2 pts): take a block from the free list with one reference
+        # >>> exercise paged-allocate (lesson 07, 2 pts): take a block from the free list with one reference
         # hint: an empty free list is an error the scheduler should have prevented: raise a RuntimeError that names the pool size; otherwise, which end of the queue holds the block that has waited longest, and how many owners does it start with?
         if not self.free_blocks:
             raise RuntimeError(f"out of KV blocks: all {self.num_blocks} are in use; "
@@ -102,7 +102,7 @@ class BlockAllocator:
 
     def free(self, block: int) -> None:
         """Drop one reference; when none are left, the block joins the tail of the free list."""
-        # >>> exercise paged-free (lesson 05, 2 pts): drop a reference and recycle the block at zero
+        # >>> exercise paged-free (lesson 07, 2 pts): drop a reference and recycle the block at zero
         # hint: a block with no references left cannot be freed again (a double free: raise RuntimeError before changing anything); a block still referenced elsewhere stays out of the free list; at which end does a recycled block wait its turn?
         if self.ref_counts[block] < 1:
             raise RuntimeError(f"double free: block {block} has no references left")

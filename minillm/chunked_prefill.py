@@ -39,7 +39,7 @@ The trade-off of the budget:
 
 Tile effects: matmul kernels work in tiles (e.g. 64 or 128 rows), so a step of
 130 tokens can cost nearly as much as one of 256. Budgets that are multiples
-of the tile size waste the least. Lesson 08 sweeps the budget.
+of the tile size waste the least. Lesson 11 sweeps the budget.
 
 Everything else, the queues, admission and preemption, is the scheduler's
 (`scheduler.py`); this file replaces only its policy.
@@ -62,7 +62,7 @@ class ChunkedPrefillScheduler(Scheduler):
 
     def _plan(self, out: SchedulerOutput) -> None:
         """Decode-first: running decodes, then chunks of partial prefills, then of waiting prompts."""
-        # >>> exercise scheduler-budget-fill (lesson 07, 3 pts): fill one step's token budget, decodes first
+        # >>> exercise scheduler-budget-fill (lesson 10, 3 pts): fill one step's token budget, decodes first
         # hint: self._schedule_decodes(out) plans the decodes and returns the budget they used; each sequence then takes as many tokens as it still needs, capped by what is left of the budget (self._reserve gets the room for a running one; self._start_first_waiting() is the next waiting one, started after its cached prefix, and self._admit takes it); waiting prompts join in arrival order, never in a step that preempted, never past max_num_seqs, and a prompt without room is not overtaken
         budget = self.config.max_num_batched_tokens - self._schedule_decodes(out)
         for seq in list(self.running):

@@ -10,10 +10,10 @@ kernel launch, a few µs each. The device waits for the host:
 
 `gpt2` in bf16 reads 0.25 GB of weights per step (`cost.decode_cost`), 0.05
 ms at an H200's 4.8 TB/s datasheet bandwidth, but one engine step dispatches
-hundreds of ops (`steps.count_ops` counts them; lesson 09 prints the count):
+hundreds of ops (`steps.count_ops` counts them; lesson 03 prints the count):
 at a few µs each, milliseconds of host time. Such a step is bound by launch
 overhead, not by memory; the larger the model, the more work each launch
-carries, until memory binds again (lesson 09 finds the crossover).
+carries, until memory binds again (lesson 03 finds the crossover).
 
 The fix: CUDA graphs
 --------------------
@@ -43,7 +43,7 @@ for the longest one.
 
 What padding costs: a batch of n runs as bucket(n) rows (< 2n), and a decode
 reads up to 2× the keys its longest context needs (`python -m minillm bench`
-times a decode step; lesson 09 sets eager, static and graph side by side).
+times a decode step; lesson 03 sets eager, static and graph side by side).
 Padding pays off only
 where a shape is replayed. So the runner has three modes for one and the same code:
 

@@ -31,7 +31,7 @@ the queue holding no block, to be recomputed; a finished or aborted one is
 reported by the next step that returns (`rollback.py`). Non-finite logits abort
 only their own requests (NonFiniteLogitsError names them). None vanishes.
 
-A prompt prefilled on another worker enters through two calls of lesson 13's
+A prompt prefilled on another worker enters through two calls of lesson 15's
 (`remote_prefill.py`, mixed in): `allocate_remote_prefill`, `start_remote_decode`.
 
 One engine, one thread: a call from a second thread while one runs raises; one

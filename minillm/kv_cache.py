@@ -33,7 +33,7 @@ What it costs
 This file's cache is *contiguous*: every sequence reserves `max_seq_len` slots
 up front, [n_layer, batch, n_head, max_seq_len, head_dim] for K and for V. It
 is simple and reads K and V in place, but a sequence that stops early leaves
-its reservation empty. `paged_attention.py` fixes that waste; lesson 05 measures it.
+its reservation empty. `paged_attention.py` fixes that waste; lesson 07 measures it.
 
 One step, described once
 ------------------------
@@ -188,7 +188,7 @@ class KVCache:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's keys and values, (B, H, T, D), in each row's next T slots."""
         m = self.metadata
-        # >>> exercise kv-cache-write (lesson 02, 2 pts): store the new keys and values in their slots
+        # >>> exercise kv-cache-write (lesson 01, 2 pts): store the new keys and values in their slots
         # hint: row m.rows[i] gets its T new tokens in the slots right after what it has cached (m.positions says which); a slice of rows means every row starts at the same slot, which a plain slice assignment handles
         if isinstance(m.rows, slice):  # every row starts at the same slot: a plain slice write
             start = m.segments[0].start
@@ -202,7 +202,7 @@ class KVCache:
     def read(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attend q (B, H, T, D) over the cached keys and values, after `write` stored this step's."""
         m = self.metadata
-        # >>> exercise kv-cache-read (lesson 02, 2 pts): attend the new queries over the cached keys and values
+        # >>> exercise kv-cache-read (lesson 01, 2 pts): attend the new queries over the cached keys and values
         # hint: what must these queries see: only the new keys and values (when is that all there is?), or what each row has cached? How many of a row's slots hold real keys, and what hides the rest, and the future, from each query? (m is this step's metadata)
         if m.is_fresh_prefill:  # nothing cached before: plain causal attention over the new tokens
             return causal_attention(q, k, v)

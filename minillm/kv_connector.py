@@ -4,9 +4,9 @@ Why split the phases
 --------------------
 Prefill is compute-bound (a prompt's tokens go through each weight matrix
 together), decode is memory-bound (every step reads every weight for one token
-per sequence; lessons 01 and 04). One engine serving both makes them
+per sequence; lessons 02 and 04). One engine serving both makes them
 interfere: a long prompt's prefill shares a step with the running decodes, so
-every stream stalls (lesson 07); chunking bounds the stall but pays for it in
+every stream stalls (lesson 10); chunking bounds the stall but pays for it in
 TTFT and extra steps. Disaggregation runs the two phases on separate workers,
 each an `LLMEngine` in its own process on its own cores (or GPU):
 
@@ -17,7 +17,7 @@ each an `LLMEngine` in its own process on its own cores (or GPU):
 so the decode worker's steps never carry a prefill, and TTFT and ITL can be
 tuned apart (DistServe, Splitwise, Mooncake; vLLM's disaggregated prefill).
 What it does not buy is throughput: the same work is done on the same cores,
-plus the transfer (vLLM's documentation says so, and lesson 13 measures it).
+plus the transfer (vLLM's documentation says so, and lesson 15 measures it).
 
 What it costs
 -------------

@@ -10,7 +10,7 @@ token, which were identical last step:
 
 It is correct, and simple enough to trust, which is why the tests use it as
 the reference. It is also the wrong way to serve: at 1,000 tokens of context
-each new token redoes ~1,000 tokens' worth of work. Lesson 02 measures that
+each new token redoes ~1,000 tokens' worth of work. Lesson 01 measures that
 waste, and `kv_cache.py` removes it by remembering each token's keys and
 values once computed: decode then pushes one token through the weights per step.
 

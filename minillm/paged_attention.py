@@ -29,7 +29,7 @@ contiguous cache; the gather is an extra copy of K and V:
 
     gathered bytes per step = 2 · n_layer · n_embd · bytes · Σ context_len_i      (read, then written)
 
-which is the overhead lesson 06 measures. The pool keeps K and V of a slot
+which is the overhead lesson 08 measures. The pool keeps K and V of a slot
 side by side, so that one index_select per layer gathers both, and the
 gathered K and V are free views, never copied a second time.
 
@@ -110,7 +110,7 @@ def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size
     A token's block is found through the block table, and its slot in the
     flattened pool is that block's first slot plus the token's offset inside it.
     """
-    # >>> exercise paged-slot-mapping (lesson 05, 2 pts): map token positions to pool slots through the block table
+    # >>> exercise paged-slot-mapping (lesson 07, 2 pts): map token positions to pool slots through the block table
     # hint: which entry of the block table holds position p, and how far into that block is p? A block's slots are numbered consecutively in the flattened pool
     return [block_table[p // block_size] * block_size + p % block_size
             for p in range(start, start + num_tokens)]
@@ -128,7 +128,7 @@ def gather_kv(layer_pool: torch.Tensor, block_tables: torch.Tensor, context_len:
     fresh one. Slots past a sequence's own length hold padding that the caller
     masks out.
     """
-    # >>> exercise paged-gather (lesson 05, 3 pts): gather a ragged batch's K and V through its block tables
+    # >>> exercise paged-gather (lesson 07, 3 pts): gather a ragged batch's K and V through its block tables
     # hint: for row r and token p, which block of the pool and which slot inside it hold its K and V? Can one indexing of the pool by the block tables fetch every row's blocks at once (torch.index_select takes out=), and how do blocks and slots then become one token axis of which only the first context_len count? Each of K and V comes back as (rows, H, context_len, D)
     b, max_blocks = block_tables.shape
     _, block_size, _, H, D = layer_pool.shape

@@ -7,7 +7,7 @@ once, by sample 0; when it samples its first token, the other samples draw
 theirs from the same logits and *fork* from it (`Scheduler.fork`, which asks
 `BlockManager.fork`; only the scheduler moves a sequence between queues): each holds
 the very same blocks, one more reference apiece, and nothing is copied. This is
-the second use of the reference counts that prefix caching (lesson 10) counts
+the second use of the reference counts that prefix caching (lesson 13) counts
 with, and it comes from the PagedAttention paper itself (Kwon et al.), which
 reports 6.1–9.8% of KV memory saved for parallel sampling and 37.6–55.2% for
 beam search, whose beams share far more.

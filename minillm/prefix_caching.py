@@ -3,7 +3,7 @@
 The waste it removes. Real traffic repeats itself (a system prompt in every
 chat request, the history resent every turn, few-shot headers), and without a
 cache each request computes the same keys and values again. Prefill work grows
-with the tokens computed (lesson 01), so a request of P prompt tokens whose
+with the tokens computed (lesson 02), so a request of P prompt tokens whose
 first S are in the pool pays only for the rest:
 
     tokens prefilled on a hit   P − S                (they still attend over all P)
@@ -96,7 +96,7 @@ def prefix_match(token_ids: list[int], block_size: int, cached: dict[bytes, int]
     Returns the blocks in order; reusing them, a sequence starts computing at len(result) · block_size.
     Reads `token_ids` and `cached`, and changes neither.
     """
-    # >>> exercise prefix-match (lesson 10, 2 pts): find the cached blocks that start a prompt
+    # >>> exercise prefix-match (lesson 13, 2 pts): find the cached blocks that start a prompt
     # hint: walk whole blocks from the start, each one's key chained to the key before it; the walk ends at the first key the cache lacks, and never reaches the block that holds the last token, which must be computed for its logits
     blocks, parent = [], ROOT
     for start in range(0, len(token_ids) - block_size, block_size):  # whole blocks within token_ids[:-1]

@@ -1,4 +1,4 @@
-"""A prompt prefilled elsewhere: the decode engine's side of disaggregated prefill (lesson 13).
+"""A prompt prefilled elsewhere: the decode engine's side of disaggregated prefill (lesson 15).
 
 Disaggregated, one worker prefills a prompt and another decodes it
 (`kv_connector.py` moves the keys and values between them). The decode engine

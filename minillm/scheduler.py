@@ -17,7 +17,7 @@ member. This file's policy is the one engines used before chunked prefill:
                     `max_num_batched_tokens` and `max_num_seqs` allow, in a step
                     of their own; only a step that admits nothing runs the decodes
 
-`chunked_prefill.py` (lessons 07 and 08) replaces that one policy and keeps the rest.
+`chunked_prefill.py` (lessons 10 and 11) replaces that one policy and keeps the rest.
 
 Memory, and preemption by recompute
 -----------------------------------
@@ -274,7 +274,7 @@ class Scheduler:
             return True
         scheduled = {id(c.seq) for c in out.chunks}  # O(plan); built only when a victim must be chosen
         while not self.blocks.can_append(seq, num_tokens):
-            # >>> exercise scheduler-preempt (lesson 05, 2 pts): free blocks by preempting the newest running sequence
+            # >>> exercise scheduler-preempt (lesson 07, 2 pts): free blocks by preempting the newest running sequence
             # hint: who may give up its blocks for `seq`: which running sequences must be spared, and in what order are the others taken (who is the newest)? What if no one else is left? What does the return value tell the caller? (`self._preempt` frees one sequence)
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq

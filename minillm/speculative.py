@@ -2,11 +2,11 @@
 
 Why it exists
 -------------
-A decode step is memory-bound (lessons 01 and 04): it reads every weight once
+A decode step is memory-bound (lessons 02 and 04): it reads every weight once
 for about 2 FLOPs per weight, 0.5 FLOP/B in fp32. Fed k tokens, it still reads
 each weight once, so until k · 0.5 FLOP/B nears the ridge point it costs about
 what a one-token step costs (where the k-row kernel streams the weights as fast
-as the one-row one; CPU BLAS often does not, and lesson 11 measures it). So
+as the one-row one; CPU BLAS often does not, and lesson 14 measures it). So
 *checking* k tokens is nearly free; a cheap drafter supplies tokens to check:
 
     draft     guess the next γ tokens d_1 .. d_γ                 (γ cheap steps, or a lookup)
@@ -121,7 +121,7 @@ def rejection_sample(draft_token_ids: list[int], draft_probs: torch.Tensor, targ
     target_probs (k + 1, V): the target's p_i at the same positions, and one more for the bonus token.
     Returns 1 to k + 1 token ids (ints), distributed exactly as sampling from p one token at a time; every
     random number comes from `generator`, so a seeded round gives the same tokens again."""
-    # >>> exercise speculative-accept (lesson 11, 3 pts): accept each guess with probability min(1, p/q), then draw one token of the target's own
+    # >>> exercise speculative-accept (lesson 14, 3 pts): accept each guess with probability min(1, p/q), then draw one token of the target's own
     # hint: a guess is kept with probability min(1, p/q) at its token: how do you decide that with `generator` alone, so that a seeded round repeats? Which guesses survive the first refusal? Then one token of the target's own: from which distribution when every guess was kept, and from which when guess i was refused, so that the round's tokens are distributed exactly as p's?
     k = len(draft_token_ids)
     rows = torch.arange(k, device=target_probs.device)

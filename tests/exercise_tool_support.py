@@ -27,7 +27,7 @@ REGION = '''\
 class Pool:
     def take(self, n):
         """Take n blocks."""
-        # >>> exercise pool-take (lesson 05, 2 pts): take n blocks off the free list
+        # >>> exercise pool-take (lesson 07, 2 pts): take n blocks off the free list
         # hint: pop from the end
         taken = self.free[-n:]
         del self.free[-n:]
@@ -42,7 +42,7 @@ def parse(text: str) -> list[regions.Exercise]:
 
 TWO_REGIONS = REGION + '''
     def give(self, blocks):
-        # >>> exercise pool-give (lesson 05, 1 pts): give blocks back
+        # >>> exercise pool-give (lesson 07, 1 pts): give blocks back
         # hint: the free list grows at its end
         for block in blocks:
             self.free.append(block)

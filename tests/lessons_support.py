@@ -3,7 +3,7 @@ quick run checked.
 
 Lessons import their scaffold (`common`) by name, as a script run from `lessons/` would, and a file name that
 starts with a digit is no module name, so a test loads a lesson from its path:
-`lesson = load_lesson("07_stutter")`, then calls `lesson.main([...])` or its helpers, or `run_quick(lesson, ...)`.
+`lesson = load_lesson("10_stutter")`, then calls `lesson.main([...])` or its helpers, or `run_quick(lesson, ...)`.
 """
 import importlib.util
 import json

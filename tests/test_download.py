@@ -601,7 +601,7 @@ def test_after_a_failed_download_lesson_01_and_generate_run_with_one_warning(hub
         assert len(lines) == 1, lines
         assert "Traceback" not in out.err
 
-    one_warning(lambda: load_lesson("01_phase_split").main(
+    one_warning(lambda: load_lesson("02_phase_split").main(
         ["--model", "distilgpt2", "--device", "cpu", "--quick", "--out", str(tmp_path / "results")]))
     one_warning(lambda: cli.main(["generate", "--model", "distilgpt2", "--device", "cpu", "--prompt", "Hi",
                                   "--max-tokens", "3"]))

@@ -21,14 +21,14 @@ from exercise_tool_support import (KEY_OF_POOL, REGION, ROOT, TWO_REGIONS, files
 def test_parse_reads_every_field():
     (ex,) = parse(REGION)
     assert (ex.id, ex.title, ex.lesson, ex.points, ex.hint) == (
-        "pool-take", "take n blocks off the free list", "05", 2, "pop from the end")
+        "pool-take", "take n blocks off the free list", "07", 2, "pop from the end")
     assert (ex.file, ex.line, ex.function, ex.indent) == ("minillm/pool.py", 4, "Pool.take", " " * 8)
     assert ex.body == ("        taken = self.free[-n:]", "        del self.free[-n:]", "        return taken")
     assert ex.where() == "minillm/pool.py:4, in Pool.take"
 
 
 def test_parse_accepts_one_pt_module_level_regions_and_deeper_code():
-    text = ("# >>> exercise answer (lesson 01, 1 pt): the answer\n# hint: six times seven\n"
+    text = ("# >>> exercise answer (lesson 02, 1 pt): the answer\n# hint: six times seven\n"
             "if True:\n    ANSWER = 42\n# <<< exercise\n")
     (ex,) = parse(text)
     assert (ex.points, ex.function, ex.body[-1]) == (1, "<module>", "    ANSWER = 42")
@@ -42,16 +42,16 @@ def test_parse_finds_several_regions_in_order():
 
 @pytest.mark.parametrize("broken, message", [
     (REGION.replace("        # <<< exercise\n", ""), r"minillm/pool.py:4: exercise pool-take has no end marker"),
-    (REGION.replace("(lesson 05, 2 pts)", "(lesson 5, 2 pts)"), r"minillm/pool.py:4: malformed exercise marker"),
+    (REGION.replace("(lesson 07, 2 pts)", "(lesson 5, 2 pts)"), r"minillm/pool.py:4: malformed exercise marker"),
     (REGION.replace("pool-take", "Pool_Take"), r"minillm/pool.py:4: malformed exercise marker"),
     (REGION.replace("2 pts): take", "2 pts) take"), r"minillm/pool.py:4: malformed exercise marker"),
     (REGION.replace("# hint: pop", "# pop"), r"minillm/pool.py:5: exercise pool-take needs a '# hint: \.\.\.' line"),
-    (REGION.replace("        del self", "        # >>> exercise inner (lesson 05, 1 pts): x\n        del self"),
+    (REGION.replace("        del self", "        # >>> exercise inner (lesson 07, 1 pts): x\n        del self"),
      r"minillm/pool.py:7: a region starts inside exercise pool-take \(opened at minillm/pool.py:4\)"),
     (REGION.replace("        # <<< exercise", "    # <<< exercise"), r"minillm/pool.py:9: the end marker .* indentation"),
     ("x = 1\n# <<< exercise\n", r"minillm/pool.py:2: '# <<< exercise' with no region open"),
-    ("# >>> exercise e (lesson 01, 1 pts): t\n# hint: h\n\n# <<< exercise\n", r"minillm/pool.py:1: .*no code"),
-    ("def f():\n    # >>> exercise e (lesson 01, 1 pts): t\n    # hint: h\n    x = 1\ny = 2\n    # <<< exercise\n",
+    ("# >>> exercise e (lesson 02, 1 pts): t\n# hint: h\n\n# <<< exercise\n", r"minillm/pool.py:1: .*no code"),
+    ("def f():\n    # >>> exercise e (lesson 02, 1 pts): t\n    # hint: h\n    x = 1\ny = 2\n    # <<< exercise\n",
      r"minillm/pool.py:5: code in exercise e is indented less than its marker"),
 ])
 def test_parse_rejects_malformed_regions_naming_file_and_line(broken, message):
@@ -76,7 +76,7 @@ def test_stub_keeps_markers_imports_and_raises_naming_the_exercise():
     exec(compile(text, "pool.py", "exec"), namespace)
     with pytest.raises(NotImplementedError) as err:
         namespace["Pool"]().take(2)
-    assert str(err.value) == ("exercise pool-take (lesson 05): take n blocks off the free list. Hint: pop from the end")
+    assert str(err.value) == ("exercise pool-take (lesson 07): take n blocks off the free list. Hint: pop from the end")
     (stubbed,) = parse(text)
     assert stubbed.is_stub and not ex.is_stub
 
@@ -101,7 +101,7 @@ def test_select_names_the_known_ids_and_refuses_an_empty_list():
 def test_exercises_are_listed_in_lesson_order():
     lessons = [ex.lesson for ex in find_exercises(ROOT)]
     assert lessons == sorted(lessons)
-    assert {ex.id: ex.lesson for ex in find_exercises(ROOT)}["scheduler-budget-fill"] == "07"
+    assert {ex.id: ex.lesson for ex in find_exercises(ROOT)}["scheduler-budget-fill"] == "10"
 
 
 def test_make_copies_exactly_what_git_tracks_and_the_copys_line_numbers(tiny_project, tmp_path):
@@ -268,7 +268,7 @@ def test_grading_refuses_a_tree_without_a_good_manifest_or_with_edited_markers(t
     copy = tmp_path / "student"
     make_copy(copy, root=tiny_project)
     pool = copy / "minillm" / "pool.py"
-    pool.write_text(pool.read_text().replace("(lesson 05, 1 pts): give", "(lesson 05, 9 pts): give"))
+    pool.write_text(pool.read_text().replace("(lesson 07, 1 pts): give", "(lesson 07, 9 pts): give"))
     with pytest.raises(ExerciseError, match=r"(?s)disagree.*pool-give: the manifest says .*1.*, the marker .*9"):
         manifests.assigned_exercises(copy)
     pool.write_text(re.sub(r".*# (>>>|<<<) exercise.*\n", "", pool.read_text()))
@@ -310,7 +310,7 @@ def test_no_hint_docstring_message_lesson_or_readme_leaks_a_solution():
     ("minillm/paged_attention.py", lambda t: t.replace(     # the function's docstring
         "    A token's block is found", leaky("    Its slot is table[p DIV size] · size + p MOD size.\n    A token's block is found"))),
     ("tests/exercises/test_ex_paged_attention.py", lambda t: t + leaky('\nMESSAGE = f"slot = t[p DIV {bs}] * {bs} + p MOD {bs}"\n')),
-    ("lessons/05_fragmentation.py", lambda t: t + leaky("\nslots = [table[p DIV bs] * bs + p MOD bs for p in range(n)]\n")),
+    ("lessons/07_fragmentation.py", lambda t: t + leaky("\nslots = [table[p DIV bs] * bs + p MOD bs for p in range(n)]\n")),
     ("minillm/sampling.py", lambda t: t.replace(      # the old top-k hint
         "# hint: each row has its own threshold", leaky("# hint: torch.topk(logits, k).values[DOTS, -1:] is the threshold"))),
 ])

@@ -54,7 +54,7 @@ def test_the_grader_refuses_data_it_did_not_encode(forged):
 
 
 def test_the_grader_judges_each_case_once_and_says_what_happened():
-    stub = {"type": "NotImplementedError", "message": "exercise pool-take (lesson 05): ...", "where": "minillm/pool.py:6"}
+    stub = {"type": "NotImplementedError", "message": "exercise pool-take (lesson 07): ...", "where": "minillm/pool.py:6"}
     score = judged([{"start": "c0"}, {"case": 0, "output": 0}, {"case": 1, "output": 7},
                     {"case": 2, "output": 2}, {"case": 2, "output": 2},      # twice: someone wrote to the channel
                     {"case": 3, "raised": stub}, {"case": 4, "raised": {"type": "SystemExit", "message": "0",
@@ -283,9 +283,9 @@ def test_only_the_regions_of_a_submission_are_taken():
 
 
 @pytest.mark.parametrize("submitted, message", [
-    (SUBMITTED.replace("        # >>> exercise pool-give (lesson 05, 1 pts): give blocks back\n", ""),
+    (SUBMITTED.replace("        # >>> exercise pool-give (lesson 07, 1 pts): give blocks back\n", ""),
      {"pool-give": r"minillm/pool.py: the marker of exercise pool-give .* appears 0 times"}),
-    (SUBMITTED + "        # >>> exercise pool-take (lesson 05, 2 pts): again\n",
+    (SUBMITTED + "        # >>> exercise pool-take (lesson 07, 2 pts): again\n",
      {"pool-take": r"minillm/pool.py: the marker of exercise pool-take .* appears 2 times \(lines 4, 15\)"}),
     (SUBMITTED.replace("        return [self.free.pop() for _ in range(n)]\n        # <<< exercise\n", "        x = 1\n", 1),
      {"pool-take": r"minillm/pool.py:4: exercise pool-take has no end marker"}),

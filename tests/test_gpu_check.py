@@ -154,18 +154,18 @@ def test_killed_mid_stage_the_dry_run_leaves_every_earlier_result_readable(tmp_p
 
 
 def test_lessons_share_one_model_cache_and_their_json_is_kept_when_each_ends(tmp_path):
-    """Lesson 01 twice on tiny in this process, then lesson 09 (which builds its ladder of shapes and their twins
+    """Lesson 02 twice on tiny in this process, then lesson 03 (which builds its ladder of shapes and their twins
     itself): no random model is built twice, and each lesson's JSON lies in the results folder as soon as it ends."""
     from run_all import discover
     lessons = {p.stem[:2]: p for p in discover()}
     argv = ["--device", "cpu", "--model", "tiny", "--quick"]
     with gpu_check.model_cache() as cache:
         for _ in range(2):
-            first = gpu_check.lesson_stage(lessons["01"], argv, tmp_path / "scratch", tmp_path / "kept")
+            first = gpu_check.lesson_stage(lessons["02"], argv, tmp_path / "scratch", tmp_path / "kept")
             assert first["ok"], first["output_tail"]
-            assert json.loads((tmp_path / "kept" / f"{lessons['01'].stem}.json").read_text())
+            assert json.loads((tmp_path / "kept" / f"{lessons['02'].stem}.json").read_text())
         assert cache.builds == 1
-        result = gpu_check.lesson_stage(lessons["09"], argv, tmp_path / "scratch", tmp_path / "kept")
+        result = gpu_check.lesson_stage(lessons["03"], argv, tmp_path / "scratch", tmp_path / "kept")
         assert result["ok"], result["output_tail"]
         assert cache.builds == 4  # tiny was there; mini, and the twins of tiny and mini, are new
     from minillm.checkpoints import load as weights

@@ -8,7 +8,7 @@ QUIET_LIMIT_S and all but three lessons decisive (HOLDS or NOT SUPPORTED); busy,
 four decisive, and no decisive verdict that differs from the quiet run's. Its figures are printed (-s).
 
 The bounds are this machine's, measured (docs/lessons.md): on the quiet 2-core AVX2 EPYC the 13 lessons took 364 s
-with 10 decisive, and 419 s with 11 beside the busy core, none flipped. Lessons 12 and 13 judge served traffic on two
+with 10 decisive, and 419 s with 11 beside the busy core, none flipped. Lessons 12 and 15 judge served traffic on two
 cores and come out INCONCLUSIVE as often as not; lesson 04's batch-4 line sits inside this CPU's noise.
 """
 import json

@@ -11,9 +11,10 @@ from lessons_support import LESSONS  # also puts lessons/ on sys.path
 def test_run_all_discovers_numbered_lessons_in_order(tmp_path):
     import run_all
     stems = [p.stem for p in run_all.discover()]
-    assert stems == ["01_phase_split", "02_kv_cache", "03_kv_memory", "04_memory_bound_decode", "05_fragmentation",
-                     "06_paging_cost", "07_stutter", "08_budget_sweep", "09_launch_overhead", "10_prompt_caching",
-                     "11_speculative_decoding", "12_goodput", "13_disaggregation"]
+    assert stems == ["01_kv_cache", "02_phase_split", "03_launch_overhead", "04_memory_bound_decode", "05_kv_memory",
+                     "06_fewer_bytes", "07_fragmentation", "08_paging_cost", "09_continuous_batching", "10_stutter",
+                     "11_budget_sweep", "12_goodput", "13_prompt_caching", "14_speculative_decoding",
+                     "15_disaggregation"]
     for name in ("07_later.py", "05_new.py", "common.py", "run_all.py", "notes.py", "5_bad.py"):
         (tmp_path / name).write_text("")
     assert [p.name for p in run_all.discover(tmp_path)] == ["05_new.py", "07_later.py"]
@@ -23,7 +24,7 @@ def test_run_all_dry_run_passes_flags(capsys):
     import run_all
     assert run_all.main(["--quick", "--model", "tiny", "--dry-run", "--only", "2"]) == 0
     out = capsys.readouterr().out
-    assert "02_kv_cache.py" in out and "--quick" in out and "--model tiny" in out and "01_" not in out
+    assert "02_phase_split.py" in out and "--quick" in out and "--model tiny" in out and "01_" not in out
     assert "--threads" not in out  # each lesson counts its free cores unless told
     assert run_all.main(["--threads", "1", "--dry-run", "--only", "2"]) == 0
     assert "--threads 1" in capsys.readouterr().out
@@ -43,11 +44,11 @@ def test_run_all_reports_each_lessons_verdict_or_why_there_is_none(tmp_path):
 
 def test_run_all_runs_lessons_and_writes_their_times(tmp_path, capsys):
     import run_all
-    assert run_all.main(["--quick", "--model", "tiny", "--device", "cpu", "--only", "03", "--out", str(tmp_path)]) == 0
+    assert run_all.main(["--quick", "--model", "tiny", "--device", "cpu", "--only", "05", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "run_all.json").read_text())
-    assert [r["lesson"] for r in doc["lessons"]] == ["03_kv_memory"]
+    assert [r["lesson"] for r in doc["lessons"]] == ["05_kv_memory"]
     assert doc["lessons"][0]["wall_s"] > 0 and doc["lessons"][0]["verdict"] in ("HOLDS", "NOT SUPPORTED")
-    assert "03_kv_memory" in capsys.readouterr().out
+    assert "05_kv_memory" in capsys.readouterr().out
 
 
 def test_gpu_check_plans_every_lesson_and_fails_fast_without_cuda(capsys):

@@ -65,9 +65,9 @@ def test_a_busy_process_is_seen_on_this_machine():
 
 
 def test_a_lesson_prints_and_saves_its_thread_choice(tmp_path, capsys):
-    lesson = load_lesson("03_kv_memory")
+    lesson = load_lesson("05_kv_memory")
     lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--threads", "1", "--out", str(tmp_path)])
-    doc = json.loads((tmp_path / "03_kv_memory.json").read_text())
+    doc = json.loads((tmp_path / "05_kv_memory.json").read_text())
     assert doc["threads"]["threads"] == 1 and doc["threads"]["method"] == "asked for"
     assert "threads: 1 thread, as asked (--threads)" in capsys.readouterr().out
     assert "--threads 1" in doc["command"]

@@ -203,7 +203,7 @@ def test_interleave_adds_rounds_until_decided_and_stops_at_its_cap():
 
 
 def stubbed():
-    raise NotImplementedError("exercise kv-cache-write (lesson 02): store the new keys. Hint: ...")
+    raise NotImplementedError("exercise kv-cache-write (lesson 01): store the new keys. Hint: ...")
 
 
 def run_to_exit(main) -> int:
@@ -233,7 +233,7 @@ def test_a_stub_reached_through_another_error_is_still_named(capsys):
             stubbed()
         except NotImplementedError as e:
             raise RuntimeError("while preparing the step") from e
-    assert run_to_exit(lambda: (_ for _ in ()).throw(NotImplementedError("exercise paged-free (lesson 05): x"))) == 3
+    assert run_to_exit(lambda: (_ for _ in ()).throw(NotImplementedError("exercise paged-free (lesson 07): x"))) == 3
     assert "paged-free" in capsys.readouterr().err
     assert common.stub_of(RuntimeError("x")) is None
     try:

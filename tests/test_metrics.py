@@ -249,7 +249,7 @@ def test_emulation_slowdown_is_measured():
     assert slowdown > 0
 
 
-# ---- launch overhead: what lesson 09 measures ------------------------------------------
+# ---- launch overhead: what lesson 03 measures ------------------------------------------
 
 
 def test_count_ops_counts_each_dispatched_op_once_and_tells_views_apart():

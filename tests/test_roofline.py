@@ -1,4 +1,4 @@
-"""Ceilings that are ceilings: on the tiny shapes, no share of a ceiling that `bench` or lesson 01 computes exceeds
+"""Ceilings that are ceilings: on the tiny shapes, no share of a ceiling that `bench` or lesson 02 computes exceeds
 100%, and a ceiling measured with a deliberately slow kernel makes that check fail."""
 import time
 
@@ -101,7 +101,7 @@ def test_no_share_that_bench_prints_exceeds_its_ceiling():
 
 
 def test_no_share_that_lesson_01_prints_or_plots_exceeds_its_ceiling(tmp_path):
-    lesson = load_lesson("01_phase_split")
+    lesson = load_lesson("02_phase_split")
     figures = lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])["figures"]
     assert_under_ceilings(figures)
     ceil = figures["ceilings_in_rounds"]

@@ -137,7 +137,7 @@ def test_the_walk_covers_the_book_the_wings_the_lessons_and_the_gpu_check():
             "minillm/serving/disaggregated.py", "minillm/serving/live.py", "gpu_check.py"} <= files
     assert "minillm/scheduler.py" not in files and "minillm/chunked_prefill.py" not in files
     assert any(f.startswith("lessons/") for f in files)
-    assert is_wing(ROOT / "minillm" / "serving" / "live.py") and is_wing(ROOT / "lessons" / "05_fragmentation.py")
+    assert is_wing(ROOT / "minillm" / "serving" / "live.py") and is_wing(ROOT / "lessons" / "07_fragmentation.py")
     assert not is_wing(ROOT / "minillm" / "engine.py") and is_wing(ROOT / "gpu_check.py")
 
 

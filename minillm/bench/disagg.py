@@ -1,4 +1,4 @@
-"""Lesson 13's drivers: the stall trace and a saturating burst, served by worker processes (`serving/disaggregated.py`).
+"""Lesson 15's drivers: the stall trace and a saturating burst, served by worker processes (`serving/disaggregated.py`).
 
     stall_trace(workers, sizes, vocab)   K streams decode; once each has `warm` tokens a long prompt arrives;
                                          returns the streams' ITL in the window the long prompt's TTFT spans,

@@ -1,4 +1,4 @@
-"""KV memory that holds tokens against KV memory handed out: a trace replayed under one budget (lesson 05).
+"""KV memory that holds tokens against KV memory handed out: a trace replayed under one budget (lesson 07).
 
 Two policies share one `LLMEngine`, scheduler and attention kernel, so the
 difference is the memory policy alone:

@@ -13,7 +13,7 @@ closed-loop clients, each sending its next turn when the last answer is done.
 
 `replay_samples` serves a trace all at once with n greedy samples of each prompt,
 as one request of n (sharing its blocks) or as n requests of one, and counts
-the blocks each request held at most (lesson 05), watching each step's plan
+the blocks each request held at most (lesson 07), watching each step's plan
 through the engine's `on_plan` hook and its public `stats()`.
 
 `replay` keeps what it needs from the outputs `step()` returns: each finished

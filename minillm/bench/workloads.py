@@ -10,13 +10,13 @@ server over HTTP.
         random         every prompt `input_len` tokens, every output `output_len` (vLLM's)
         lognormal      log-normal prompt and output lengths around `prompt_median` and `output_median`
         stutter        `input_len`-token prompts, and a share `long_fraction` of `long_prompt_len`-token
-                       ones: the long prefills that stall running streams (lessons 07, 12)
+                       ones: the long prefills that stall running streams (lessons 10, 12)
         shared-prefix  a system prompt of `prefix_len` tokens shared by all, then `input_len` of its own
     add_random_arguments(parser)    the knobs of a `random` workload on a command line (bench.gather, bench.serve_overhead)
     arrivals(n, rate)               a Poisson process of `rate` requests/s, or all at t = 0 (rate = inf)
     lognormal_trace(n, ...)         the lessons' log-normal trace (05, 08), arrivals drawn with the lengths
     shared_prefix_workload, multi_turn_workload, no_sharing_workload, ttft_sweep
-                                    `Conversation`s, traffic that repeats itself (lesson 10), served by
+                                    `Conversation`s, traffic that repeats itself (lesson 13), served by
                                     closed-loop clients (`replay.serve`)
 
 Log-normal lengths are the shape of real chat traffic (ShareGPT, which vLLM's

@@ -7,7 +7,7 @@
 
 Regions (regions.py). Pieces of the reference engine are marked in place:
 
-    # >>> exercise kv-cache-write (lesson 02, 2 pts): store the new keys and values in their slots
+    # >>> exercise kv-cache-write (lesson 01, 2 pts): store the new keys and values in their slots
     # hint: <the idea and what to think about, never the steps; may end "Off limits: name, name.">
     <reference code, at the marker's indentation or deeper>
     # <<< exercise

@@ -1,6 +1,6 @@
 """Exercise regions: the marked pieces of the reference code, read, stubbed, and taken from a submission.
 
-    # >>> exercise kv-cache-write (lesson 02, 2 pts): store the new keys and values in their slots
+    # >>> exercise kv-cache-write (lesson 01, 2 pts): store the new keys and values in their slots
     # hint: <the idea and what to think about, never the steps>
     <reference code, at the marker's indentation or deeper>
     # <<< exercise

@@ -89,7 +89,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-fastapi-docs", action="store_true", help="serve /docs and /openapi.json")
     parser.add_argument("--disaggregate", action="store_true",
                         help="prefill and decode on two worker processes, each on its own half of the cores, the KV "
-                             "moved between them over torch.distributed (minillm/kv_connector.py, lesson 13)")
+                             "moved between them over torch.distributed (minillm/kv_connector.py, lesson 15)")
     parser.add_argument("--request-log", default=None,
                         help="append the engine's record of each finished request to this file as JSON lines "
                              "(arrival and token times in time.perf_counter seconds; lesson 12 reads it)")

@@ -25,7 +25,7 @@ decision as it is made, from the real engine, not a simulator:
                          peak FLOP/s and bandwidth (`bench/roofline.py`), whichever is slower.
                          It is a floor: a step close to it is held back by the hardware, one far
                          above it by something else (Python, kernel launches, a small model's many
-                         small operations; lesson 09)
+                         small operations; lesson 03)
 
 How it is recorded, and why it costs the engine nothing it would notice
 -------------------------------------------------------------------------

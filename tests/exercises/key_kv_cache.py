@@ -1,4 +1,4 @@
-"""The answer key of lesson 02's KV-cache exercises (kv-cache-write, kv-cache-read), and the answers of their
+"""The answer key of lesson 01's KV-cache exercises (kv-cache-write, kv-cache-read), and the answers of their
 classic mistakes, so that a message can name the one a student made.
 
 Instructor only: `make` leaves every key_*.py out of a student copy. A case is a step (test_ex_kv_cache.py

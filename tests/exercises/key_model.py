@@ -1,4 +1,4 @@
-"""The answer key of lesson 01's model exercises (model-causal-attention, model-heads), and the answers of
+"""The answer key of lesson 02's model exercises (model-causal-attention, model-heads), and the answers of
 their classic mistakes, so that a message can name the one a student made.
 
 Instructor only: `make` leaves every key_*.py out of a student copy. The oracles work in float64 from the

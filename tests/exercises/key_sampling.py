@@ -1,4 +1,4 @@
-"""The answer keys of lesson 01's sampling exercises: which token ids each row keeps, worked out in plain Python.
+"""The answer keys of lesson 02's sampling exercises: which token ids each row keeps, worked out in plain Python.
 
 Instructor only: `make` leaves every key_*.py out of a copy, and writes the visible cases' answers into it as
 literal data instead. Each function walks one row at a time: sort, count, add up probabilities. Besides the right

@@ -1,4 +1,4 @@
-"""Lesson 05 exercises in minillm/block_manager.py: the block allocator.
+"""Lesson 07 exercises in minillm/block_manager.py: the block allocator.
 
 Each case sets the free list and reference counts by hand and makes a few calls of one method, so `allocate`
 and `free` are each tested alone. After every call the check records what came back and both lists, and

@@ -1,4 +1,4 @@
-"""Lesson 02 exercises in minillm/kv_cache.py: writing a step's keys and values, and reading them back.
+"""Lesson 01 exercises in minillm/kv_cache.py: writing a step's keys and values, and reading them back.
 
 `KVCache.prepare` (given) turns a step's segments into its metadata; the
 checks call it, then test `write` and `read` separately. The read check fills

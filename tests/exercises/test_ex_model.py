@@ -1,4 +1,4 @@
-"""Lesson 01 exercises in minillm/model.py: causal self-attention written out, and splitting q, k, v into heads.
+"""Lesson 02 exercises in minillm/model.py: causal self-attention written out, and splitting q, k, v into heads.
 
 Each check calls the one function its exercise lives in, with crafted inputs;
 the answers, and those of the classic mistakes that a message names, come from

@@ -1,4 +1,4 @@
-"""Lesson 05 exercises in minillm/paged_attention.py: the slot mapping and the ragged gather.
+"""Lesson 07 exercises in minillm/paged_attention.py: the slot mapping and the ragged gather.
 
 The answer key walks the blocks one slot at a time and says where every token lives, so that a message can
 point at the first token that went astray, and name the mistake when the answer is a known one.

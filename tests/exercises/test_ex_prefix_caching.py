@@ -1,4 +1,4 @@
-"""Lesson 10 exercise in minillm/prefix_caching.py: which cached blocks a prompt can start from.
+"""Lesson 13 exercise in minillm/prefix_caching.py: which cached blocks a prompt can start from.
 
 A case describes the cache by what its blocks hold: each entry is "block j of
 these tokens, in block id b". `run` turns the entries into the real cache, keyed

@@ -1,4 +1,4 @@
-"""Lesson 01 exercises in minillm/sampling.py: top-k and top-p (nucleus) filtering of logits.
+"""Lesson 02 exercises in minillm/sampling.py: top-k and top-p (nucleus) filtering of logits.
 
 The answer of a case is which token ids each row keeps (key_sampling.py works it out, one row at a time, with
 what a few common mistakes would keep instead); `judge` compares the ids the output kept, and that the kept

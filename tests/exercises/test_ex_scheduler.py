@@ -1,5 +1,5 @@
-"""Exercises in the scheduler: preemption (lesson 05, minillm/scheduler.py) and the decode-first budget fill
-(lesson 07, minillm/chunked_prefill.py).
+"""Exercises in the scheduler: preemption (lesson 07, minillm/scheduler.py) and the decode-first budget fill
+(lesson 10, minillm/chunked_prefill.py).
 
 No model and no real cache: the scheduler gets a fake block space that only
 counts tokens, and the queues are set up by hand. A case lists its sequences

@@ -1,4 +1,4 @@
-"""Lesson 11 exercise in minillm/speculative.py: the acceptance rule of speculative sampling.
+"""Lesson 14 exercise in minillm/speculative.py: the acceptance rule of speculative sampling.
 
 `rejection_sample(guesses, q, p, generator)` gets the draft's guesses, the
 distributions q they were drawn from, and the target's distributions p at the

@@ -1,4 +1,4 @@
-"""Lesson 01: the phase split. Prefill is compute-bound, decode is memory-bound.
+"""Lesson 02: the phase split. Prefill is compute-bound, decode is memory-bound.
 
 The claim
 ---------
@@ -32,7 +32,7 @@ What this lesson measures, on the device it runs on
   round of its fastest kernel, so no step can beat it;
 - the achieved FLOP/s and bytes/s as shares of those ceilings, and a roofline.
 
-Decoding needs somewhere to keep each token's keys and values: lesson 02 builds
+Decoding needs somewhere to keep each token's keys and values: lesson 01 builds
 the real KV cache. Here a stand-in keeps them in a list and concatenates each
 step's new ones on, which copies the context once per step; those bytes are
 counted in the decode step's traffic.
@@ -65,7 +65,7 @@ from minillm.model import causal_attention
 from minillm.sampling import sample
 from minillm.sampling_params import SamplingParams
 
-NAME = "01_phase_split"
+NAME = "02_phase_split"
 ROOF_SHARE = 0.2  # a step reaching under a fifth of its roof is bound by something other than that roof
 
 

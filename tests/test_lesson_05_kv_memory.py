@@ -1,4 +1,4 @@
-"""Lesson 03 (the KV cache's memory): its quick run, a filled cache measured by the OS, and its arithmetic."""
+"""Lesson 05 (the KV cache's memory): its quick run, a filled cache measured by the OS, and its arithmetic."""
 import torch
 
 from minillm import PRESETS
@@ -6,7 +6,7 @@ from minillm.bench.memory import resident_bytes
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-L03 = load_lesson("03_kv_memory")
+L03 = load_lesson("05_kv_memory")
 
 
 def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Lesson 05 (fragmentation): its quick run judges the full run's trace, and the waste it measures follows
+"""Lesson 07 (fragmentation): its quick run judges the full run's trace, and the waste it measures follows
 the formula. Memory is decided by token counts alone, so even a noisy quick run must get it right."""
 import pytest
 import torch
@@ -10,7 +10,7 @@ from minillm.checkpoints.load import random_model
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-frag = load_lesson("05_fragmentation")
+frag = load_lesson("07_fragmentation")
 
 
 def test_05_quick_judges_the_same_trace_as_the_full_run(tmp_path, one_thread, capsys):

@@ -1,4 +1,4 @@
-"""Lesson 10: prompt caching. A request that starts like an earlier one skips the prefill of what they share.
+"""Lesson 13: prompt caching. A request that starts like an earlier one skips the prefill of what they share.
 
 The claim
 ---------
@@ -7,7 +7,7 @@ prompt, every turn of a conversation resends the history before it. With
 `enable_prefix_caching=True` (`minillm/prefix_caching.py`) the engine keeps
 each full KV block under the hash of its whole prefix, and a new request
 takes the blocks it shares instead of computing them again. Prefill is
-compute-bound and its work grows with the tokens computed (lesson 01), so
+compute-bound and its work grows with the tokens computed (lesson 02), so
 
     TTFT of a hit  ≈ t(prefill of the uncached suffix)       ideal gain (S + U) / U
     throughput     gains only as much as the work was prefill: decode is untouched
@@ -81,7 +81,7 @@ from minillm.bench.cost import decode_cost, prefill_cost
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
 from minillm.bench.workloads import multi_turn_workload, no_sharing_workload, shared_prefix_workload, ttft_sweep
 
-NAME = "10_prompt_caching"
+NAME = "13_prompt_caching"
 TTFT_LINE = 5.0        # SGLang's "up to 5×", on the TTFT of a hit
 THROUGHPUT_LINE = 2.0  # the shared-prompt workload's throughput, on ÷ off
 CONTROL_LINE = 0.97    # nothing shared: within 3% of caching off

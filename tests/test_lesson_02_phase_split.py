@@ -1,4 +1,4 @@
-"""Lesson 01 (the phase split): its quick run, its stand-in cache, and the phases' costs it predicts from."""
+"""Lesson 02 (the phase split): its quick run, its stand-in cache, and the phases' costs it predicts from."""
 import pytest
 import torch
 
@@ -8,7 +8,7 @@ from models import random_prompts
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-L01 = load_lesson("01_phase_split")
+L01 = load_lesson("02_phase_split")
 
 
 def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):
@@ -17,7 +17,7 @@ def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsy
 
 
 def test_01_stand_in_cache_gives_the_logits_of_recomputing(context_model):
-    """Lesson 01 decodes without lesson 02's KV cache; its stand-in must still be exact."""
+    """Lesson 02 decodes without lesson 01's KV cache; its stand-in must still be exact."""
     prompt = torch.tensor(random_prompts(1, [9])[0] + [5, 7, 11])[None]
     full = context_model(prompt)[0]  # (T, V): no cache, every position recomputed
     cache = L01.ListCache(context_model.config.n_layer)

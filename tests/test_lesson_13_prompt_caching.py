@@ -1,4 +1,4 @@
-"""Lesson 10 (prompt caching): its workloads share what they claim to, its counts are exact, and its verdict and
+"""Lesson 13 (prompt caching): its workloads share what they claim to, its counts are exact, and its verdict and
 its reading of the numbers follow the figures on both sides of each line.
 
 Times are not asserted (they are the lesson's business); the counts that explain them are.
@@ -19,7 +19,7 @@ from minillm.bench.replay import serve  # noqa: E402
 from minillm.bench.workloads import multi_turn_workload, no_sharing_workload, shared_prefix_workload, ttft_sweep  # noqa: E402
 from minillm.bench.caching import gains, make_engine, same_forward_gains, throughput_bound  # noqa: E402
 
-lesson = load_lesson("10_prompt_caching")
+lesson = load_lesson("13_prompt_caching")
 
 CFG = PRESETS["tiny"]
 QUIET = MachineLoad(2, 1.0, 0.0, 0.0, 0.0)
@@ -184,7 +184,7 @@ def test_a_student_copy_without_prefix_match_stops_lesson_10_with_one_line(tmp_p
 
 @pytest.mark.parametrize("quick", [True, False])
 def test_every_line_is_judged_from_rounds_whose_range_is_a_90_percent_interval(quick):
-    """A decisive verdict from two rounds rests on a range that holds their median half the time, and lesson 10's
+    """A decisive verdict from two rounds rests on a range that holds their median half the time, and lesson 13's
     verdict differed between a quiet run and one beside a busy core. The lesson asks for the fewest rounds whose
     whole range is an interval of at least the verdict's confidence."""
     from minillm.bench.verdict import CONFIDENCE, median_interval

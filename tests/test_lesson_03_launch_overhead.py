@@ -1,4 +1,4 @@
-"""Lesson 09 (launch overhead): it runs quick on the tiny model, its twin dispatches the same ops as the model
+"""Lesson 03 (launch overhead): it runs quick on the tiny model, its twin dispatches the same ops as the model
 it stands for, and the pieces of its verdict are fed numbers on both sides of their lines."""
 import json
 
@@ -14,7 +14,7 @@ from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
 
 
-lesson = load_lesson("09_launch_overhead")
+lesson = load_lesson("03_launch_overhead")
 
 
 

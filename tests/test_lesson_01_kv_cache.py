@@ -1,4 +1,4 @@
-"""Lesson 02 (the KV cache): its quick run, its help, and the FLOPs it counts per generated token."""
+"""Lesson 01 (the KV cache): its quick run, its help, and the FLOPs it counts per generated token."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from minillm.bench.cost import step_cost
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-L02 = load_lesson("02_kv_cache")
+L02 = load_lesson("01_kv_cache")
 
 
 def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):

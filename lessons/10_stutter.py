@@ -1,4 +1,4 @@
-"""Lesson 07: stutter. A long prompt freezes every running stream, unless its prefill is chunked.
+"""Lesson 10: stutter. A long prompt freezes every running stream, unless its prefill is chunked.
 
 The claim
 ---------
@@ -15,7 +15,7 @@ then is one step of at most `max_num_batched_tokens` tokens:
     chunked:    worst ITL ≈ t(step of max_num_batched_tokens tokens)
 
 and the total work is the same, so throughput should barely move. Here the two
-metrics of lesson 01 part ways: chunking shortens the streams' inter-token
+metrics of lesson 02 part ways: chunking shortens the streams' inter-token
 latency (ITL) and lengthens the long request's time to first token (TTFT), as
 its prompt now shares steps with the decodes.
 
@@ -56,7 +56,7 @@ from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 
-NAME = "07_stutter"
+NAME = "10_stutter"
 STUTTER_FACTOR = 3.0          # chunked max ITL must be ≤ unchunked max ITL / 3
 THROUGHPUT_LOSS_LIMIT = 0.10  # chunked throughput at most 10% below unchunked
 UNCHUNKED_BUDGET = 2048       # vLLM without chunking: max(max_model_len, 2048)

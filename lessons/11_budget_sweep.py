@@ -1,8 +1,8 @@
-"""Lesson 08: the token budget. Does a budget above 2048 buy ~50% more throughput?
+"""Lesson 11: the token budget. Does a budget above 2048 buy ~50% more throughput?
 
 The claim
 ---------
-Chunked prefill (lesson 07) fills every step up to `max_num_batched_tokens`
+Chunked prefill (lesson 10) fills every step up to `max_num_batched_tokens`
 tokens. The budget is a trade-off: small → steady ITL but more, smaller steps
 (each reads every weight again, and small matmuls use the hardware poorly);
 large → fewer, fuller steps, and a long prompt may again hold the decodes up.
@@ -10,7 +10,7 @@ vLLM introduced chunked prefill with a default budget of 512 (tuned for ITL on
 an A100) and advised a budget above 2048 for throughput, which is quoted as
 "~50% more throughput with max_num_batched_tokens > 2048". Whether it holds
 depends on the hardware: a bigger step only helps while a smaller one leaves
-the matmul units idle, i.e. while steps sit left of the ridge (lesson 01).
+the matmul units idle, i.e. while steps sit left of the ridge (lesson 02).
 
 What this lesson measures
 -------------------------
@@ -35,7 +35,7 @@ The verdict, round by round: tokens/s at a budget of 4096 (one budget above
 old default; "~50%" counts as holding from +40% on.
 
 Predict before you run: how much can a budget above 2048 gain on a CPU, whose
-ridge point (lesson 01) is a few FLOP per byte, against a GPU, whose ridge is
+ridge point (lesson 02) is a few FLOP per byte, against a GPU, whose ridge is
 hundreds?
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 
-NAME = "08_budget_sweep"
+NAME = "11_budget_sweep"
 CLAIM_GAIN = 0.50        # "~50% more throughput ..."
 CLAIM_SLACK = 0.10       # "~": a gain of ≥ 40% counts as about 50%
 LARGE, OLD_DEFAULT = 4096, 512

@@ -1,4 +1,4 @@
-"""Lesson 05: fragmentation. Reserving for the worst case wastes most of the KV memory; paging does not.
+"""Lesson 07: fragmentation. Reserving for the worst case wastes most of the KV memory; paging does not.
 
 The claim
 ---------
@@ -18,7 +18,7 @@ sequence grows, so only each sequence's last block is partly empty:
 
 Less waste means more sequences in the same bytes, i.e. a bigger decode batch,
 which lesson 04 showed is cheap while decode is memory-bound. (What paging
-costs the attention kernel is lesson 06.)
+costs the attention kernel is lesson 08.)
 
 What this lesson measures
 -------------------------
@@ -84,7 +84,7 @@ from minillm.bench.verdict import Check, judge, print_verdict
 from minillm.bench.workloads import describe_trace, lognormal_trace
 from minillm.parallel_sampling import group_blocks
 
-NAME = "05_fragmentation"
+NAME = "07_fragmentation"
 VLLM_CONTIGUOUS_WASTE = (0.60, 0.80)  # vLLM paper: earlier systems used 20–38% of KV memory for tokens
 PAGED_WASTE_LIMIT = 0.04              # ... and PagedAttention wastes under 4%
 CONCURRENCY_FACTOR = 2.0              # paged must sustain ≥ 2× the contiguous concurrent sequences

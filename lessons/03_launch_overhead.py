@@ -1,4 +1,4 @@
-"""Lesson 09: launch overhead. A small model waits on its host, a large one on memory.
+"""Lesson 03: launch overhead. A small model waits on its host, a large one on memory.
 
 The claim
 ---------
@@ -64,7 +64,7 @@ from minillm.bench.steps import count_ops, decode_step
 from minillm.bench.timing import time_fn
 from minillm.checkpoints.load import random_model
 
-NAME = "09_launch_overhead"
+NAME = "03_launch_overhead"
 OVERHEAD_BOUND = 0.5  # overhead share ≥ this: the host's cost of the ops is at least half the step
 GRAPH_GAIN = 0.5      # on CUDA: the smallest shape's graph step ≤ this × its eager step
 

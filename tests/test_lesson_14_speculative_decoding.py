@@ -1,4 +1,4 @@
-"""Lesson 11 (speculative decoding): its run, its draft, its timing of the decode phase, and its verdict.
+"""Lesson 14 (speculative decoding): its run, its draft, its timing of the decode phase, and its verdict.
 
 The --quick run uses the `tiny` model, so its timings are noise; what it must
 get right regardless is the shape of its results and one verdict. The draft,
@@ -20,7 +20,7 @@ from lessons_support import load_lesson  # also puts lessons/ on sys.path
 from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, interleave  # noqa: E402
 
 
-lesson = load_lesson("11_speculative_decoding")
+lesson = load_lesson("14_speculative_decoding")
 import drafts  # noqa: E402  (lessons/drafts.py)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,8 +1,8 @@
-"""Lesson 06: what paging costs. The paged cache's price is paid in the attention kernel.
+"""Lesson 08: what paging costs. The paged cache's price is paid in the attention kernel.
 
 The claim
 ---------
-Lesson 05 showed what paging saves: memory, hence concurrency. The price is in
+Lesson 07 showed what paging saves: memory, hence concurrency. The price is in
 attention. A sequence's keys no longer sit in one slab, so attention must
 follow the block table. vLLM's CUDA kernel reads the blocks in place and still
 paid 20–26% in attention against a contiguous kernel. Our pure-PyTorch cache
@@ -53,7 +53,7 @@ from minillm.kv_cache import KVCache, Segment
 from minillm.bench.cost import decode_cost
 from minillm.paged_attention import PagedKVCache, gather_kv
 
-NAME = "06_paging_cost"
+NAME = "08_paging_cost"
 STEP_COST_LIMIT = 1.5                   # the paged decode step costs at most 1.5× the contiguous one
 VLLM_ATTENTION_OVERHEAD = (0.20, 0.26)  # vLLM's CUDA paged-attention kernel against a contiguous one
 BATCH, BLOCK_SIZE = 8, 16

@@ -1,4 +1,4 @@
-"""Lesson 06 (the cost of paging): its quick run judges the stated point, and its two caches agree."""
+"""Lesson 08 (the cost of paging): its quick run judges the stated point, and its two caches agree."""
 import torch
 
 from minillm import PRESETS
@@ -7,7 +7,7 @@ from minillm.checkpoints.load import random_model
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-paging = load_lesson("06_paging_cost")
+paging = load_lesson("08_paging_cost")
 
 
 def test_06_quick_judges_the_step_at_the_stated_point(tmp_path, one_thread, capsys):

@@ -194,11 +194,11 @@ def test_the_lesson_runs_quick_and_every_figure_it_prints_is_in_its_json(tmp_pat
 
     from lesson_checks import assert_lesson_results
     from lessons_support import load_lesson
-    lesson = load_lesson("13_disaggregation")
+    lesson = load_lesson("15_disaggregation")
     lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])
-    doc = json.loads((tmp_path / "13_disaggregation.json").read_text())
+    doc = json.loads((tmp_path / "15_disaggregation.json").read_text())
     assert_lesson_results(doc)
-    assert (tmp_path / "13_disaggregation.png").stat().st_size > 0
+    assert (tmp_path / "15_disaggregation.png").stat().st_size > 0
     fig = doc["figures"]
     assert fig["kv_bytes_per_token"] == 2 * CFG.n_layer * CFG.n_embd * 4
     assert all(r["bytes_sent"] == fig["bytes_moved_per_round"] for r in fig["runs"]["disaggregated"])

@@ -1,10 +1,10 @@
-"""Lesson 08 (the budget sweep): its quick run judges a fixed large budget against the old default, round by
+"""Lesson 11 (the budget sweep): its quick run judges a fixed large budget against the old default, round by
 round."""
 import pytest
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-sweep = load_lesson("08_budget_sweep")
+sweep = load_lesson("11_budget_sweep")
 
 
 def test_08_quick_judges_a_fixed_large_budget_against_the_old_default(tmp_path, one_thread, capsys):

@@ -1,4 +1,4 @@
-"""Lesson 02: naive decode against the KV cache. Remembering K and V removes O(n²) work.
+"""Lesson 01: naive decode against the KV cache. Remembering K and V removes O(n²) work.
 
 The claim
 ---------
@@ -50,7 +50,7 @@ from minillm.bench.steps import decode_step, prefill_step
 from minillm.bench.timing import Stopwatch
 from minillm.sampling_params import SamplingParams
 
-NAME = "02_kv_cache"
+NAME = "01_kv_cache"
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:

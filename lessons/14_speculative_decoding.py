@@ -1,8 +1,8 @@
-"""Lesson 11: speculative decoding. Does checking γ guesses in one target pass pay, as Leviathan's formula says?
+"""Lesson 14: speculative decoding. Does checking γ guesses in one target pass pay, as Leviathan's formula says?
 
 The claim
 ---------
-A decode step is memory-bound (lessons 01 and 04), and a pass over k new tokens
+A decode step is memory-bound (lessons 02 and 04), and a pass over k new tokens
 reads the same weights, so checking k tokens should cost about one step. A
 cheap draft guesses γ tokens; the target checks them in one pass and keeps the
 prefix it agrees with, plus one token of its own (`minillm/speculative.py`).
@@ -48,7 +48,7 @@ from minillm.model import GPT2, Conv1D
 from minillm.sampling_params import SamplingParams
 from minillm.speculative import NgramProposer, SpeculativeDecoder, expected_speedup, expected_tokens_per_pass
 
-NAME = "11_speculative_decoding"
+NAME = "14_speculative_decoding"
 CONTEXT = 256                      # cached tokens before the measured passes
 PREMISE_K, PREMISE_LINE = 5, 1.3   # a pass over 5 new tokens costs at most 1.3× a one-token step
 FREE_LINE = 1.2                    # the verdict says up to which k a pass stays under 1.2× a step
@@ -222,7 +222,7 @@ def predict_costs(lesson, s: dict) -> tuple[list[int], int]:
     one, five = (step_cost(cfg, [k], [context], lesson.dtype, lm_head_rows=k) for k in (1, PREMISE_K))
     predict(lesson, f"a pass over {PREMISE_K} new tokens after {context} cached reads the same "
             f"{si(one.weight_bytes, 'B')} of weights as a one-token step and does {five.flops / one.flops:.1f}× its "
-            f"FLOPs, at {five.intensity:.1f} FLOP/B: below the device's ridge (lesson 01) it should cost about one "
+            f"FLOPs, at {five.intensity:.1f} FLOP/B: below the device's ridge (lesson 02) it should cost about one "
             f"step (the line: {PREMISE_LINE}×), and speculation then pays about its tokens per pass, "
             f"(1 − α^(γ+1)) / (1 − α), less the draft's cost")
     return ks, context

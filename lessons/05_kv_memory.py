@@ -1,4 +1,4 @@
-"""Lesson 03: KV-cache memory. The cache, not the model, is what fills memory.
+"""Lesson 05: KV-cache memory. The cache, not the model, is what fills memory.
 
 The claim
 ---------
@@ -58,7 +58,7 @@ from minillm.bench.memory import layout_copy_bytes_of, memory_budget, release_fr
 from minillm.cpu_layout import layout_of
 from minillm.device import synchronize
 
-NAME = "03_kv_memory"
+NAME = "05_kv_memory"
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's knob: the share of device memory the engine may use
 MEASURE_SHARE = 0.25          # measure a size only if its cache takes under this share of the available memory
 MIN_TENSOR_BYTES = 64 << 20   # above glibc's largest mmap threshold (32 MiB): always fresh pages from the OS

@@ -1,10 +1,10 @@
-"""Lesson 13: disaggregation. Prefill and decode on separate workers: what it buys, and what it does not.
+"""Lesson 15: disaggregation. Prefill and decode on separate workers: what it buys, and what it does not.
 
 The claim
 ---------
-Prefill is compute-bound and decode memory-bound (lesson 01), and one engine
+Prefill is compute-bound and decode memory-bound (lesson 02), and one engine
 serving both makes them interfere: a long prompt's prefill shares a step with
-the running decodes, and every stream stalls (lesson 07). DistServe, Splitwise
+the running decodes, and every stream stalls (lesson 10). DistServe, Splitwise
 and Mooncake, and vLLM's disaggregated prefill, run the phases on separate
 workers and move each prompt's KV cache between them (`minillm/kv_producer.py`
 and `minillm/kv_consumer.py`: a prefill worker and a decode worker, each an
@@ -30,7 +30,7 @@ What this lesson measures
 Three servers, each in worker processes started once: colocated on both cores
 with 1 thread, colocated with 2 threads, and disaggregated (prefill on one
 core, decode on the other, one thread each). In every round each serves, in
-turns, (1) lesson 07's trace (the two servers with one thread per engine): K streams decode, and once each has `warm`
+turns, (1) lesson 10's trace (the two servers with one thread per engine): K streams decode, and once each has `warm`
 tokens a long prompt of P tokens arrives (P = 512 on gpt2; 128 with --quick),
 and (2) a burst of requests arriving together (all three). From the workers' own token
 times: the streams' p99 ITL in the window from the long prompt's arrival to its
@@ -57,7 +57,7 @@ from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
 from minillm.serving.disaggregated import WorkerConfig, Workers, split_cores
 
-NAME = "13_disaggregation"
+NAME = "15_disaggregation"
 STALL_LINE = 2.0   # colocated: window p99 ITL ÷ ITL before ≥ 2
 FLAT_LINE = 1.5    # disaggregated: ≤ 1.5
 THROUGHPUT_LINE = 1.0  # disaggregated tokens/s ÷ best colocated ≤ 1

@@ -1,11 +1,11 @@
-"""Lesson 07 (stutter): its quick run writes each request's timeline, and its analysis takes the right gaps."""
+"""Lesson 10 (stutter): its quick run writes each request's timeline, and its analysis takes the right gaps."""
 import pytest
 
 from minillm.sequence import RequestMetrics
 
 from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
 
-stutter = load_lesson("07_stutter")
+stutter = load_lesson("10_stutter")
 
 
 def test_07_quick_writes_each_request_timeline(tmp_path, one_thread, capsys):
