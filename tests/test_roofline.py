@@ -1,5 +1,6 @@
-"""Ceilings that are ceilings: on the tiny shapes, no share of a ceiling that `bench` or lesson 02 computes exceeds
-100%, and a ceiling measured with a deliberately slow kernel makes that check fail."""
+"""Ceilings that are ceilings: on the tiny shapes, in fp32, bf16 and int8, no share of a ceiling that `bench` (its sweep
+included) or lesson 02 computes exceeds 100%, and none had to be raised to a step's own rate; a ceiling measured with
+a deliberately slow kernel makes that check fail."""
 import time
 
 import pytest
@@ -25,11 +26,14 @@ TIMER_TOLERANCE = 0.01
 # The figures that are shares of a ceiling, wherever they sit in a result (a share ≤ 1 is ≤ 100%).
 SHARES = {"frac_matmul_flops", "frac_bandwidth", "frac_roofline", "weight_frac_bandwidth", "matmul_share",
           "bandwidth_share"}
+# The figures that are a step's time over the least time the ceilings allow it (≥ 1: no step beats its floor).
+FLOORS = {"times_floor", "times_weight_floor", "times_roofline"}
 
 
 def over_ceiling(result, path: str = "") -> list[str]:
-    """Every share of a ceiling in `result` (nested dicts and lists) above 100% + the timer's tolerance, and every
-    kernel whose rate beats the ceiling it defines, as 'where: value'."""
+    """Every share of a ceiling in `result` (nested dicts and lists) above 100% + the timer's tolerance, every step
+    faster than its floor, every kernel whose rate beats the ceiling it defines, and every ceiling raised to a step's
+    own rate (a step the measured kernels did not bound), as 'where: value'."""
     found = []
     if isinstance(result, dict):
         for key, value in result.items():
@@ -37,6 +41,10 @@ def over_ceiling(result, path: str = "") -> list[str]:
             if key in SHARES:
                 values = value if isinstance(value, list) else [value]
                 found += [f"{where}: {v:.3f}" for v in values if v > 1 + TIMER_TOLERANCE]
+            elif key in FLOORS:
+                found += [f"{where}: {value:.3f}"] if value < 1 - TIMER_TOLERANCE else []
+            elif key in ("raised", "ceilings_raised"):
+                found += [f"{where}: {name}" for name in value]
             elif key == "kernels" and "matmul_flops" in result:  # a Ceilings' own kernels
                 top = {"compute": result["matmul_flops"], "memory": result["bandwidth"]}
                 found += [f"{where}.{k}: {v['rate'] / top[v['roof']]:.3f}" for k, v in value.items()
@@ -54,7 +62,7 @@ def assert_under_ceilings(result) -> None:
     assert not found, f"shares above their ceiling (a bug in the ceiling, roofline.py): {found}"
 
 
-def slow_kernels(device, dtype, quick=False) -> dict[str, Kernel]:
+def slow_kernels(device, dtype, quick=False, quantization=None) -> dict[str, Kernel]:
     """Deliberately slow ceiling kernels: an 8 × 8 product one row at a time and a copy 16 elements at a time, each
     from Python, whose rates a tiny model's prefill and decode outrun."""
     a, w = torch.randn(256, 8), torch.randn(8, 8)
@@ -80,7 +88,7 @@ def test_the_ceilings_bound_the_engine_s_own_kernels_at_the_tiny_shapes():
     kernels so that a moment's load meets both, run no faster than the ceilings of the same rounds."""
     kernels = roofline.ceiling_kernels("cpu", torch.float32, quick=True)
     assert {"matmul", "product"} <= {k for k, v in kernels.items() if v.roof == "compute"}
-    assert {"copy", "sum", "one-row product"} <= {k for k, v in kernels.items() if v.roof == "memory"}
+    assert {"copy", "sum", "matrix-vector", "one-row product"} <= {k for k, v in kernels.items() if v.roof == "memory"}
     fc, x = random_model(TINY, "cpu", torch.float32).h[0].mlp.c_fc, torch.randn(TINY.n_ctx, TINY.n_embd)
     steps = {f"{n} rows": torch.inference_mode()(lambda rows=x[:n]: fc(rows)) for n in (TINY.n_ctx, 1)}
     rounds = interleave({**{k: v.fn for k, v in kernels.items()}, **steps}, repeats=5)
@@ -92,15 +100,41 @@ def test_the_ceilings_bound_the_engine_s_own_kernels_at_the_tiny_shapes():
     assert_under_ceilings(ceilings.as_dict())
 
 
-def test_no_share_that_bench_prints_exceeds_its_ceiling():
-    r = bench.bench(random_model(TINY, "cpu", torch.float32), prompt_len=64, context_len=64, warmup=1, repeats=3)
+DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")]
+
+
+def bench_tiny(dtype, quantization) -> dict:
+    """bench's figures on the tiny shape (a prefill, a decode step, a sweep of batches 1 and 4) in this dtype and
+    weight format, against ceilings of the same, as `python -m minillm bench` computes them."""
+    model = random_model(TINY, "cpu", dtype, quantization=quantization)
+    r = bench.bench(model, prompt_len=64, context_len=64, warmup=1, repeats=3, quick_ceilings=True)
+    r["sweep"] = bench.sweep(model, (1, 4), 64, roofline.measure_ceilings("cpu", dtype, True, quantization=quantization),
+                             rounds=3)
+    return r
+
+
+@pytest.mark.parametrize("dtype, quantization", DTYPES, ids=["fp32", "bf16", "int8"])
+def test_no_share_that_bench_prints_exceeds_its_ceiling(dtype, quantization):
+    r = bench_tiny(dtype, quantization)
+    assert r["ceilings"]["dtype"] == str(dtype).removeprefix("torch.") and r["ceilings"]["quantization"] == quantization
+    if quantization == "int8":  # the int8 kernels the engine runs are among those that measure the ceilings
+        assert {"int8 product", "int8 one-row product"} <= r["ceilings"]["kernels"].keys()
     assert_under_ceilings(r)
-    assert r["decode"]["times_floor"] >= 1 - TIMER_TOLERANCE  # no step beats the weight-read floor
-    printed = "\n".join(bench.report(r, on_gpu=False))
-    assert "of peak" in printed and "of bw" in printed and "*" not in printed
+    printed = "\n".join(bench.report(r, on_gpu=False) + bench.sweep_report(r["sweep"]))
+    assert "of peak" in printed and "of bw" in printed and "*" not in printed and "raised" not in printed
 
 
-def test_no_share_that_lesson_01_prints_or_plots_exceeds_its_ceiling(tmp_path):
+def test_a_step_faster_than_every_kernel_raises_its_ceiling_and_says_so():
+    c = ceilings_from({"mm": Kernel(lambda: None, 100, 0, "compute"), "read": Kernel(lambda: None, 0, 100, "memory")},
+                      {"mm": [1.0], "read": [1.0]}, "cpu", torch.float32)  # peak 100 FLOP/s, bandwidth 100 B/s
+    assert c.raised_to("a step", 50.0, 50.0) is c  # bound by the kernels: nothing raised
+    up = c.raised_to("a step", 400.0, 20.0)
+    assert (up.matmul_flops, up.bandwidth, up.raised) == (400.0, 100, ["a step (compute)"])
+    assert up.fastest("compute").startswith("a step") and up.ridge == 4.0
+    assert over_ceiling(up.as_dict()) == ["raised: a step (compute)"]
+
+
+def test_no_share_that_lesson_02_prints_or_plots_exceeds_its_ceiling(tmp_path):
     lesson = load_lesson("02_phase_split")
     figures = lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])["figures"]
     assert_under_ceilings(figures)
@@ -111,13 +145,16 @@ def test_no_share_that_lesson_01_prints_or_plots_exceeds_its_ceiling(tmp_path):
 
 
 def test_a_ceiling_measured_with_a_slow_kernel_fails_the_check(monkeypatch):
-    """The counterfactual: ceilings from kernels slower than the engine's make bench's shares exceed 100%."""
+    """The counterfactual: ceilings from kernels slower than the engine's are raised to bench's own steps (so no share
+    prints above 100%), and the check names each raise: a slow kernel set is caught, not hidden."""
     monkeypatch.setattr(roofline, "_CEILINGS", {})
     monkeypatch.setattr(roofline, "ceiling_kernels", slow_kernels)
-    r = bench.bench(random_model(TINY, "cpu", torch.float32), prompt_len=64, context_len=64, warmup=1, repeats=3)
+    r = bench_tiny(torch.float32, None)
     found = over_ceiling(r)
-    assert any(f.startswith("prefill.frac_matmul_flops") for f in found), found
-    assert any(f.startswith("decode.frac_bandwidth") for f in found), found
+    assert "ceilings.raised: the prefill (compute)" in found and "ceilings.raised: the decode step (memory)" in found
+    assert any(f.startswith("sweep.ceilings_raised: the batch-") for f in found), found
+    assert all(f.split(":")[0].endswith("raised") for f in found), found  # raised, so no share above 100%
+    assert "raised to a step's own rate" in "\n".join(bench.report(r, on_gpu=False))
     with pytest.raises(AssertionError, match="a bug in the ceiling"):
         assert_under_ceilings(r)
 

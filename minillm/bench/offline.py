@@ -49,7 +49,8 @@ import torch
 from ..config import dtype_bytes
 from .cost import as_stored, decode_cost, prefill_cost
 from ..device import available_memory
-from .roofline import achieved, measure_ceilings
+from .roofline import achieved, measure_ceilings, raised_for_steps
+from ..quantize import quantization_of
 from .steps import time_decode, time_prefill
 from .sweep import (DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, blas_check, blas_report, busy_report,
                     parse_batches, sweep)
@@ -156,18 +157,23 @@ def emulation_slowdown(device: torch.device, dtype: torch.dtype, n: int = 512) -
 
 
 def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int = 2, repeats: int = 7,
-          progress=lambda message: None) -> dict:
-    """Time one prefill and one decode step; return each against the measured ceilings.
-    `progress(message)` is called as each measurement starts."""
+          progress=lambda message: None, quick_ceilings: bool = False) -> dict:
+    """Time one prefill and one decode step; return each against the ceilings measured in the model's dtype and
+    weight format (raised to a step's own rate where it beat them: `roofline.raised_for_steps`, listed in the
+    ceilings' `raised`). `progress(message)` is called as each measurement starts; `quick_ceilings` measures the
+    ceilings with `measure_ceilings(quick=True)`'s smaller kernels."""
     cfg, device, dtype = model.config, model.device, model.dtype
-    ceilings = measure_ceilings(device, dtype, progress=lambda what: progress(f"measuring this device's {what}"))
+    ceilings = measure_ceilings(device, dtype, quick_ceilings, quantization=quantization_of(model),
+                                progress=lambda what: progress(f"measuring this device's {what}"))
     progress(f"timing the prefill: {warmup} + {repeats} passes of {batch} × {prompt_len} tokens")
     t_prefill = time_prefill(model, prompt_len, batch, warmup, repeats).median_s
     mode = "graph" if device.type == "cuda" else "eager"  # the step the engine decodes with on this device
     progress(f"timing a decode step ({mode}): {warmup} + {repeats} steps after {context_len} cached tokens")
     t_decode = time_decode(model, context_len, batch, warmup, repeats, mode=mode).median_s
-    pre = achieved(as_stored(prefill_cost(cfg, prompt_len, batch, dtype), model), t_prefill, ceilings)  # int8: 1 B
-    dec = achieved(as_stored(decode_cost(cfg, context_len, batch, dtype), model), t_decode, ceilings)
+    pre_cost = as_stored(prefill_cost(cfg, prompt_len, batch, dtype), model)  # int8: a byte a weight
+    dec_cost = as_stored(decode_cost(cfg, context_len, batch, dtype), model)
+    ceilings = raised_for_steps(ceilings, {"the prefill": (pre_cost, t_prefill), "the decode step": (dec_cost, t_decode)})
+    pre, dec = achieved(pre_cost, t_prefill, ceilings), achieved(dec_cost, t_decode, ceilings)
     weight_floor = dec["seconds"] * dec["weight_bytes_per_s"] / ceilings.bandwidth  # weight bytes ÷ bandwidth
     return {"prefill": {**pre, "tokens_per_s": batch * prompt_len / t_prefill},
             "decode": {**dec, "mode": mode, "tokens_per_s": batch / t_decode,
@@ -192,6 +198,9 @@ def report(result: dict, on_gpu: bool) -> list[str]:
               f"bandwidth {si(c['bandwidth'], 'B/s')}, ridge {c['ridge']:.1f} FLOP/B",
               f"  peak of: {rates('compute', 'FLOP/s', c['matmul_flops'])}",
               f"  bandwidth of: {rates('memory', 'B/s', c['bandwidth'])}"]
+    if c.get("raised"):
+        lines.append(f"  raised to a step's own rate, which beat every measured kernel ({', '.join(c['raised'])}): "
+                     "the ceiling is at least that; a kernel the step runs is missing from roofline.ceiling_kernels")
     if c.get("datasheet"):
         lines.append(f"  {c['datasheet']['source']}: {si(c['datasheet']['matmul_flops'], 'FLOP/s')}, "
                      f"{si(c['datasheet']['bandwidth'], 'B/s')}")
@@ -263,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
     if batches:
         say(f"bench: timing decode steps at batch {', '.join(map(str, batches))} in turns, {args.repeats} rounds …")
         result["sweep"] = sweep(model, batches, min(args.sweep_context, model.config.n_ctx - 1),
-                                measure_ceilings(device, dtype), rounds=args.repeats, warmup=args.warmup)
+                                measure_ceilings(device, dtype, quantization=args.quantization),
+                                rounds=args.repeats, warmup=args.warmup)
     if args.busy_check:
         say(f"bench: timing the batch-16 step quiet, beside a busy core, and there on one thread, {args.repeats} rounds …")
         result["busy"] = beside_busy_core(model, 16, min(args.sweep_context, model.config.n_ctx - 1), args.repeats)
