@@ -15,7 +15,7 @@ lands on. So every lesson measures and judges the same way:
 2. The interval is the run's own: sorted, x(k) .. x(n+1−k) holds the median with probability
    1 − 2·P(Binomial(n, ½) < k) whatever the distribution; k is the largest that keeps 90%
    (`median_interval`; for n ≤ 4 none does, and it is the whole range: 50%, 75%, 88%).
-   The load (`read_load`, `MachineLoad`) is printed and widens nothing.
+   The load (`read_load`, `MachineLoad`, in `load.py`) is printed and widens nothing.
 3. A check HOLDS if its whole interval lies on the claim's side of the line, is
    NOT SUPPORTED if on the other (its `why` says what the run's numbers show of
    the cause), INCONCLUSIVE if the line falls inside it (the message names the
@@ -30,9 +30,7 @@ lands on. So every lesson measures and judges the same way:
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,58 +40,9 @@ import torch
 from tqdm import tqdm
 
 from ..device import synchronize
+from .load import LoadReading, MachineLoad, read_load  # noqa: F401  (re-exported: lessons import them from here)
 
 HOLDS, NOT_SUPPORTED, INCONCLUSIVE = "HOLDS", "NOT SUPPORTED", "INCONCLUSIVE"
-
-
-@dataclass
-class LoadReading:  # a snapshot; two of them make a `MachineLoad`
-    wall: float                   # time.perf_counter()
-    own_cpu_s: float              # CPU seconds this process (and its finished children) used so far
-    machine_busy_s: float | None  # CPU seconds all cores spent busy since boot (/proc/stat), None off Linux
-    loadavg: float | None         # 1-minute load average
-
-
-def read_load() -> LoadReading:
-    t, busy, loadavg = os.times(), None, None
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy: not ours
-        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    with contextlib.suppress(OSError):
-        loadavg = os.getloadavg()[0]
-    return LoadReading(time.perf_counter(), t.user + t.system + t.children_user + t.children_system, busy, loadavg)
-
-
-@dataclass
-class MachineLoad:
-    cores: int
-    seconds: float
-    loadavg_before: float | None
-    loadavg_after: float | None
-    share: float | None  # fraction of the machine's CPU time other processes took over the window; None: unknown
-    estimated: bool = False  # share estimated from the load average (no /proc/stat: macOS, Windows)
-
-    @classmethod
-    def between(cls, before: LoadReading, after: LoadReading) -> "MachineLoad":
-        cores, seconds = os.cpu_count() or 1, max(after.wall - before.wall, 1e-9)
-        own = after.own_cpu_s - before.own_cpu_s
-        if before.machine_busy_s is not None and after.machine_busy_s is not None:
-            others = after.machine_busy_s - before.machine_busy_s - own
-            return cls(cores, seconds, before.loadavg, after.loadavg, min(1.0, max(0.0, others / (seconds * cores))))
-        if after.loadavg is not None:  # runnable threads on average, less the cores this process kept busy
-            others = max(before.loadavg or 0.0, after.loadavg) - own / seconds
-            return cls(cores, seconds, before.loadavg, after.loadavg, min(1.0, max(0.0, others / cores)), True)
-        return cls(cores, seconds, before.loadavg, after.loadavg, None)
-
-    def describe(self) -> str:
-        avg = (f"load average {self.loadavg_before:.2f} → {self.loadavg_after:.2f} on {self.cores} cores"
-               if self.loadavg_before is not None else f"{self.cores} cores")
-        if self.share is None:
-            return f"{avg}; what other processes used is unknown on this system"
-        how = " (estimated from the load average)" if self.estimated else ""
-        return f"{avg}; other processes took {self.share:.0%} of the CPU{how} while this lesson measured"
 
 
 def progress(total: int, desc: str | None, unit: str) -> tqdm:
