@@ -2,71 +2,64 @@
 
 The claim
 ---------
-Serving one request has two phases that want different hardware. *Prefill*
-pushes the whole prompt through the model in one forward pass: every weight
-read from memory is used once per prompt token, so the matmul units stay busy.
-*Decode* emits one token per forward pass: every weight is read to do one
-multiply-add, so the step waits on memory. For P parameters of b bytes and a
-step of T tokens,
+Serving one request has two phases that want different hardware. *Prefill* pushes the whole prompt through the
+model in one forward pass: every weight read from memory is used once per prompt token, so the matmul units stay
+busy. *Decode* emits one token per forward pass: every weight is read to do one multiply-add, so the step waits on
+memory. For P parameters of b bytes and a step of T tokens,
 
     FLOPs ≈ 2 · P · T            bytes ≈ b · P (+ KV)        intensity ≈ 2T / b  FLOP/byte
 
-except for one matrix: the LM head (the embedding, reused; 31% of gpt2's
-weights) runs on the last position only, since only the last token's next-token
-scores are needed. It is read in full but used for one token, so a prefill's
-intensity is nearer 2T/b · (1 − head share): 176, not 256, FLOP/B for 512 fp32
-tokens of gpt2. The lesson prints both.
+except for one matrix: the LM head (the embedding, reused; 31% of gpt2's weights) runs on the last position only,
+since only the last token's next-token scores are needed. It is read in full but used for one token, so a prefill's
+intensity is nearer 2T/b · (1 − head share): 176, not 256, FLOP/B for 512 fp32 tokens of gpt2.
 
-The device's *ridge point* (its matmul FLOP/s ÷ its memory bytes/s) splits the
-two worlds: a step left of it is memory-bound, right of it compute-bound. Users
-feel the split as two latencies: TTFT (time to first token, the prefill) and
-ITL (inter-token latency, each decode step).
+The roofline turns that into a prediction of time: a step cannot beat max(FLOPs ÷ peak, bytes ÷ bandwidth), and
+the *ridge*, peak ÷ bandwidth, says which term binds: right of it compute, left of it memory. The peak and the
+bandwidth are this machine's, measured with the kernels the model runs (`minillm/bench/roofline.py`), so no step
+beats them. Users feel the split as TTFT (time to first token, the prefill) and ITL (inter-token latency, decode).
 
-What this lesson measures, on the device it runs on
----------------------------------------------------
-- one request: its TTFT and the ITL of every decode step;
-- prefill time against prompt length, decode step time against context length,
-  timed in turns with the kernels that define the ceilings (`roofline.py`: a
-  large matmul and the engine's own projection for the peak; a copy, a sum and
-  the engine's one-row product for the bandwidth); each ceiling is the best
-  round of its fastest kernel, so no step can beat it;
-- the achieved FLOP/s and bytes/s as shares of those ceilings, and a roofline.
+Predict, then measure: the lesson measures the ceilings first and prints the roofline's predictions, then times
+every step in turns with the ceiling kernels, so each round has its own peak, bandwidth and ridge (the ridge moves
+with the machine's load: the lesson shows its interval). Each round's values are over that round's ceilings, so
+load slows both sides alike. It judges:
 
-Decoding needs somewhere to keep each token's keys and values: lesson 01 builds
-the real KV cache. Here a stand-in keeps them in a list and concatenates each
-step's new ones on, which copies the context once per step; those bytes are
-counted in the decode step's traffic.
+- prefill: intensity ÷ ridge ≥ 1; its time grows from the shortest prompt to the longest past the geometric mean
+  of the FLOPs' growth (the compute model's) and the bytes' (the memory model's); time ÷ roofline time ≤ BAND;
+- decode: intensity ÷ ridge ≤ 1; time ÷ roofline time ≤ BAND.
 
-The verdict: the longest prefill sits right of the ridge and reaches at least
-a fifth of the peak; a decode step sits left of it and moves at least a fifth
-of the bandwidth (far below its roof, a step is bound by something else, such
-as per-step overhead). Each share is measured once per round, against the
-ceilings of the whole run.
+BAND (2×) is the cost model's own uncertainty: it counts the large matmuls and the weights' bytes, not layer
+norms, softmax, per-op overhead or shapes that run below the peak; a step whose roof explains under half its time
+is bound by something else (a tiny model: per-step overhead, and the lesson says so).
 
-Predict before you run: where on the roofline will a 1-token decode step land,
-relative to a 512-token prefill? How many times further apart than the ridge?
+Decoding needs somewhere to keep each token's keys and values: lesson 01 builds the real KV cache; here a stand-in
+keeps them in a list and concatenates each step's new ones on, copying the context once per step (bytes counted).
+
+Predict before you run: where on the roofline will a 1-token decode step land, relative to a 512-token prefill?
+How many times further apart than the ridge?
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 from common import (make_parser, ms, pct, plot_roofline, plt, predict, print_over_100_note, print_table, run, save_plot,
                     si, start, write_results)
-from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
+from minillm.bench.verdict import MIN_ROUNDS, Check, Fact, interleave, judge, median_interval, print_verdict, settled
 
 import torch
 
 from minillm.config import dtype_bytes
 from minillm.bench.cost import decode_cost, prefill_cost
-from minillm.bench.roofline import achieved, ceiling_kernels, ceilings_from
+from minillm.bench.roofline import achieved, ceiling_kernels, ceilings_from, raised_for_steps
 from minillm.bench.timing import Stopwatch
 from minillm.model import causal_attention
+from minillm.quantize import quantization_of
 from minillm.sampling import sample
 from minillm.sampling_params import SamplingParams
 
 NAME = "02_phase_split"
-ROOF_SHARE = 0.2  # a step reaching under a fifth of its roof is bound by something other than that roof
+BAND = 2.0  # a step within 2× its roofline time: the binding roof accounts for at least half of it
 
 
 class ListCache:
@@ -125,164 +118,200 @@ def stand_in_cost(cfg, context: int, dtype):
     return dataclasses.replace(cost, other_bytes=cost.other_bytes + 2 * cost.kv_read_bytes)
 
 
-def sizes(n_ctx: int, quick: bool) -> dict:
+def sizes(n_ctx: int, quick: bool) -> dict:  # --quick: at least MIN_ROUNDS rounds all the same
     if quick:
         prompt = min(128, n_ctx // 2)
         return {"prompt": prompt, "new_tokens": 8, "prefill_lens": [prompt // 4, prompt // 2, prompt],
-                "contexts": [prompt // 4, prompt], "repeats": 3}
+                "contexts": [prompt // 4, prompt], "repeats": MIN_ROUNDS}
     prompt = min(512, n_ctx // 2)
     return {"prompt": prompt, "new_tokens": 32, "prefill_lens": [prompt // 8, prompt // 4, prompt // 2, prompt],
-            "contexts": [prompt // 4, prompt, n_ctx - 1], "repeats": 5}
+            "contexts": [prompt // 4, prompt, n_ctx - 1], "repeats": 7}
 
 
-def predict_phases(lesson, s: dict) -> dict:
-    """The costs of the longest prefill and of a decode step, and where the claim puts them against a ridge."""
-    cfg, dtype, T = lesson.config, lesson.dtype, s["prefill_lens"][-1]
-    pre_cost, dec_cost = prefill_cost(cfg, T, 1, dtype), stand_in_cost(cfg, s["prompt"], dtype)
-    head_share = cfg.vocab_size * cfg.n_embd * dtype_bytes(dtype) / pre_cost.weight_bytes
-    predict(lesson, f"a prefill of {T} tokens does {pre_cost.intensity:.0f} FLOP per byte it moves (2T/b = "
-            f"{2 * T / dtype_bytes(dtype):.0f}, less the LM head's {head_share:.0%} of the weights, read for one "
-            f"position only); a decode step after {s['prompt']} tokens does {dec_cost.intensity:.2f}",
-            f"so the claim holds on a device whose ridge (peak FLOP/s ÷ bandwidth) lies between "
-            f"{dec_cost.intensity:.2f} and {pre_cost.intensity:.0f} FLOP/B, and whose prefill and decode reach at "
-            f"least {ROOF_SHARE:.0%} of their roofs; CPUs' ridges lie near 2–10, GPUs' near 50–300")
-    return {"T": T, "prefill": pre_cost, "decode": dec_cost, "head_share": head_share}
+def roof_s(point: dict, peak: float, bandwidth: float) -> float:
+    """The roofline's time for a step of point["flops"] and point["bytes"]: max(FLOPs ÷ peak, bytes ÷ bandwidth)."""
+    return max(point["flops"] / peak, point["bytes"] / bandwidth)
 
 
-def shares(rounds, ceil, name: str, cost) -> tuple[list[float], list[float]]:
-    """The step's FLOP/s and bytes/s in each round as shares of the run's peak and bandwidth."""
-    return ([cost.flops / t / ceil.matmul_flops for t in rounds.times(name)],
-            [cost.bytes / t / ceil.bandwidth for t in rounds.times(name)])
+def over_roof(point: dict, figures: dict) -> list[float]:
+    """The step's time ÷ its roofline time, round by round, each over that round's peak and bandwidth."""
+    return [t / roof_s(point, p, w) for t, p, w in zip(point["times_s"], figures["peak_rounds"],
+                                                         figures["bandwidth_rounds"])]
 
 
-def run_ceilings(lesson, rounds, kernels: dict):
-    """The ceilings of the rounds so far: each kernel's best round, each ceiling its fastest kernel."""
-    return ceilings_from(kernels, rounds.seconds, lesson.device, lesson.dtype)
+def judged(figures: dict) -> tuple[dict, dict, dict]:
+    """The points the checks judge: the shortest and the longest prefill, and the decode step after the prompt."""
+    dec = next(d for d in figures["decode"] if d["context"] == figures["prompt_len"])
+    return figures["prefill"][0], figures["prefill"][-1], dec
 
 
-def make_checks(rounds, ceil, s: dict, c: dict) -> list[Check]:
-    """Each phase's intensity against the run's ridge, and its share of its roof, one value per round."""
-    T, pre_cost, dec_cost = c["T"], c["prefill"], c["decode"]
-    r, t_pre, t_dec = ceil.ridge, rounds.median(f"prefill {T}"), rounds.median(f"decode {s['prompt']}")
-    ridge = [r] * rounds.count  # one ridge for the run: the ratio of its two ceilings
-    mm_share = shares(rounds, ceil, f"prefill {T}", pre_cost)[0]
-    bw_share = shares(rounds, ceil, f"decode {s['prompt']}", dec_cost)[1]
-    at_roof, floor = pre_cost.flops / ceil.matmul_flops, dec_cost.bytes / ceil.bandwidth
+def checks(figures: dict) -> list[Check]:
+    """The claim's checks from the figures: each round's values over that round's ceilings; each prediction from the
+    ceilings measured before anything was timed (figures["ceilings_before"])."""
+    small, pre, dec = judged(figures)
+    T, T0, C, band = pre["tokens"], small["tokens"], dec["context"], figures["band"]
+    before = figures["ceilings_before"]
+    p0, w0 = before["matmul_flops"], before["bandwidth"]
+    peaks, bws = figures["peak_rounds"], figures["bandwidth_rounds"]
+    ridges = [p / w for p, w in zip(peaks, bws)]
+    lo, hi = min(ridges), max(ridges)
+    grow_flops, grow_bytes = pre["flops"] / small["flops"], pre["bytes"] / small["bytes"]
+    grow_line = math.sqrt(grow_flops * grow_bytes)
+    pre_roof, dec_roof = over_roof(pre, figures), over_roof(dec, figures)
     return [
-        Check(f"prefill of {T} tokens: intensity / ridge", [pre_cost.intensity / x for x in ridge], 1.0, ">=",
-              why=f"the ridge measured in these rounds, {r:.1f} FLOP/B, lies above the prefill's "
-                  f"{pre_cost.intensity:.0f}: this device's matmul units outrun its memory by more than a "
-                  f"{T}-token prompt can feed; about {T * r / pre_cost.intensity:.0f} tokens would cross it"),
-        Check(f"prefill of {T} tokens: share of the peak", mm_share, ROOF_SHARE, ">=", fmt="{:.0%}",
-              of_ceiling=True,
-              why=f"at the peak its {si(pre_cost.flops, 'FLOP')} would take {ms(at_roof)}; it took "
-                  f"{ms(t_pre)}: the other {ms(max(0.0, t_pre - at_roof))} went to what is not a large matmul "
-                  "(attention, layer norms, per-op overhead) or to a matmul shape the library runs slowly"),
-        Check(f"decode after {s['prompt']} tokens: intensity / ridge", [dec_cost.intensity / x for x in ridge],
-              1.0, "<=",
-              why=f"the ridge measured in these rounds, {r:.2f} FLOP/B, lies below decode's "
-                  f"{dec_cost.intensity:.2f}: on this device even one token per weight read keeps the "
-                  "matmul units busier than the memory"),
-        Check(f"decode after {s['prompt']} tokens: share of the bandwidth", bw_share, ROOF_SHARE, ">=",
-              fmt="{:.0%}", of_ceiling=True,
-              why=f"its {si(dec_cost.bytes, 'B')} would move in {ms(floor)} at the bandwidth; the step "
-                  f"took {ms(t_dec)}, so {ms(max(0.0, t_dec - floor))} went to something else than memory: "
-                  "per-step overhead (Python, many small kernels) or a matrix-vector kernel that streams "
-                  "weights more slowly than the fastest read stream"),
+        Check(f"prefill of {T} tokens: intensity ÷ ridge", [pre["intensity"] / r for r in ridges], 1.0, ">=",
+              predicted=pre["intensity"] * w0 / p0, key="prefill_over_ridge",
+              why=f"the ridge of these rounds ({lo:.3g}–{hi:.3g} FLOP/B) lies above the prefill's {pre['intensity']:.3g}: "
+                  f"arithmetic outruns memory here by more than {T} tokens can feed; ~{T * hi / pre['intensity']:.0f} would"),
+        Check(f"prefill time, {T} ÷ {T0} tokens", [a / b for a, b in zip(pre["times_s"], small["times_s"])],
+              grow_line, ">=", predicted=roof_s(pre, p0, w0) / roof_s(small, p0, w0), key="prefill_growth",
+              why=f"FLOPs grow {grow_flops:.3g}× and bytes {grow_bytes:.3g}× from {T0} to {T} tokens; the time grew "
+                  f"{statistics.median(a / b for a, b in zip(pre['times_s'], small['times_s'])):.3g}×, nearer the "
+                  "bytes: a fixed cost per step (Python, per-op overhead) weighs more than the arithmetic"),
+        Check(f"prefill of {T} tokens: time ÷ its roofline time", pre_roof, band, "<=", predicted=1.0,
+              key="prefill_over_roof",
+              why=f"it took {statistics.median(pre_roof):.3g}× its roofline time: most of it went to what is not a "
+                  "large matmul (attention, layer norms, per-op overhead) or to shapes the library runs slowly"),
+        Check(f"decode after {C} tokens: intensity ÷ ridge", [dec["intensity"] / r for r in ridges], 1.0, "<=",
+              predicted=dec["intensity"] * w0 / p0, key="decode_over_ridge",
+              why=f"the ridge of these rounds ({lo:.3g}–{hi:.3g} FLOP/B) lies below decode's {dec['intensity']:.3g}: "
+                  "here one token per weight read keeps the arithmetic busier than the memory"),
+        Check(f"decode after {C} tokens: time ÷ its roofline time", dec_roof, band, "<=", predicted=1.0,
+              key="decode_over_roof",
+              why=f"it took {statistics.median(dec_roof):.3g}× the time its bytes take at the bandwidth: per-step "
+                  "overhead (Python, many small kernels) or a matrix-vector kernel slower than the fastest read"),
     ]
 
 
-def measure(lesson, s: dict, c: dict) -> dict:
-    """One request's TTFT and ITLs; then every prefill and decode step in turns with the ceiling kernels.
-    Prints each phase against the run's ceilings (the best round of the fastest kernel); returns the rounds and
-    every figure."""
-    model, cfg, dtype = lesson.model, lesson.config, lesson.dtype
+def facts(figures: dict) -> list[Fact]:
+    small, pre, dec = judged(figures)
+    before = figures["ceilings_before"]
+    return [Fact("the ridge, peak ÷ bandwidth (median of the rounds, FLOP/B)",
+                 statistics.median(p / w for p, w in zip(figures["peak_rounds"], figures["bandwidth_rounds"])),
+                 predicted=before["matmul_flops"] / before["bandwidth"], why="this machine's, and its load's, not the claim's"),
+            Fact("prefill ÷ decode intensity", pre["intensity"] / dec["intensity"],
+                 why="the cost model's arithmetic, equal to its formula by construction")]
+
+
+def predict_phases(lesson, s: dict) -> dict:
+    """The costs of the longest prefill and of a decode step, and what the roofline predicts for them."""
+    cfg, dtype, ceil, T = lesson.config, lesson.dtype, lesson.ceilings, s["prefill_lens"][-1]
+    pre_cost, dec_cost = prefill_cost(cfg, T, 1, dtype), stand_in_cost(cfg, s["prompt"], dtype)
+    small = prefill_cost(cfg, s["prefill_lens"][0], 1, dtype)
+    head_share = cfg.vocab_size * cfg.n_embd * dtype_bytes(dtype) / pre_cost.weight_bytes
+    roof = lambda c: max(c.flops / ceil.matmul_flops, c.bytes / ceil.bandwidth)  # noqa: E731
+    predict(lesson, f"a prefill of {T} tokens does {pre_cost.intensity:.0f} FLOP per byte it moves (2T/b = "
+            f"{2 * T / dtype_bytes(dtype):.0f}, less the LM head's {head_share:.0%} of the weights, read for one "
+            f"position only); a decode step after {s['prompt']} tokens does {dec_cost.intensity:.2f}; the ridge "
+            f"measured now is {ceil.ridge:.1f}",
+            f"the roofline's times: the prefill {ms(roof(pre_cost))}, the decode step {ms(roof(dec_cost))}; each judged "
+            f"within {BAND:g}× of its own",
+            expect={"prefill_over_ridge": pre_cost.intensity / ceil.ridge, "prefill_growth": roof(pre_cost) / roof(small),
+                    "prefill_over_roof": 1.0, "decode_over_ridge": dec_cost.intensity / ceil.ridge,
+                    "decode_over_roof": 1.0})
+    return {"T": T, "head_share": head_share}
+
+
+def figures_of(lesson, s: dict, rounds, kernels: dict, quantization) -> dict:
+    """Every figure the checks, the table and the plot use, from the rounds so far: each step's times and cost,
+    each round's peak, bandwidth and ridge (the rates in that round of the kernels that set the run's ceilings), and
+    the run's ceilings (each kernel's best round; raised to a step's own rate where one beat them)."""
+    cfg, dtype = lesson.config, lesson.dtype
+    costs = {f"prefill {t}": prefill_cost(cfg, t, 1, dtype) for t in s["prefill_lens"]}
+    costs |= {f"decode {k}": stand_in_cost(cfg, k, dtype) for k in s["contexts"]}
+    ceil = ceilings_from(kernels, rounds.seconds, lesson.device, dtype, quantization)
+    fastest = [max((n for n, k in kernels.items() if k.roof == roof), key=lambda n: kernels[n].rate(min(rounds.times(n))))
+               for roof in ("compute", "memory")]
+    peaks, bws = ([kernels[name].rate(t) for t in rounds.times(name)] for name in fastest)
+    ceil = raised_for_steps(ceil, {name: (cost, min(rounds.times(name))) for name, cost in costs.items()})
+
+    def point(name: str) -> dict:
+        cost, times = costs[name], rounds.times(name)
+        p = achieved(cost, statistics.median(times), ceil)
+        return {**p, "times_s": times, "matmul_share": [cost.flops / t / ceil.matmul_flops for t in times],
+                "bandwidth_share": [cost.bytes / t / ceil.bandwidth for t in times]}
+    ridges = [p / w for p, w in zip(peaks, bws)]
+    return {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "band": BAND,
+            "prefill": [{"tokens": t, **point(f"prefill {t}")} for t in s["prefill_lens"]],
+            "decode": [{"context": k, **point(f"decode {k}")} for k in s["contexts"]],
+            "peak_rounds": peaks, "bandwidth_rounds": bws, "ridge_rounds": ridges,
+            "ridge_interval": list(median_interval(ridges)[:2]), "ridge": ceil.ridge,
+            "ceilings_before": lesson.ceilings.as_dict(), "ceilings_in_rounds": ceil.as_dict()}
+
+
+def measure(lesson, s: dict) -> tuple[dict, object]:
+    """One request's TTFT and ITLs; then every prefill and decode step in turns with the ceiling kernels, until the
+    checks are decided. Returns the figures and the rounds."""
+    model = lesson.model
     one_request(model, s["prompt"], 2)  # warm-up: the first calls pay for allocation and kernel selection
-    laps = one_request(model, s["prompt"], s["new_tokens"])
-    ttft, itl = laps[0], laps[1:]
+    ttft, *itl = one_request(model, s["prompt"], s["new_tokens"])
     print(f"one request, prompt {s['prompt']} tokens, {s['new_tokens']} new: TTFT {ms(ttft)}, ITL median "
           f"{ms(statistics.median(itl))} (min {ms(min(itl))}, max {ms(max(itl))})\n")
-    kernels = ceiling_kernels(lesson.device, dtype, lesson.args.quick)
+    kernels = ceiling_kernels(lesson.device, lesson.dtype, lesson.args.quick, quantization := quantization_of(model))
     fns = {name: k.fn for name, k in kernels.items()}
     fns |= {f"prefill {n}": prefill_step(model, n) for n in s["prefill_lens"]}
     fns |= {f"decode {k}": decode_step(model, k) for k in s["contexts"]}
     rounds = interleave(fns, s["repeats"], device=lesson.device, desc="timing in turns",
-                        until=settled(lambda r: make_checks(r, run_ceilings(lesson, r, kernels), s, c)))
-    ceil = run_ceilings(lesson, rounds, kernels)
+                        until=settled(lambda r: checks(figures_of(lesson, s, r, kernels, quantization))))
+    return {**figures_of(lesson, s, rounds, kernels, quantization), "ttft_s": ttft, "itl_s": itl}, rounds
 
-    def point(name: str, cost) -> dict:
-        p = achieved(cost, rounds.median(name), ceil)
-        p["matmul_share"], p["bandwidth_share"] = shares(rounds, ceil, name, cost)
-        return p
 
-    prefill = [{"tokens": n, **point(f"prefill {n}", prefill_cost(cfg, n, 1, dtype))} for n in s["prefill_lens"]]
-    decode = [{"context": k, **point(f"decode {k}", stand_in_cost(cfg, k, dtype))} for k in s["contexts"]]
-    med = statistics.median
-    rows = [["prefill", p["tokens"], 0, ms(p["seconds"]), si(p["tokens"] / p["seconds"]), f"{p['intensity']:.1f}",
-             si(p["flops_per_s"]), pct(med(p["matmul_share"])), si(p["bytes_per_s"]), pct(med(p["bandwidth_share"]))]
-            for p in prefill]
-    rows += [["decode", 1, d["context"], ms(d["seconds"]), si(1 / d["seconds"]), f"{d['intensity']:.2f}",
-              si(d["flops_per_s"]), pct(med(d["matmul_share"])), si(d["bytes_per_s"]), pct(med(d["bandwidth_share"]))]
-             for d in decode]
-    print(f"ceilings, the best round of the fastest kernel timed in the same rounds: peak "
-          f"{si(ceil.matmul_flops, 'FLOP/s')} ({ceil.fastest('compute')}), bandwidth {si(ceil.bandwidth, 'B/s')} "
-          f"({ceil.fastest('memory')}), ridge {ceil.ridge:.1f} FLOP/B")
+def print_figures(f: dict, c: dict, count: int, dtype) -> None:
+    med, ceil = statistics.median, f["ceilings_in_rounds"]
+    rows = [[phase, p.get("tokens", 1), p.get("context", 0), ms(p["seconds"]), si(p.get("tokens", 1) / p["seconds"]),
+             f"{p['intensity']:.3g}", si(p["flops_per_s"]), pct(med(p["matmul_share"])), si(p["bytes_per_s"]),
+             pct(med(p["bandwidth_share"]))] for phase in ("prefill", "decode") for p in f[phase]]
+    lo, hi = f["ridge_interval"]
+    print(f"ceilings of these rounds, each its fastest kernel's best round: peak {si(ceil['matmul_flops'], 'FLOP/s')}, "
+          f"bandwidth {si(ceil['bandwidth'], 'B/s')}, ridge {ceil['ridge']:.1f} FLOP/B; round by round the ridge "
+          f"was {lo:.1f}–{hi:.1f} FLOP/B (the interval of its median)"
+          + (f"; raised to a step's own rate: {', '.join(ceil['raised'])}" if ceil["raised"] else ""))
     print_table(["phase", "tokens", "cached", "time", "tokens/s", "FLOP/B", "FLOP/s", "% peak", "B/s", "% bw"],
-                rows, f"Each phase against those ceilings (medians of {rounds.count} rounds):")
+                rows, f"Each phase against those ceilings (medians of {count} rounds):")
     print_over_100_note(rows)
-    big, b = prefill[-1], dtype_bytes(dtype)
+    big, b = f["prefill"][-1], dtype_bytes(dtype)
     print(f"Prefill of {big['tokens']} tokens: 2T/b predicts {2 * big['tokens'] / b:.0f} FLOP/B; the LM head, "
           f"{c['head_share']:.0%} of the weights read, runs on the last position only, so 2T/b · (1 − "
           f"{c['head_share']:.2f}) = {2 * big['tokens'] / b * (1 - c['head_share']):.0f}; the full count "
           f"(attention, KV writes, embeddings) gives {big['intensity']:.0f}.\n")
-    return {"rounds": rounds, "kernels": kernels, "ceil": ceil, "prefill": prefill, "decode": decode, "ttft": ttft,
-            "itl": itl}
 
 
-def judge_claim(lesson, s: dict, c: dict, m: dict):
-    verdict = judge("prefill is compute-bound and decode is memory-bound", make_checks(m["rounds"], m["ceil"], s, c),
-                    lesson.load(), [m["rounds"]])
-    step = next(d for d in m["decode"] if d["context"] == s["prompt"])
-    verdict.notes.append(f"the two phases sit {m['prefill'][-1]['intensity'] / step['intensity']:.0f}× apart in "
-                         "intensity")
-    print_verdict(verdict)
-    return verdict
-
-
-def plot(lesson, s: dict, m: dict, verdict) -> None:
-    prefill, decode, ceil, count = m["prefill"], m["decode"], m["ceil"], m["rounds"].count
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    axes[0].plot([p["tokens"] for p in prefill], [p["seconds"] * 1e3 for p in prefill], "o-")
-    axes[0].set(xlabel="prompt length (tokens)", ylabel="prefill time (ms)",
-                title=f"prefill time vs prompt length (medians of {count} rounds)", xlim=(0, None), ylim=(0, None))
-    axes[1].plot([d["context"] for d in decode], [d["seconds"] * 1e3 for d in decode], "s-",
-                 label=f"decode step (median of {count} rounds)")
-    axes[1].plot([s["prompt"] + i for i in range(len(m["itl"]))], [t * 1e3 for t in m["itl"]], ".",
-                 label="ITL, one request")
-    axes[1].set(xlabel="tokens already in context", ylabel="step time (ms)", title="decode step time vs context",
-                xlim=(0, None), ylim=(0, None))
-    axes[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    plot_roofline(axes[2], ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),
-                                  "decode": ([d["intensity"] for d in decode], [d["flops_per_s"] for d in decode])})
-    grid = sorted({*axes[2].get_xlim(), ceil.ridge})
-    axes[2].loglog(grid, [ROOF_SHARE * ceil.attainable(x) for x in grid], "k--", lw=0.8,
-                   label=f"{ROOF_SHARE:.0%} of the roof (the claim's line)")
-    axes[2].legend(fontsize=8, loc="lower right")
-    axes[2].set_title(f"roofline ({ceil.dtype}): each ceiling its fastest kernel's best round", fontsize=10)
+def plot(lesson, f: dict, verdict, count: int) -> None:
+    prefill, decode, ceil = f["prefill"], f["decode"], f["ceilings_in_rounds"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for ax, pts, x, label in ((axes[0], prefill, "tokens", "prompt length (tokens)"),
+                              (axes[1], decode, "context", "tokens already in context")):
+        mid, iv = [statistics.median(over_roof(p, f)) for p in pts], [median_interval(over_roof(p, f)) for p in pts]
+        ax.errorbar([p[x] for p in pts], mid, yerr=[[m - i[0] for m, i in zip(mid, iv)], [i[1] - m for m, i in zip(mid, iv)]],
+                    fmt="o-", capsize=4, label=f"measured: median of {count} rounds, interval")
+        ax.axhline(1.0, color="k", ls="--", lw=1, label="predicted: the roofline's time (1)")
+        ax.axhline(BAND, color="firebrick", ls=":", lw=1, label=f"{BAND:g}× predicted (the claim's line)")
+        ax.set(xlabel=label, ylabel="time ÷ roofline time (each round's ceilings)", xlim=(0, None), ylim=(0, None))
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    axes[0].set_title("prefill: time ÷ max(FLOPs ÷ peak, bytes ÷ bandwidth)", fontsize=10)
+    axes[1].set_title("decode step: time ÷ max(FLOPs ÷ peak, bytes ÷ bandwidth)", fontsize=10)
+    run_ceil = dataclasses.replace(lesson.ceilings, matmul_flops=ceil["matmul_flops"], bandwidth=ceil["bandwidth"])
+    plot_roofline(axes[2], run_ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),
+                                      "decode": ([d["intensity"] for d in decode], [d["flops_per_s"] for d in decode])})
+    lo, hi = f["ridge_interval"]
+    axes[2].axvspan(lo, hi, color="grey", alpha=0.2, label="the ridge, round by round (interval of its median)")
+    axes[2].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    axes[2].set_title(f"roofline ({run_ceil.dtype}), each ceiling its best round: ridge {f['ridge']:.1f} FLOP/B\n"
+                      f"(round by round {lo:.1f}–{hi:.1f}); medians of the steps under the roof", fontsize=10)
     save_plot(lesson, fig, verdict)
 
 
 def main(argv=None) -> dict:
-    args = make_parser(__doc__).parse_args(argv)
-    lesson = start(NAME, args, ceilings=False)  # the ceilings are timed in the rounds, beside each step
-    s = sizes(lesson.config.n_ctx, args.quick)
-    costs = predict_phases(lesson, s)
-    m = measure(lesson, s, costs)
-    verdict = judge_claim(lesson, s, costs, m)
-    plot(lesson, s, m, verdict)
-    figures = {"prompt_len": s["prompt"], "new_tokens": s["new_tokens"], "ttft_s": m["ttft"], "itl_s": m["itl"],
-               "prefill": m["prefill"], "decode": m["decode"], "ridge": m["ceil"].ridge,
-               "lm_head_share": costs["head_share"], "ceilings_in_rounds": m["ceil"].as_dict()}
+    lesson = start(NAME, make_parser(__doc__).parse_args(argv))  # the ceilings first: the predictions come from them
+    s = sizes(lesson.config.n_ctx, lesson.args.quick)
+    c = predict_phases(lesson, s)
+    figures, rounds = measure(lesson, s)
+    figures["lm_head_share"] = c["head_share"]
+    print_figures(figures, c, rounds.count, lesson.dtype)
+    verdict = judge("prefill is compute-bound and decode is memory-bound", checks(figures), lesson.load(), [rounds],
+                    facts=facts(figures))
+    print_verdict(verdict)
+    plot(lesson, figures, verdict, rounds.count)
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

@@ -199,9 +199,10 @@ def test_bench_reports_both_phases_against_ceilings(monkeypatch):
     model = random_model(TINY, "cpu", torch.float32)
     said = []
     r = bench.bench(model, prompt_len=16, context_len=16, batch=1, warmup=1, repeats=2, progress=said.append)
-    assert [m.split()[0] for m in said] == ["measuring"] * 6 + ["timing", "timing"]
+    measured = 6 + (torch.get_num_threads() > 1)  # the projection on one thread too, where torch has more
+    assert [m.split()[0] for m in said] == ["measuring"] * measured + ["timing", "timing"]
     assert "matmul" in said[0] and "projection" in said[1] and "copy" in said[2] and "sum" in said[3]
-    assert "matrix-vector" in said[4] and "one row" in said[5] and "prefill" in said[6] and "decode" in said[7]
+    assert "matrix-vector" in said[4] and "one row" in said[5] and "prefill" in said[-2] and "decode" in said[-1]
     for phase in ("prefill", "decode"):
         assert r[phase]["tokens_per_s"] > 0 and 0 < r[phase]["frac_bandwidth"]
     d = r["decode"]

@@ -17,8 +17,10 @@ threads torch and numpy have now (the engine's), each with the kernels the engin
     peak        the fastest of: a large square torch.matmul, and the model's own product as the engine runs
                 it for several rows (the module `cpu_layout` swaps in for this device and dtype: a oneDNN-packed
                 copy where packing pays, F.linear over W elsewhere; on CUDA that is the plain matmul), at
-                n × n × n, large enough to keep the units busy; with int8 weights (`quantize.py`) also the
-                int8 module's product (on a CPU: the weights widened to bf16, then a bf16 matmul).
+                n × n × n, large enough to keep the units busy; on a CPU that product on one thread too (a
+                busy core stalls a product on every thread at each barrier, and small products run on one);
+                with int8 weights (`quantize.py`) also the int8 module's product (on a CPU: the weights
+                widened to bf16, then a bf16 matmul).
     bandwidth   the fastest of the read streams over buffers far larger than any cache: a copy (read +
                 write bytes counted), a sum and a matrix-vector product over the whole buffer (read only,
                 on torch's threads), and the engine's one-row product (the kernel of a batch-1 decode: numpy's
@@ -51,6 +53,7 @@ from typing import Callable
 import torch
 
 from ..config import dtype_bytes
+from ..device import set_num_threads
 from .. import cpu_layout
 from ..cpu_layout import linear_in_layout, numpy_blas_pays, packing_pays
 from ..model import Conv1D
@@ -204,6 +207,10 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
         "one-row product": Kernel(one_row, 2 * stack_bytes // b, stack_bytes, "memory",
                                   f"one row through {count} [{width[0]}, {width[1]}] projections "
                                   f"({stack_bytes >> 20} MiB) via {one}")}
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1:  # a busy core stalls every barrier of a product on all threads: one
+        kernels["product, one thread"] = Kernel(on_one_thread(product, threads), 2 * n ** 3, 3 * n * n * b, "compute",
+                                                "the engine's projection as above, on one thread")
     if quantization == "int8":
         product, one_row, count, stack_bytes = products(int8=True)
         fused = "torch's fused int8 kernel" if device.type == "cpu" else "F.linear over q widened"
@@ -215,6 +222,18 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
                                            f"one row through {count} int8 [{width[0]}, {width[1]}] projections "
                                            f"({stack_bytes >> 20} MiB as stored) via {fused}")}
     return kernels
+
+
+def on_one_thread(fn: Callable, threads: int) -> Callable:
+    """`fn` run on one thread, then `threads` again (small products, and a machine whose other cores are busy,
+    run that way)."""
+    def run():
+        set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            set_num_threads(threads)
+    return run
 
 
 def ceilings_from(kernels: dict[str, Kernel], times: dict[str, list[float]], device: torch.device | str,
