@@ -44,7 +44,7 @@ import math
 import statistics
 
 from common import (make_parser, ms, pct, plot_roofline, plt, predict, print_over_100_note, print_table, run, save_plot,
-                    si, start, write_results)
+                    si, start, ticks_at, write_results)
 from minillm.bench.verdict import MIN_ROUNDS, Check, Fact, interleave, judge, median_interval, print_verdict, settled
 
 import torch
@@ -286,16 +286,16 @@ def plot(lesson, f: dict, verdict, count: int) -> None:
                     fmt="o-", capsize=4, label=f"measured: median of {count} rounds, interval")
         ax.axhline(1.0, color="k", ls="--", lw=1, label="predicted: the roofline's time (1)")
         ax.axhline(BAND, color="firebrick", ls=":", lw=1, label=f"{BAND:g}× predicted (the claim's line)")
-        ax.set(xlabel=label, ylabel="time ÷ roofline time (each round's ceilings)", xlim=(0, None), ylim=(0, None))
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    axes[0].set_title("prefill: time ÷ max(FLOPs ÷ peak, bytes ÷ bandwidth)", fontsize=10)
-    axes[1].set_title("decode step: time ÷ max(FLOPs ÷ peak, bytes ÷ bandwidth)", fontsize=10)
+        ax.set(xlabel=label, ylabel="time ÷ roofline time (each round's ceilings)", xlim=(0, None), yscale="log")
+        ticks_at(ax, (0.5, 1, 2, 4, 8, 16, 32, 64), axis="y")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        ax.set_title(f"{'prefill' if x == 'tokens' else 'decode step'}: time ÷ max(FLOPs ÷ peak, bytes ÷ bandwidth)", fontsize=10)
     run_ceil = dataclasses.replace(lesson.ceilings, matmul_flops=ceil["matmul_flops"], bandwidth=ceil["bandwidth"])
     plot_roofline(axes[2], run_ceil, {"prefill": ([p["intensity"] for p in prefill], [p["flops_per_s"] for p in prefill]),
                                       "decode": ([d["intensity"] for d in decode], [d["flops_per_s"] for d in decode])})
     lo, hi = f["ridge_interval"]
     axes[2].axvspan(lo, hi, color="grey", alpha=0.2, label="the ridge, round by round (interval of its median)")
-    axes[2].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    axes[2].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     axes[2].set_title(f"roofline ({run_ceil.dtype}), each ceiling its best round: ridge {f['ridge']:.1f} FLOP/B\n"
                       f"(round by round {lo:.1f}–{hi:.1f}); medians of the steps under the roof", fontsize=10)
     save_plot(lesson, fig, verdict)
