@@ -78,6 +78,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from ..bench.cost import step_cost
 from ..bench.roofline import Ceilings, measure_ceilings
 from ..engine import LLMEngine
+from ..quantize import quantization_of
 from ..sequence import StepStats
 from .engine_loop import EngineLoop
 from .errors import APIError
@@ -155,6 +156,7 @@ class LiveFeed:
         self.loop = loop
         self.recorder = recorder or StepRecorder()
         self.config, self.device, self.dtype = engine.config, engine.model.device, engine.model.dtype
+        self.quantization = quantization_of(engine.model)  # the ceilings are measured in its weight format too
         sc, cc = engine.scheduler_config, engine.cache_config
         self.engine_info = {
             "model": model_name, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
@@ -177,7 +179,8 @@ class LiveFeed:
         if self._ceilings is None:
             if self._measuring is None:
                 self._measuring = asyncio.ensure_future(asyncio.to_thread(
-                    measure_ceilings, self.device, self.dtype, quick=self.device.type == "cpu"))
+                    measure_ceilings, self.device, self.dtype, quick=self.device.type == "cpu",
+                    quantization=self.quantization))
             self._ceilings = await asyncio.shield(self._measuring)
         return self._ceilings
 
