@@ -11,10 +11,10 @@ a few µs each (c). And every weight must be read once. So a step costs about
 
 The ops grow with the depth only (about 32 per layer, `metrics.count_ops`),
 the bytes with depth × width² and the vocabulary. So decode of a small model
-is bound by per-op host overhead, and a large model's is bound by memory;
-somewhere in between they cross. On a big GPU the crossover sits far up:
-at an H200's 4.8 TB/s (datasheet), gpt2's ~380 ops at 5 µs each would take
-as long as reading 9 GB, more than gpt2-xl's weights. CUDA graphs (`minillm/cuda_graphs.py`) replay all of a
+is bound by per-op host overhead, a large model's by memory; somewhere in
+between they cross. On a big GPU that sits far up: at an H200's 4.8 TB/s
+(datasheet), gpt2's ~380 ops at 5 µs each take as long as reading 9 GB, more
+than gpt2-xl's weights. CUDA graphs (`minillm/cuda_graphs.py`) replay a
 step's kernels with one launch and so remove the ops · c term.
 
 What this lesson measures
@@ -41,11 +41,11 @@ bandwidth ceiling, and matrix-vector kernels read at ½–1 of it, so a step the
 formula explains takes 1–2× its time; more is a cost it leaves out. On CUDA,
 where the engine decodes with graphs, the shares judged are the graph step's
 (twin replayed ÷ shape replayed), and the smallest shape's graph step takes
-≤ 1/2 of its eager step. On the CPU the lesson reports what a replay would
-remove (static ops × c) as a fact, computed, not measured.
+≤ 1/2 of its eager step; on the CPU what a replay would remove (static ops ×
+c) is a fact, computed, not measured.
 
-Predict before you run: how many µs does one op cost on this machine? How many
-MB of weights take as long to read as gpt2's ops take to dispatch?
+Predict before you run: how many µs does one op cost here? How many MB of
+weights take as long to read as gpt2's ops take to dispatch?
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ import statistics
 
 from common import make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
-from minillm.bench.verdict import Check, Fact, interleave, judge, print_verdict
+from minillm.bench.verdict import Check, Fact, interleave, judge, print_verdict, settled
 
 from minillm.config import PRESETS
 from minillm.bench.cost import weight_read_floor
@@ -106,13 +106,9 @@ def even_bytes(overhead_s: float, step_s: float, weight_bytes: float) -> float |
     return None if step_s <= overhead_s else overhead_s * weight_bytes / (step_s - overhead_s)
 
 
-def calls_per_turn(step, device, turn_s: float) -> int:
-    """How many steps make one turn of at least `turn_s` (a single short step is mostly timer noise)."""
-    return max(1, round(turn_s / time_fn(step, device, warmup=1, repeats=3).median_s))
-
-
-def measure(model, name: str, s: dict, bandwidth: float) -> dict:
-    """One shape: ops, step times by mode and of its twin, in turns; the overhead share round by round."""
+def measure(model, name: str, s: dict, bandwidth: float, side: str | None = None) -> dict:
+    """One shape: ops, step times by mode and of its twin, in turns; the overhead share round by round (with
+    `side`, rounds added while the judged share straddles its line on that side)."""
     cfg, device = model.config, model.device
     modes = ["eager", "static"] + (["graph"] if device.type == "cuda" else [])
     steps = {m: decode_step(model, s["context"], 1, mode=m) for m in modes}
@@ -121,13 +117,17 @@ def measure(model, name: str, s: dict, bandwidth: float) -> dict:
     if "graph" in modes:  # the twin replayed too: what a graph step costs whatever its bytes
         steps["twin graph"] = decode_step(twin, s["context"], 1, mode="graph")
     ops = {m: count_ops(f) for m, f in steps.items()}
-    k = {m: calls_per_turn(f, device, s["turn_s"]) for m, f in steps.items()}
+    k = {m: max(1, round(s["turn_s"] / time_fn(f, device, warmup=1, repeats=3).median_s))  # steps per turn ≥ turn_s:
+         for m, f in steps.items()}                                                       # one short step is noise
+    a, b = ("twin graph", "graph") if "graph" in modes else ("twin", "eager")  # the judged share: a ÷ b
+    judged = lambda r: [Check("share", [x / k[a] / (y / k[b]) for x, y in zip(r.times(a), r.times(b))],  # noqa: E731
+                              OVERHEAD_BOUND, side)] if side else []  # none: no rounds added
     rounds = interleave({m: lambda f=f, n=k[m]: [f() for _ in range(n)] for m, f in steps.items()}, s["rounds"],
-                        device=device, desc=f"{name}: steps and twin, in turns")
+                        device=device, desc=f"{name}: steps and twin, in turns", until=settled(judged))
     times = {m: [t / k[m] for t in rounds.times(m)] for m in steps}
     per_op = [t / ops["twin"].total for t in times["twin"]]
     share = [c * ops["eager"].total / t for c, t in zip(per_op, times["eager"])]
-    point = {"name": name, "params": cfg.num_params(), "weight_bytes": cfg.weight_bytes(model.dtype),
+    point = {"name": name, "rounds": rounds.count, "params": cfg.num_params(), "weight_bytes": cfg.weight_bytes(model.dtype),
              "floor_s": weight_read_floor(cfg, model.dtype, bandwidth), "ops": {m: o.total for m, o in ops.items()},
              "kernels": {m: o.kernels for m, o in ops.items()}, "steps_per_turn": k, "times_s": times,
              "step_s": {m: statistics.median(v) for m, v in times.items()},
@@ -153,7 +153,8 @@ def predict_ladder(lesson, names: list[str], s: dict, bare: float) -> dict:
     from the formula each step's time and overhead share."""
     bandwidth, on_cuda, dtype = lesson.ceilings.bandwidth, lesson.device.type == "cuda", lesson.dtype
     cfgs = {n: PRESETS[n] if n in PRESETS else lesson.config for n in names}
-    twins = {n: decode_step(random_model(twin_of(cfg), lesson.device, dtype), s["context"], 1) for n, cfg in cfgs.items()}
+    twins = {n: decode_step(random_model(twin_of(cfg), lesson.device, dtype), s["context"], 1)
+             for n, cfg in cfgs.items()}
     ops = {n: count_ops(t).total for n, t in twins.items()}
     c = time_fn(twins[names[0]], lesson.device, warmup=2, repeats=7).median_s / ops[names[0]]
     step = {n: step_model(ops[n], c, cfgs[n].weight_bytes(dtype), bandwidth, on_cuda) for n in names}
@@ -162,21 +163,21 @@ def predict_ladder(lesson, names: list[str], s: dict, bare: float) -> dict:
             f"step's weights their bytes ÷ {si(bandwidth, 'B/s')}: " + ", ".join(
                 f"{n} {ops[n]} ops + {ms(cfgs[n].weight_bytes(dtype) / bandwidth)}" for n in names),
             expect={"small_share": share[names[0]], "large_share": share[names[-1]], "large_step_over_model": 1.0,
-                    **({"graph_gain": 1 - ops[names[0]] * c / step[names[0]]} if on_cuda else {})})
+                    **({"graph_gain": cfgs[names[0]].weight_bytes(dtype) / bandwidth / step[names[0]]}
+                       if on_cuda else {})})
     return {"host_per_op_s": c, "step_s": step, "share": share}
 
 
 def print_ladder(lesson, s: dict, points: list[dict]) -> None:
     modes = [m for m in points[0]["step_s"] if m != "twin graph"]
-    print_table(["shape", "weights", "ops " + "/".join(m for m in modes if m != "twin"),
-                 *[f"step {m}" for m in modes], "µs/op", "floor", "floor ÷ eager", "overhead share", "bound",
-                 "a graph saves (predicted)"],
-                [[p["name"], si(p["weight_bytes"], "B"), "/".join(str(p["ops"][m]) for m in modes if m != "twin"),
+    print_table(["shape", "rounds", "weights", "ops " + "/".join(m for m in modes if m != "twin"),
+                 *[f"step {m}" for m in modes], "µs/op", "floor", "floor ÷ eager", "overhead share", "bound"],
+                [[p["name"], p["rounds"], si(p["weight_bytes"], "B"), "/".join(str(p["ops"][m]) for m in modes if m != "twin"),
                   *[ms(p["step_s"][m]) for m in modes], f"{p['host_per_op_s'] * 1e6:.1f}", ms(p["floor_s"]),
-                  f"{p['floor_s'] / p['step_s']['eager']:.0%}", f"{p['share_median']:.2f}", bound(p["share_median"]),
-                  ms(p["graph_removes_s"])] for p in points],
+                  f"{p['floor_s'] / p['step_s']['eager']:.0%}", f"{p['share_median']:.2f}", bound(p["share_median"])]
+                 for p in points],
                 f"Batch-1 decode after {s['context']} tokens, {str(lesson.dtype).removeprefix('torch.')} (medians of "
-                f"{s['rounds']} rounds; twin = the same ops at width 8; share = twin ÷ eager step):")
+                "each shape's rounds; twin = the same ops at width 8; share = twin ÷ eager step):")
 
 
 def checks(figures: dict) -> list[Check]:
@@ -210,7 +211,7 @@ def checks(figures: dict) -> list[Check]:
                      f"({ms(large['floor_s'])}) give less than half: a cost the formula leaves out")]
     if on_cuda:
         out.append(Check(f"{small['name']}: graph step ÷ eager step", small["graph_over_eager"], GRAPH_GAIN, "<=",
-                         fmt="{:.2f}", predicted=1 - pred["share"][small["name"]], key="graph_gain",
+                         fmt="{:.2f}", predicted=small["floor_s"] / pred["step_s"][small["name"]], key="graph_gain",
                          why=f"graph {ms(small['step_s']['graph'])} against eager {ms(small['step_s']['eager'])}, "
                              f"with {ms(small['graph_removes_s'])} of host time predicted saved: the replay "
                              "removed less host time than its ops cost"))
@@ -222,9 +223,8 @@ def judge_claim(lesson, figures: dict, bare: float):
     evens."""
     points, bandwidth, on_cuda = figures["points"], lesson.ceilings.bandwidth, figures["on_cuda"]
     large = points[-1]
-    facts = [Fact(f"ops per step of {p['name']}'s twin = of {p['name']}", p["ops"]["twin"], fmt="{:.0f}",
-                  why="the same ops by construction (a test holds it): what makes the twin's time the host's cost")
-             for p in points]
+    facts = [Fact(f"ops per step of {p['name']} and of its twin", p["ops"]["twin"], fmt="{:.0f}", why="the same by "
+                  "construction (a test holds it): what makes the twin's time the host's cost") for p in points]
     facts += [] if on_cuda else [Fact(f"what a CUDA graph would save {p['name']}'s step (static ops × µs/op)",
                                       p["graph_removes_s"] * 1e3, fmt="{:.3g} ms", why="computed, not measured: no CUDA "
                                       f"here (its static step took {ms(p['step_s']['static'])})") for p in points]
@@ -239,9 +239,8 @@ def judge_claim(lesson, figures: dict, bare: float):
                              f"its weights ({si(large['weight_bytes'] / (large['step_s']['eager'] - large['overhead_s']), 'B/s')}) "
                              f"that is the time to read {si(even, 'B')}: a model of its depth with fewer weight "
                              f"bytes waits more on its host than on memory")
-    verdict.notes.append(f"at the measured bandwidth ({si(bandwidth, 'B/s')}) the floor of {large['name']}'s step is "
-                         f"{ms(large['floor_s'])}, and its host time equals the floor of a model of "
-                         f"{si(large['overhead_s'] * bandwidth, 'B')}")
+    verdict.notes[-1] += (f"; at the measured bandwidth ({si(bandwidth, 'B/s')}) its host time equals the floor of a "
+                          f"model of {si(large['overhead_s'] * bandwidth, 'B')}")
     if on_cuda:
         verdict.notes.append(", ".join(f"{p['name']}: graph {ms(p['step_s']['graph'])} against eager "
                                        f"{ms(p['step_s']['eager'])}, {p['floor_s'] / p['step_s']['graph']:.0%} of the "
@@ -269,7 +268,7 @@ def plot(lesson, s: dict, points: list[dict], predicted: dict, even, verdict) ->
         axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
     top = max(p["step_s"][m] for p in points for m in modes) * 1e3
     axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", ylim=(None, top * 6),
-                title=f"step time against weight bytes (medians of {s['rounds']} rounds)")
+                title="step time against weight bytes (medians of each shape's rounds)")
     axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     xs = range(len(points))
     axes[1].bar(xs, [p["share_median"] for p in points], color="C0", label="overhead share (median)",
@@ -279,8 +278,8 @@ def plot(lesson, s: dict, points: list[dict], predicted: dict, even, verdict) ->
                  label="predicted before measuring (ops · c ÷ t)")
     axes[1].axhline(OVERHEAD_BOUND, color="k", ls="--", lw=1, label="overhead-bound above, memory-bound below")
     axes[1].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="twin time ÷ eager step",
-                title="share of the step that is host overhead (bars: range)",
-                ylim=(0, 1.4 * max(1.0, *(max(p["share"]) for p in points))))
+                title="share of the step that is host overhead (bars: range)", ylim=(0, 1.4 * max(1.0, *sum(
+                    ([max(p["share"]), predicted["share"][p["name"]]] for p in points), []))))
     axes[1].legend(fontsize=8, loc="upper right")
     op_modes = [m for m in modes if m != "twin"]
     width = 0.8 / len(op_modes)
@@ -304,7 +303,8 @@ def main(argv=None) -> dict:
         points = []
         for name in names:
             model = lesson.model if name == args.model else random_model(PRESETS[name], lesson.device, lesson.dtype)
-            points.append(measure(model, name, s, lesson.ceilings.bandwidth))
+            side = ">=" if name == names[0] else "<=" if name == names[-1] else None  # the shares the checks judge
+            points.append(measure(model, name, s, lesson.ceilings.bandwidth, side))
             del model
     print_ladder(lesson, s, points)
     figures = {"context_len": s["context"], "rounds": s["rounds"], "bare_op_s": bare, "points": points,

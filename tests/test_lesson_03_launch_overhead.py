@@ -32,7 +32,7 @@ def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_
     for p in points:
         assert set(p["step_s"]) == {"eager", "static", "twin"}  # no graph off CUDA
         assert p["ops"]["twin"] == p["ops"]["eager"] > 0 and p["ops"]["static"] > 0
-        assert len(p["share"]) == doc["figures"]["rounds"] and all(s > 0 for s in p["share"])
+        assert len(p["share"]) == p["rounds"] >= doc["figures"]["rounds"] and all(s > 0 for s in p["share"])
         assert p["overhead_s"] == pytest.approx(p["host_per_op_s"] * p["ops"]["eager"])
     assert points[1]["ops"]["eager"] > points[0]["ops"]["eager"]  # mini is deeper: more ops per step
     assert points[1]["weight_bytes"] > points[0]["weight_bytes"]
