@@ -303,7 +303,7 @@ def main(argv=None) -> dict:
         points = []
         for name in names:
             model = lesson.model if name == args.model else random_model(PRESETS[name], lesson.device, lesson.dtype)
-            side = ">=" if name == names[0] else "<=" if name == names[-1] else None  # the shares the checks judge
+            side = {names[0]: ">=", names[-1]: "<=" if predicted["share"][names[-1]] < OVERHEAD_BOUND else None}.get(name)
             points.append(measure(model, name, s, lesson.ceilings.bandwidth, side))
             del model
     print_ladder(lesson, s, points)
