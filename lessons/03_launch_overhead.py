@@ -20,16 +20,15 @@ step's kernels with one launch and so remove the ops · c term.
 What this lesson measures
 -------------------------
 For each GPT-2 shape from `tiny` up to `--model` (at least two), a batch-1
-decode step after 16 tokens (64 in full runs): its ops, counted (eager; static,
-the step a CUDA graph replays); its time, eager and static (and as a graph on
-CUDA); its twin's: the same depth at width 8, vocabulary 16, so the same ops
-on matrices of a few hundred bytes: the host's cost of the ops (÷ ops: c).
-In turns, each turn ≥ 10 ms of steps (30 ms full), 5 rounds (9 full), on one
-torch thread on the CPU.
+decode step after 16 tokens (64 full): its ops, counted (eager; static, the
+step a CUDA graph replays); its time, eager and static (and as a graph on
+CUDA); its twin's: the same depth at width 8, vocabulary 16, the same ops on
+matrices of a few hundred bytes: the host's cost of the ops (÷ ops: c). In
+turns of ≥ 10 ms of steps (30 ms full), 5 rounds (9 full), one torch thread.
 
-The prediction, before the ladder is timed: c from the smallest shape's twin
-(timed alone), each shape's ops counted on its twin, its weights at the
-measured bandwidth; the formula gives each step's time and overhead share.
+The prediction, before the ladder is timed: c from the smallest shape's twin,
+each shape's ops counted on its twin, its weights at the measured bandwidth:
+the formula gives each step's time and overhead share.
 
 The verdict, round by round: the overhead share (twin ÷ eager step) is ≥ 1/2
 for the smallest shape and ≤ 1/2 for the largest (undecided where the formula
@@ -183,15 +182,13 @@ def print_ladder(lesson, s: dict, points: list[dict]) -> None:
 def checks(figures: dict) -> list[Check]:
     """The smallest shape's overhead share above the line, the largest's below (on CUDA, of the graph step, and
     the graph's gain), each against the formula's share; the largest step ÷ the formula's time within its band."""
-    points, on_cuda, pred = figures["points"], figures["on_cuda"], figures["predicted"]
-    small, large = points[0], points[-1]
+    small, large, on_cuda, pred = figures["points"][0], figures["points"][-1], figures["on_cuda"], figures["predicted"]
 
     def why(p) -> str:
         return (f"{p['name']}'s twin (its {p['ops']['eager']} ops at width 8, almost no bytes) took "
                 f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
                 f"{si(p['weight_bytes'], 'B')} of weights at the measured bandwidth takes {ms(p['floor_s'])}")
 
-    # Judged on the step the engine runs: eager on the CPU, the graph replay on CUDA (its twin replayed too).
     share, step = ("graph_share", "graph step, as the engine runs it on CUDA") if on_cuda else ("share", "step")
     out = [Check(f"overhead share of {small['name']}'s {step}", small[share], OVERHEAD_BOUND, ">=", fmt="{:.2f}",
                  predicted=pred["share"][small["name"]], key="small_share",
@@ -218,18 +215,21 @@ def checks(figures: dict) -> list[Check]:
     return out
 
 
+def facts(figures: dict) -> list[Fact]:
+    """What cannot refute the claim: each twin's ops (its shape's, by construction), off CUDA a graph's saving."""
+    return [Fact(f"ops per step of {p['name']} and of its twin", p["ops"]["twin"], fmt="{:.0f}", why="the same by "
+                 "construction (a test holds it): what makes the twin's time the host's cost") for p in figures["points"]
+            ] + [Fact(f"what a CUDA graph would save {p['name']}'s step (static ops × µs/op)", p["graph_removes_s"] * 1e3,
+                      fmt="{:.3g} ms", why=f"computed, not measured: no CUDA here (its static step took "
+                      f"{ms(p['step_s']['static'])})") for p in figures["points"] if not figures["on_cuda"]]
+
+
 def judge_claim(lesson, figures: dict, bare: float):
-    """The checks and the facts; notes on where host time and bytes cross. Returns the verdict and the bytes at
-    evens."""
-    points, bandwidth, on_cuda = figures["points"], lesson.ceilings.bandwidth, figures["on_cuda"]
+    """The checks and the facts; notes on where host time and bytes cross; returns the verdict, the bytes at evens."""
+    points, on_cuda, bandwidth = figures["points"], figures["on_cuda"], lesson.ceilings.bandwidth
     large = points[-1]
-    facts = [Fact(f"ops per step of {p['name']} and of its twin", p["ops"]["twin"], fmt="{:.0f}", why="the same by "
-                  "construction (a test holds it): what makes the twin's time the host's cost") for p in points]
-    facts += [] if on_cuda else [Fact(f"what a CUDA graph would save {p['name']}'s step (static ops × µs/op)",
-                                      p["graph_removes_s"] * 1e3, fmt="{:.3g} ms", why="computed, not measured: no CUDA "
-                                      f"here (its static step took {ms(p['step_s']['static'])})") for p in points]
     verdict = judge("decode of a small model is bound by per-op host overhead, a large model's by memory",
-                    checks(figures), lesson.load(), facts=facts)
+                    checks(figures), lesson.load(), facts=facts(figures))
     verdict.notes.append(crossover(points) + f"; one op costs the host {large['host_per_op_s'] * 1e6:.1f} µs in a "
                          f"step of {large['name']} ({large['ops']['eager']} ops), a bare `x.add_(1)` "
                          f"{bare * 1e6:.1f} µs: the rest is Python and module calls")
@@ -278,8 +278,8 @@ def plot(lesson, s: dict, points: list[dict], predicted: dict, even, verdict) ->
                  label="predicted before measuring (ops · c ÷ t)")
     axes[1].axhline(OVERHEAD_BOUND, color="k", ls="--", lw=1, label="overhead-bound above, memory-bound below")
     axes[1].set(xticks=list(xs), xticklabels=[p["name"] for p in points], ylabel="twin time ÷ eager step",
-                title="share of the step that is host overhead (bars: range)", ylim=(0, 1.4 * max(1.0, *sum(
-                    ([max(p["share"]), predicted["share"][p["name"]]] for p in points), []))))
+                title="share of the step that is host overhead (bars: range)",
+                ylim=(0, 1.4 * max(1.0, *(max(p["share"]) for p in points), *predicted["share"].values())))
     axes[1].legend(fontsize=8, loc="upper right")
     op_modes = [m for m in modes if m != "twin"]
     width = 0.8 / len(op_modes)
