@@ -19,7 +19,6 @@ threads torch and numpy have now (the engine's), each with the kernels the engin
                 copy where packing pays, F.linear over W elsewhere; on CUDA that is the plain matmul), at
                 n × n × n, large enough to keep the units busy; on a CPU that product on one thread too (a
                 busy core stalls a product on every thread at each barrier, and small products run on one);
-                and a short one, 128 rows × [512, 512], that a busy machine's time slice holds whole;
                 with int8 weights (`quantize.py`) also the int8 module's product (on a CPU: the weights
                 widened to bf16, then a bf16 matmul).
     bandwidth   the fastest of the read streams over buffers far larger than any cache: a copy (read +
@@ -212,10 +211,6 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
     if device.type == "cpu" and threads > 1:  # a busy core stalls every barrier of a product on all threads: one
         kernels["product, one thread"] = Kernel(on_one_thread(product, threads), 2 * n ** 3, 3 * n * n * b, "compute",
                                                 "the engine's projection as above, on one thread")
-    short, rows = module((512, 512)), torch.randn(128, 512, device=device).to(dtype)  # ~0.1 ms: a whole time slice
-    kernels["short product"] = Kernel(torch.inference_mode()(lambda: short(rows)), 2 * 128 * 512 * 512,
-                                      (2 * 128 * 512 + 512 * 512) * b, "compute",
-                                      f"the engine's projection, 128 rows × [512, 512], in {name}")
     if quantization == "int8":
         product, one_row, count, stack_bytes = products(int8=True)
         fused = "torch's fused int8 kernel" if device.type == "cpu" else "F.linear over q widened"
