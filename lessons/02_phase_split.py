@@ -214,14 +214,14 @@ def predict_phases(lesson, s: dict) -> dict:
 
 def figures_of(lesson, s: dict, rounds, kernels: dict, quantization) -> dict:
     """Every figure the checks, the table and the plot use, from the rounds so far: each step's times and cost,
-    each round's peak, bandwidth and ridge (the rates in that round of the kernels that set the run's ceilings), and
-    the run's ceilings (each kernel's best round; raised to a step's own rate where one beat them)."""
+    each round's peak, bandwidth and ridge (that round's rates of the kernels fastest at their median), and the
+    run's ceilings (each kernel's best round; raised to a step's own rate where one beat them)."""
     cfg, dtype = lesson.config, lesson.dtype
     costs = {f"prefill {t}": prefill_cost(cfg, t, 1, dtype) for t in s["prefill_lens"]}
     costs |= {f"decode {k}": stand_in_cost(cfg, k, dtype) for k in s["contexts"]}
     ceil = ceilings_from(kernels, rounds.seconds, lesson.device, dtype, quantization)
-    fastest = [max((n for n, k in kernels.items() if k.roof == roof), key=lambda n: kernels[n].rate(min(rounds.times(n))))
-               for roof in ("compute", "memory")]
+    fastest = [max((n for n, k in kernels.items() if k.roof == roof), key=lambda n: kernels[n].rate(rounds.median(n)))
+               for roof in ("compute", "memory")]  # the steadiest: fastest at the median of the rounds
     peaks, bws = ([kernels[name].rate(t) for t in rounds.times(name)] for name in fastest)
     ceil = raised_for_steps(ceil, {name: (cost, min(rounds.times(name))) for name, cost in costs.items()})
 
