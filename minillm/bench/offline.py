@@ -3,9 +3,10 @@
     python -m minillm bench --model gpt2 --device cpu --dtype fp32 [--prompt-len 512 --batch 1 --context-len 512]
 
 It picks its thread count (the cores free as it starts; `--threads` overrides) and
-measures the device's ceilings first (`roofline.py`: the peak FLOP/s of the fastest
-of a large matmul and the engine's own projection, the bandwidth of the fastest of
-a copy, a sum and the engine's one-row product, each the best of its repeats),
+measures the device's ceilings first, in the model's dtype and weight format
+(`roofline.py`: the peak FLOP/s of the fastest of a large matmul and the engine's own
+projection, int8's too; the bandwidth of the fastest of a copy, a sum, a
+matrix-vector product and the engine's one-row product; each the best of its repeats),
 then times one prefill of `--prompt-len` tokens per sequence and one decode step
 after `--context-len` cached tokens, both through the contiguous KV cache (the
 decode step the engine runs on the device: replayed as a CUDA graph on CUDA, eager
@@ -19,8 +20,9 @@ step is judged by how close it comes to that floor (weight bytes read per step
 ÷ step time, as a share of the bandwidth), a prefill by its share of the peak.
 Small models on big GPUs stay far from the floor: each step is a few hundred
 kernel launches from Python, and launching, not memory, sets the pace. Every
-share is of a ceiling measured with kernels at least as fast as the step's own,
-so none exceeds 100%; one that did would be a bug in the ceiling.
+share is of a ceiling measured with kernels at least as fast as the step's own;
+where a step still beats them, the ceiling is raised to the step's rate and bench
+says so ("raised"), so no share exceeds 100%: a raise names a kernel missing from the ceilings.
 
 Beside the ceilings, bench prints each kernel's own rate: where the engine's
 one-row product streams far below the bandwidth, no change to the model can
