@@ -158,8 +158,8 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
                     quantization: str | None = None) -> dict[str, Kernel]:
     """The kernels that define the ceilings, each in `dtype` on `device`, the engine's products in its layout.
 
-    compute: "matmul" (torch.matmul of two n × n matrices) and "product" (n rows through the engine's
-    projection module of an n × n W); memory: "copy", "sum" and "matrix-vector" over a buffer far larger than
+    compute: "matmul" (torch.matmul of two n × n matrices), "product" (n rows through the engine's projection
+    module of an n × n W) and, on a CPU with several threads, "product, one thread"; memory: "copy", "sum" and "matrix-vector" over a buffer far larger than
     any cache, and "one-row product" (one row through a stack of the engine's [1024, 4096] projection modules,
     as large). With quantization="int8", "int8 product" and "int8 one-row product" too: the same, through
     `quantize.py`'s module, the weights' bytes counted as stored (int8, with their scales and biases).
