@@ -12,8 +12,8 @@ compute-bound and its work grows with the tokens computed (lesson 02), so
     TTFT of a hit  ≈ t(prefill of the uncached suffix)       ideal gain (S + U) / U
     throughput     gains only as much as the work was prefill: decode is untouched
 
-How much lower, before measuring: a pass costs a fixed part t₁ (a one-token
-step, timed before the sweep: the host's work and one read of the weights) plus
+How much lower, before measuring: a pass costs a fixed part t₁ (the TTFT of a
+one-token request, timed first: an engine step's host work, one read of the weights) plus
 its FLOPs at the measured peak (`minillm/bench/caching.py`), so a hit's gain is
 (t₁ + FLOPs(S + U)/peak) / (t₁ + FLOPs(U after S)/peak): (S + U) / U when the
 prefill is all of the pass, 1 when the pass is all fixed cost. The same model
@@ -97,14 +97,14 @@ def explain(f: dict) -> dict:
     (S, U), (on, off) = (s["sweep"], s["sweep_suffix"]), (sw["ttft_on_s"], sw["ttft_off_s"])
     ttft = (f"a hit at S = {S[-1]} computes {U} of {S[-1] + U} prompt tokens, an ideal {(S[-1] + U) / U:.0f}× by "
             f"tokens; the model predicts {p['ttft_gain']:.2f}× because every pass also pays t₁ = {ms(p['fixed_s'])} "
-            f"(a one-token step); measured {statistics.median(r['ttft_gain']):.2f}×. A hit took {ms(on[-1])} at "
+            f"(a one-token request's TTFT); measured {statistics.median(r['ttft_gain']):.2f}×. A hit took {ms(on[-1])} at "
             f"S = {S[-1]} and {ms(on[0])} at S = {S[0]} (predicted {ms(p['ttft_on_s'][-1])} and "
             f"{ms(p['ttft_on_s'][0])}); uncached {ms(off[0])} and {ms(off[-1])} (predicted "
             f"{ms(p['ttft_off_s'][0])} and {ms(p['ttft_off_s'][-1])})")
     shared = (f"without caching, steps that prefill took {b['prefill_share']:.0%} of the shared workload's time and "
               f"decode-only steps {1 - b['prefill_share']:.0%}; caching computed {b['tokens_saved']:.0%} fewer "
               f"prefill tokens, so even if their time fell to zero the run could be at most {b['bound']:.2f}× "
-              f"faster (the cost model said {p['bound']['bound']:.2f}×); predicted {p['shared_gain']:.2f}×, "
+              f"faster; predicted {p['shared_gain']:.2f}×, "
               f"measured {statistics.median(r['shared_gain']):.2f}×. Decode is untouched: shorter answers raise "
               f"the gain, longer ones lower it. {SGLANG}: the same quantity, on their workloads and hardware")
     return {"ttft": ttft, "shared": shared}
@@ -139,22 +139,19 @@ def in_band(values: list[float], band: list[float]) -> list[Check]:
 
 
 def predict_gains(lesson, s: dict) -> dict:
-    """t₁ timed (the least of 5 one-token steps after the longest shared prefix), then the model's predictions."""
+    """t₁ timed (the least TTFT of 5 one-token requests), then the model's predictions."""
     with one_thread() if lesson.device.type == "cpu" else contextlib.nullcontext():
-        t1 = fixed_cost(lesson.model, s["sweep"][-1] + s["sweep_suffix"])
-    c = lesson.ceilings
-    p = predictions(lesson.config, s, t1, c.matmul_flops, c.bandwidth, lesson.dtype)
+        t1 = fixed_cost(lesson.model)
+    p = predictions(lesson.config, s, t1, lesson.ceilings.matmul_flops, lesson.dtype)
     S, U = s["sweep"][-1], s["sweep_suffix"]
-    predict(lesson, f"a pass costs t₁ = {ms(t1)} (a one-token step, timed) + its FLOPs at the measured peak; a hit at "
+    predict(lesson, f"a pass costs t₁ = {ms(t1)} (a one-token request's TTFT, timed) + its FLOPs at the measured peak; a hit at "
             f"S = {S} computes {U} of {S + U} prompt tokens (ideal {(S + U) / U:.0f}× by tokens): TTFT "
             f"{ms(p['ttft_off_s'][-1])} → {ms(p['ttft_on_s'][-1])}, {p['ttft_gain']:.2f}× (band "
             f"{p['ttft_band'][0]:.2f}–{p['ttft_band'][1]:.2f}×: prefill at {p['rate_floor']:.0%} to 100% of the peak, "
             f"t₁ off by {p['fixed_slack']:g}× either way)",
             f"shared workload: {s['requests']} requests, {s['prefix']} shared + {s['suffix']} own tokens, "
             f"{s['answer']} out: throughput {p['shared_gain']:.2f}× (band {p['shared_band'][0]:.2f}–"
-            f"{p['shared_band'][1]:.2f}×); at most {p['bound']['bound']:.2f}× even if the saved tokens cost nothing "
-            f"(prefill {p['bound']['prefill_share']:.0%} of the time, {p['bound']['tokens_saved']:.0%} of its "
-            f"tokens saved). {SGLANG}")
+            f"{p['shared_band'][1]:.2f}×); decode steps are untouched. {SGLANG}")
     return p
 
 
@@ -275,8 +272,7 @@ def plot(lesson, f: dict, m: dict, verdict) -> None:
         ax.bar(j, pre, 0.6, color="C1", label="steps that prefill" if j == 0 else None)
         ax.bar(j, dec, 0.6, bottom=pre, color="C2", label="decode-only steps" if j == 0 else None)
     ax.set(xticks=[0, 1], xticklabels=["caching off", "caching on"], ylabel="seconds of engine steps, shared workload",
-           title=f"where the time went (medians)\ncaching prefill can gain ≤ {f['throughput_bound']['bound']:.2f}× "
-                 f"(cost model: ≤ {p['bound']['bound']:.2f}×)")
+           title=f"where the time went (medians)\nso caching prefill can gain ≤ {f['throughput_bound']['bound']:.2f}×")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
     for ax in axes:  # below the axes: never over the data
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1 if ax is axes[0] else 2)

@@ -31,7 +31,7 @@ import math
 from ..engine import LLMEngine
 from ..kv_pool import CacheConfig
 from ..scheduler import SchedulerConfig
-from .cost import decode_cost, prefill_cost, step_cost
+from .cost import step_cost
 from .pass_cost import FIXED_SLACK, RATE_FLOOR, band, pass_time
 from .replay import serve
 from .workloads import Conversation, conversation_blocks
@@ -96,11 +96,10 @@ def predicted_gain(cfg, n: int, prefix: int, suffix: int, answer: int, fixed_s: 
     return run_s([P] * n, [0] * n) / run_s([P] + [P - cached] * (n - 1), [0] + [cached] * (n - 1))
 
 
-def predictions(cfg, s: dict, fixed_s: float, peak: float, bandwidth: float, dtype) -> dict:
+def predictions(cfg, s: dict, fixed_s: float, peak: float, dtype) -> dict:
     """What the pass model predicts before measuring, for lesson 13's sizes `s` (the sweep's shared lengths and own
     tokens; the shared workload's requests, prefix, suffix and answer): the sweep's TTFTs, the checked hit's gain and
-    the shared workload's, each at the peak and at RATE_FLOOR of it, the band each is judged in, and Amdahl's
-    bound (the saved tokens free; decode steps at their bytes over the bandwidth)."""
+    the shared workload's, each at the peak and at RATE_FLOOR of it, and the band each is judged in."""
     S, U, budget = s["sweep"], s["sweep_suffix"], SchedulerConfig().max_num_batched_tokens
     hit = lambda rate: (predicted_ttft(cfg, S[-1] + U, 0, fixed_s, rate, dtype)  # noqa: E731
                         / predicted_ttft(cfg, U, S[-1], fixed_s, rate, dtype))
@@ -112,7 +111,4 @@ def predictions(cfg, s: dict, fixed_s: float, peak: float, bandwidth: float, dty
          "ttft_on_s": [predicted_ttft(cfg, U, x, fixed_s, peak, dtype) for x in S]}
     p |= {"ttft_band": band(p["ttft_gain"], hit(RATE_FLOOR * peak)),
           "shared_band": band(p["shared_gain"], shared(RATE_FLOOR * peak))}
-    n, P = s["requests"], s["prefix"] + s["suffix"]  # Amdahl's bound: as if the saved tokens cost nothing
-    pre = n * prefill_cost(cfg, P, 1, dtype).flops / peak
-    dec = s["answer"] * decode_cost(cfg, P, n, dtype).bytes / bandwidth
-    return p | {"bound": caching_bound(pre, dec, (n - 1) * (s["prefix"] // BLOCK_SIZE * BLOCK_SIZE) / (n * P))}
+    return p

@@ -2,9 +2,10 @@
 
     t(pass of P new tokens after C cached) = t₁ + FLOPs(P | C) / R
 
-t₁ is the pass's fixed cost: a one-token step, timed on the model (`fixed_cost`):
-the host's work (per-operation launches, lesson 03) and one read of the weights
-(lesson 04). FLOPs come from `cost.step_cost`; R is the measured peak
+t₁ is the pass's fixed cost, timed on the model (`fixed_cost`): the TTFT of a
+one-token request through an engine, so one engine step (scheduling, the step's
+metadata, per-operation launches: lesson 03; sampling) and one read of the
+weights (lesson 04). FLOPs come from `cost.step_cost`; R is the measured peak
 (`roofline.py`). The model's own uncertainty sets the band a measurement is judged
 in (`band`): prefill kernels reach between RATE_FLOOR of the peak and all of it
 (lesson 02's share), and t₁, timed once on a shared machine, may be off by
@@ -15,10 +16,7 @@ between 1 and the ratio of their FLOPs, and the band holds both ends' prediction
 """
 from __future__ import annotations
 
-import time
-
 from .cost import step_cost
-from .steps import decode_step
 
 RATE_FLOOR = 0.5   # prefill runs between this share of the measured peak and all of it (lesson 02)
 FIXED_SLACK = 1.5  # t₁, timed once before measuring, may be off by this factor either way
@@ -35,12 +33,12 @@ def band(at_peak: float, at_floor: float) -> list[float]:
     return [min(at_peak, at_floor) / FIXED_SLACK, max(at_peak, at_floor) * FIXED_SLACK]
 
 
-def fixed_cost(model, context: int, repeats: int = 5) -> float:
-    """t₁: the least of `repeats` one-token steps after `context` cached tokens (a cost: load only adds to it)."""
-    step, best = decode_step(model, context), float("inf")
-    step()  # the first pass allocates
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def fixed_cost(model, repeats: int = 5) -> float:
+    """t₁: the least TTFT of `repeats` one-token requests, each through a fresh engine (a cost: load only adds)."""
+    from ..engine import LLMEngine
+    from ..kv_pool import CacheConfig
+    from ..sampling_params import SamplingParams
+    ttft = lambda: LLMEngine(model, cache_config=CacheConfig(num_gpu_blocks_override=4)).generate(  # noqa: E731
+        [[0]], SamplingParams(temperature=0.0, max_tokens=1))[0].metrics.ttft
+    ttft()  # the first pass allocates: not counted
+    return min(ttft() for _ in range(repeats))
