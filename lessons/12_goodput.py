@@ -80,7 +80,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import make_parser, ms, plt, print_table, run, save_plot, start, write_results
+from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, write_results
 from servers import NEEDED_CORES, free_cores, http_cost, read_records, servers, starved, step_costs
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
 from minillm.bench.goodput import goodput
@@ -117,7 +117,7 @@ def highest_sustained(points: list[dict], rates: list[float]) -> float:
     return max(good) if good else rates[0] / 2
 
 
-def plan(urls: dict, logs: Path, work: Workload, s: dict) -> dict:
+def plan(lesson, urls: dict, logs: Path, work: Workload, s: dict) -> dict:
     """Warm both servers; the step costs the unchunked one's engine records, and from them the targets and the rates
     to sweep, printed before anything is swept."""
     for url in urls.values():  # untimed: the first requests pay one-off costs
@@ -137,13 +137,15 @@ def plan(urls: dict, logs: Path, work: Workload, s: dict) -> dict:
          "stall": cost["prefill_long"] + cost["decode"]}
     p["predicted"] = predict_rates(p)
     pr = p["predicted"]
-    print(f"prediction: a step carrying a prefill lasts {ms(pr['stall_s']['unchunked'])} unchunked and "
+    predict(lesson, f"a step carrying a prefill lasts {ms(pr['stall_s']['unchunked'])} unchunked and "
           f"{ms(pr['stall_s']['chunked'])} chunked, against the ITL target {ms(targets['itl'])}; a request decoding "
           f"for {ms(pr['life_s'])} sees no long prompt arrive with probability exp(−λ · {LONG_SHARE:g} · "
           f"{pr['life_s']:.3g} s): goodput share by rate " + "; ".join(
               f"{m} " + ", ".join(f"{x:.0%}" for x in pr["share"][m]) for m in MODES)
           + f"; highest sustained {pr['highest']['chunked']:g} and {pr['highest']['unchunked']:g}/s, chunked ÷ "
-          f"unchunked {pr['ratio']:.2f} (band {pr['band'][0]:.2f}–{pr['band'][1]:.2f}: one step of the rate grid)\n")
+          f"unchunked {pr['ratio']:.2f} (band {pr['band'][0]:.2f}–{pr['band'][1]:.2f}: one step of the rate grid); "
+          "output throughput at the top rate, chunked ÷ unchunked, 1 (under the capacity each serves what arrives)",
+          expect={"rate_gain_low": pr["ratio"], "rate_gain_high": pr["ratio"], "throughput_ratio": 1.0})
     return p
 
 
@@ -176,9 +178,10 @@ def sweep_figures(sweeps: list[dict], p: dict, undecided: str) -> dict:
             "step_costs_s": p["cost"], "targets_s": p["targets"], "chunked_budget": p["budget"], "sizes": p["s"]}
 
 
-def checks(f: dict) -> list[Check]:
+def checks(figures: dict) -> list[Check]:
     """Per sweep: chunked's highest sustained rate ÷ unchunked's, inside the predicted band (a check for each end),
     and their output throughput at the top rate."""
+    f = figures
     pr, best, s, itl = f["predicted"], f["highest_sustained"], f["sizes"], f["targets_s"]["itl"]
     gains = [c / u for c, u in zip(best["chunked"], best["unchunked"])]
     stall = pr["stall_s"]
@@ -303,7 +306,7 @@ def main(argv=None) -> dict:
     budgets = {"chunked": (True, chunked_budget(s)),  # mode: (chunked prefill, max_num_batched_tokens)
                "unchunked": (False, max(UNCHUNKED_BUDGET, s["long"] + s["output"]))}
     with servers(args, budgets, logs) as urls:
-        p = plan(urls, logs, work, s)           # step costs → the targets and the rates, printed first
+        p = plan(lesson, urls, logs, work, s)           # step costs → the targets and the rates, printed first
         rounds, kept = measure(lesson, urls, work, p)
     verdict, figures = judge_claim(lesson, rounds, kept, p, logs)
     plot(lesson, figures, kept, verdict)

@@ -110,9 +110,10 @@ def explain(f: dict) -> dict:
     return {"ttft": ttft, "shared": shared}
 
 
-def checks(f: dict) -> list[Check]:
+def checks(figures: dict) -> list[Check]:
     """A hit's TTFT gain and the shared workload's throughput gain, one value per round, each inside the band the
     cost model allows (a check for each end), with the model's prediction at the peak."""
+    f = figures
     s, p, r, why = f["sizes"], f["predicted"], f["per_round"], explain(f)
     names = {"ttft": f"TTFT off ÷ on, a hit on {s['sweep'][-1]} shared + {s['sweep_suffix']} own tokens",
              "shared": f"throughput on ÷ off, {s['requests']} requests sharing {s['prefix']} tokens"}
@@ -151,7 +152,8 @@ def predict_gains(lesson, s: dict) -> dict:
             f"t₁ off by {p['fixed_slack']:g}× either way)",
             f"shared workload: {s['requests']} requests, {s['prefix']} shared + {s['suffix']} own tokens, "
             f"{s['answer']} out: throughput {p['shared_gain']:.2f}× (band {p['shared_band'][0]:.2f}–"
-            f"{p['shared_band'][1]:.2f}×); decode steps are untouched. {SGLANG}")
+            f"{p['shared_band'][1]:.2f}×); decode steps are untouched. {SGLANG}",
+            expect={f"{q}_gain_{end}": p[f"{q}_gain"] for q in ("ttft", "shared") for end in ("low", "high")})
     return p
 
 

@@ -2,38 +2,31 @@
 
 The claim
 ---------
-A decode step is memory-bound (lessons 02 and 04), and a pass over k new tokens
-reads the same weights, so checking k tokens should cost about one step. A
-cheap draft guesses γ tokens; the target checks them in one pass and keeps the
-prefix it agrees with, plus one token of its own (`minillm/speculative.py`).
-With acceptance rate α and a draft step costing c target steps, Leviathan et
-al. predict the speedup S = (1 − α^(γ+1)) / ((1 − α) · (γc + 1)), the pass
-counted as one step, for γ guesses in every pass; a draft that guesses fewer
-(prompt lookup proposes nothing when the last tokens never occurred before) is
-fed the guesses it made, ḡ per pass, in γ's place. Three lines: a pass over 5
-new tokens costs ≤ 1.3× a one-token step (the premise; the pass model,
-`minillm/bench/pass_cost.py`, predicts it first); measured ÷ S lies within
-0.67–1.15 for every γ and draft (S counts a pass as one step where the premise
-allows 1.3, so down to 1/1.3, with 15% either way for the timing); prompt
-lookup (c ≈ 0) on a prompt that repeats itself gives ≥ 1.5× at γ = 4. The notes
+A decode step is memory-bound (lessons 02 and 04), and a pass over k new tokens reads the same weights, so
+checking k tokens should cost about one step. A cheap draft guesses γ tokens; the target checks them in one
+pass and keeps the prefix it agrees with, plus one token of its own (`minillm/speculative.py`). With
+acceptance rate α and a draft step costing c target steps, Leviathan et al. predict the speedup
+S = (1 − α^(γ+1)) / ((1 − α) · (γc + 1)), the pass counted as one step, for γ guesses in every pass; a draft
+that guesses fewer (prompt lookup proposes nothing when the last tokens never occurred before) is fed the
+guesses it made, ḡ per pass, in γ's place. Three lines: a pass over 5 new tokens costs ≤ 1.3× a one-token
+step (the premise; the pass model, `minillm/bench/pass_cost.py`, predicts it first); measured ÷ S lies within
+0.67–1.15 for every γ and draft (S counts a pass as one step where the premise allows 1.3, and 15% either way
+for the timing); prompt lookup (c ≈ 0) on a prompt that repeats itself gives ≥ 1.5× at γ = 4. The notes
 compute from the measurements why a line was missed.
 
-α needs trained weights: a random init barely looks at its context. The lesson
-speculates with the --model's checkpoint (and its classic draft) when it is on
-disk; otherwise with a small byte-level model it trains in seconds on the
-docstrings of a few standard-library modules, and that model's first block as
-its draft (`lessons/drafts.py`); it says which.
+α needs trained weights: a random init barely looks at its context. The lesson speculates with the --model's
+checkpoint (and its classic draft) when it is on disk; otherwise with a small byte-level model it trains in
+seconds on the docstrings of a few standard-library modules, and that model's first block as its draft
+(`lessons/drafts.py`); it says which.
 
 What this lesson measures
 -------------------------
-1. A pass over k new tokens after 256 cached ones (logits at all k, as verification
-   needs) ÷ a one-token step, beside its matrix products alone; c: a draft step,
-   and a lookup that finds nothing, ÷ that step.
-2. Greedy, decode phase timed in turns with the target alone, γ = 1, 2, 4, 8, for
-   a draft and for prompt lookup (vLLM's n-gram draft), on a passage, the target's
-   greedy continuation and the passage again: α, tokens per pass against
-   (1 − α^(γ+1)) / (1 − α), the speedup, S, and S fed the run's own guesses and
-   pass costs. First, a sampled run: α under Leviathan's rule (the exercise).
+1. A pass over k new tokens after up to 256 cached ones (logits at all k, as verification needs) ÷ a one-token
+   step, beside its matrix products alone; c: a draft step, and a lookup that finds nothing, ÷ that step.
+2. Greedy, decode phase timed in turns with the target alone, γ = 1, 2, 4, 8, for a draft and for prompt lookup
+   (vLLM's n-gram draft), on a passage, the target's greedy continuation and the passage again: α, ḡ, tokens per
+   pass against (1 − α^(ḡ+1)) / (1 − α), the speedup, S, and S with each pass at its measured cost. First, a
+   sampled run: α under Leviathan's rule (the exercise).
 --quick: γ = 4 only, a 42-token prompt, 10 new tokens, five rounds; the same lines.
 
 Predict before you run: what share of a decode step is not reading weights on
@@ -146,9 +139,10 @@ def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], c: float,
             "modelled": per_pass / (guesses * c + float(np.interp(guesses + 1, ks, [verify[k] for k in ks])))}
 
 
-def checks(f: dict) -> list[Check]:
+def checks(figures: dict) -> list[Check]:
     """The premise against the pass model's prediction; measured ÷ predicted speedup (the guesses made), lowest and
     highest over drafts and γ, inside FIT_BAND; prompt lookup's speedup."""
+    f = figures
     cost, rows = f["verification"], f["sweep"]
     fits, notes = list(zip(*(r["fit"] for r in rows))), explain(cost, rows)
     lookup = next(r for r in rows if r["draft"] == "prompt lookup" and r["gamma"] == LOOKUP_GAMMA)
@@ -160,7 +154,7 @@ def checks(f: dict) -> list[Check]:
         ("measured ÷ predicted speedup, lowest over γ and drafts", [min(x) for x in fits], FIT_BAND[0], ">=", 1.0,
          "fit_low"),
         ("measured ÷ predicted speedup, highest", [max(x) for x in fits], FIT_BAND[1], "<=", 1.0, "fit_high"),
-        (f"prompt-lookup speedup at γ = {LOOKUP_GAMMA}", lookup["speedups"], LOOKUP_LINE, ">=", lookup["predicted"],
+        (f"prompt-lookup speedup at γ = {LOOKUP_GAMMA}", lookup["speedups"], LOOKUP_LINE, ">=", f["lookup_predicted"],
          "lookup")]]
 
 
@@ -233,19 +227,25 @@ def plot(lesson, cost: dict, rows: list[dict], gammas: list[int], verdict) -> No
     save_plot(lesson, fig, verdict)
 
 
-def predict_costs(lesson, target: GPT2, s: dict) -> tuple[list[int], int, float]:
-    """The pass lengths k to time, the cached context, and the pass model's premise (pass_cost.py), printed."""
+def predict_costs(lesson, target: GPT2, s: dict) -> tuple[list[int], int, float, float]:
+    """The pass lengths k to time, the cached context, and the pass model's (pass_cost.py) premise and most lookup
+    can give (every guess right, drafting free), printed."""
     ks = sorted({1, PREMISE_K, *s["ks"], *(g + 1 for g in s["gammas"])})
     context, cfg = min(CONTEXT, target.config.n_ctx - max(ks)), target.config
     one, five = (step_cost(cfg, [k], [context], lesson.dtype, lm_head_rows=k) for k in (1, PREMISE_K))
     t1 = fixed_cost(target)
-    premise = (t1 + five.flops / lesson.ceilings.matmul_flops) / (t1 + one.flops / lesson.ceilings.matmul_flops)
+    peak, every = lesson.ceilings.matmul_flops, step_cost(cfg, [LOOKUP_GAMMA + 1], [context], lesson.dtype,
+                                                           lm_head_rows=LOOKUP_GAMMA + 1)
+    premise = (t1 + five.flops / peak) / (t1 + one.flops / peak)
+    lookup = (t1 + every.flops / peak) / (t1 + one.flops / peak)  # a pass checking γ guesses, in steps
     predict(lesson, f"a pass over {PREMISE_K} new tokens after {context} cached reads the same "
             f"{si(one.weight_bytes, 'B')} of weights as a one-token step and does {five.flops / one.flops:.1f}× its "
             f"FLOPs, at {five.intensity:.1f} FLOP/B; with t₁ = {ms(t1)} (a one-token request's TTFT) and the FLOPs at "
             f"the measured peak it costs {premise:.2f} steps (the line: {PREMISE_LINE}×), and speculation then pays "
-            f"about its tokens per pass, (1 − α^(ḡ+1)) / (1 − α) for ḡ guesses per pass, less the draft's cost")
-    return ks, context, premise
+            f"about its tokens per pass, (1 − α^(ḡ+1)) / (1 − α) for ḡ guesses per pass, less the draft's cost; "
+            f"prompt lookup at γ = {LOOKUP_GAMMA} at most {LOOKUP_GAMMA + 1} tokens per pass of {lookup:.2f} steps",
+            expect={"premise": premise, "fit_low": 1.0, "fit_high": 1.0, "lookup": (LOOKUP_GAMMA + 1) / lookup})
+    return ks, context, premise, (LOOKUP_GAMMA + 1) / lookup
 
 
 def measure_speculation(lesson, target: GPT2, draft: GPT2, prompt: list[int], cost: dict, s: dict):
@@ -259,7 +259,7 @@ def measure_speculation(lesson, target: GPT2, draft: GPT2, prompt: list[int], co
     rounds = interleave(fns, s["repeats"], warmup=0, device=lesson.device,   # the runs before warmed the model up
                         desc="speculation sweep, in turns",
                         until=settled(lambda r: checks({"verification": cost, "sweep": rows_of(r),
-                                                        "premise_predicted": 1.0})))
+                                                        "premise_predicted": 1.0, "lookup_predicted": 1.0})))
     rows = rows_of(rounds)
     per_token = ms(statistics.median(b.decode_s / b.decode_tokens for b in rounds.results("target alone")))
     print_table(["draft", "γ", "α", "guesses/pass ḡ", "tokens/pass", "formula", "speedup", "range", "S(ḡ)", "S(γ)",
@@ -301,13 +301,14 @@ def main(argv=None) -> dict:
     prompt = quoting_prompt(target, passage, s["quoted"])
     sampled = SamplingParams(temperature=1.0, max_tokens=s["max_tokens"], ignore_eos=True, seed=0)
     alpha_sampled = timed(target, draft, prompt, sampled, LOOKUP_GAMMA)().stats.alpha  # the exercise's rule
-    ks, context, premise_predicted = predict_costs(lesson, target, s)
+    ks, context, premise_predicted, lookup_predicted = predict_costs(lesson, target, s)
     premise = lambda r: [Check("premise", summarise_costs(r, ks)["rounds"][PREMISE_K], PREMISE_LINE, "<=")]  # noqa
     costs = interleave(cost_fns(target, draft, ks, context), s["cost_repeats"], device=lesson.device,
                        desc="verification cost, in turns", until=settled(premise))
     cost = {**summarise_costs(costs, ks), "context": context}
     rows, rounds = measure_speculation(lesson, target, draft, prompt, cost, s)
-    figures = {"verification": cost, "premise_predicted": premise_predicted, "target": target.weights_source,
+    figures = {"verification": cost, "premise_predicted": premise_predicted, "lookup_predicted": lookup_predicted,
+               "target": target.weights_source,
                "draft": draft.weights_source, "pair": pair, "prompt_len": len(prompt), "max_tokens": s["max_tokens"],
                "sweep": rows, "alpha_sampled": alpha_sampled, "fit_band": FIT_BAND}
     verdict = judge_claim(lesson, figures, [costs, rounds])

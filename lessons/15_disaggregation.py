@@ -38,19 +38,15 @@ peak), before the workers start:
 
 What this lesson measures
 -------------------------
-Three servers, each in worker processes started once: colocated on both cores
-with 1 thread, colocated with 2 threads, and disaggregated (prefill on one
-core, decode on the other, one thread each). In every round each serves, in
-turns, (1) lesson 10's trace (the two servers with one thread per engine): K streams
-decode, and once each has `warm` tokens a long prompt of P tokens arrives (P = 512 on gpt2; 128 with --quick),
-and (2) a burst of requests arriving together (all three). From the workers' own token
-times: the streams' p99 ITL in the window from the long prompt's arrival to its
-first token, their median ITL before it, the long request's TTFT (and,
-disaggregated, its split into prefill and transfer), and the burst's tokens/s.
-The bytes moved are counted by the connector. Then (3) the same streams with 0,
-2 (and, full run, 1 and 4) long prompts arriving evenly over their life: each
-request's TTFT and every gap between two of its tokens, against the targets. The
-verdict is taken round by round (at least five): each ratio within a round.
+Three servers, each in worker processes started once: colocated on both cores with 1 thread, colocated with
+2 threads, and disaggregated (prefill on one core, decode on the other, one thread each). In every round each
+serves, in turns, (1) lesson 10's trace (the servers with one thread per engine): K streams decode, and once
+each has `warm` tokens a long prompt of P tokens arrives (P = 512 on gpt2; 128 with --quick), and (2) a burst
+of requests arriving together (all three). From the workers' own token times: the streams' p99 ITL in the
+window from the long prompt's arrival to its first token, their median ITL before it, the long request's TTFT
+(and, disaggregated, its split into prefill and transfer), the burst's tokens/s. Then (3) the same streams
+with 0, 2 (full run: 1 and 4 too) long prompts arriving evenly over their life: each request's TTFT and every
+gap, against the targets. Every ratio is taken within a round (at least five rounds).
 
 Predict before you run: how long does the transfer of a 128-token gpt2 prompt
 take over loopback TCP (gloo), and how does that compare with its prefill?
@@ -146,13 +142,16 @@ def predictions(lesson, s: dict) -> dict:
             f"goodput (requests/s meeting TTFT ≤ {TTFT_TARGET:g}× the fastest long TTFT and every gap ≤ "
             f"{ITL_TARGET:g}× the fastest ITL), disaggregated ÷ best colocated: 1 with no long prompt (judged ≤ "
             f"{LIGHT_LINE:g}); {p['heavy']:.2f} at {n} long prompts (judged ≥ {HEAVY_LINE:g})"
-            + (f": {p['heavy_undecided']}" if p["heavy_undecided"] else ""))
+            + (f": {p['heavy_undecided']}" if p["heavy_undecided"] else ""),
+            expect={"stall_low": p["stall"], "stall_high": p["stall"], "flat": p["flat"], "burst": p["burst"],
+                    "goodput_heavy": p["heavy"], "goodput_light": p["light"]})
     return p
 
 
-def checks(f: dict) -> list[Check]:
+def checks(figures: dict) -> list[Check]:
     """The five checks, one value per round: the stall (both ends of its band), the flat decode ITL, the burst,
     goodput at the heaviest and the lightest mix."""
+    f = figures
     runs, p, s = f["runs"], f["predicted"], f["setup"]
     c1, c2, d = (runs[m] for m in MODES)
     target, light, heavy = targets(runs), s["mixes"][0], s["mixes"][-1]
