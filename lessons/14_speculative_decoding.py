@@ -44,7 +44,6 @@ from common import make_parser, ms, plt, predict, print_table, run, save_plot, s
 import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
 from drafts import quoting_prompt, speculation_pair
 from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, interleave, judge, print_verdict, settled
-
 from minillm.bench.cost import step_cost
 from minillm.bench.pass_cost import fixed_cost
 from minillm.kv_cache import KVCache, Segment, generate
