@@ -267,14 +267,14 @@ def plot(lesson, f: dict, kept: dict, verdict) -> None:
     """Goodput per sweep (each sweep's highest sustained rate is what the verdict judges), throughput, the ITL CDF."""
     rates, targets, points, best = f["rates"], f["targets_s"], f["points"], f["highest_sustained"]
     med = lambda m, i, key: statistics.median(q[i][key] for q in points[m])  # noqa: E731
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     twin = ax1.twinx()
     for m, color in zip(MODES, ("C0", "C1")):
         for w, sweep in enumerate(points[m]):  # every sweep: the verdict's ratio is taken sweep by sweep
             ax1.plot(rates, [100 * q["goodput_share"] for q in sweep], "o-", color=color, alpha=0.35, lw=1,
                      label=f"{m}: goodput share, each sweep" if w == 0 else None)
         ax1.plot(best[m], [100 * GOOD_SHARE] * len(best[m]), "v", color=color, ms=10, alpha=0.6,
-                 label=f"{m}: each sweep's highest sustained rate")
+                 label=f"{m}: each sweep's highest sustained rate (none: half the lowest)")
         twin.plot(rates, [med(m, i, "output_throughput") for i in range(len(rates))], "s--", color=color,
                   alpha=0.6, label=f"{m}: output tokens/s (median)")
         itls = np.sort(np.concatenate([r.itls for r in kept[m] if r.success]) * 1e3)
@@ -282,12 +282,13 @@ def plot(lesson, f: dict, kept: dict, verdict) -> None:
     ax1.axhline(100 * GOOD_SHARE, color="grey", ls=":", label=f"{GOOD_SHARE:.0%} line")
     gain = verdict.checks[0]
     ax1.set(xlabel="request rate (requests/s)", ylabel="requests meeting both targets (%)", ylim=(0, 105),
-            title=f"goodput under TTFT ≤ {ms(targets['ttft'])}, ITL ≤ {ms(targets['itl'])}: highest rate, chunked ÷ "
-                  f"unchunked {gain.median:.2f}\n(median of {len(gain.values)} sweeps' ratios; predicted "
-                  f"{gain.predicted:.2f})")
+            xlim=(0, rates[-1] * 1.05), title=f"goodput under TTFT ≤ {ms(targets['ttft'])}, ITL ≤ "
+            f"{ms(targets['itl'])}\nhighest rate, chunked ÷ unchunked: {gain.median:.2f} (median of "
+            f"{len(gain.values)} sweeps' ratios; predicted {gain.predicted:.2f})")
     twin.set_ylabel("output tokens/s (median of sweeps)")
+    twin.set_ylim(0, twin.get_ylim()[1] * 1.05)
     ax1.legend(handles=ax1.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=7,
-               loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below the axes, off the data
+               loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2)  # below the axes, off the data
     ax2.axvline(targets["itl"] * 1e3, color="grey", ls=":", label=f"ITL target {ms(targets['itl'])}")
     ax2.set(xscale="log", xlabel="inter-token gap seen by the client (ms)", ylabel="share of gaps ≤ x",
             title=f"ITL CDF at {rates[len(rates) // 2]:g} requests/s (last sweep)")
