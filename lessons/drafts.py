@@ -23,6 +23,7 @@ import torch
 
 from minillm.checkpoints.load import load_model, locate
 from minillm.config import GPT2Config
+from minillm.cpu_layout import choose_layout  # as the loader lays out every model it loads
 from minillm.kv_cache import generate
 from minillm.model import GPT2
 from minillm.sampling_params import SamplingParams
@@ -120,7 +121,7 @@ def speculation_pair(lesson, args, s: dict) -> tuple[GPT2, GPT2, list[int], str]
         draft, why = choose_draft(lesson.model, args.model, args.draft, lesson.device, lesson.dtype)
         text = torch.randint(0, lesson.config.vocab_size, (s["passage"],), generator=torch.Generator().manual_seed(0))
         return lesson.model, draft, text.tolist(), f"target {args.model} ({lesson.model.weights_source}); draft {why}"
-    target = train_small(s["train_steps"], length=s["train_length"]).to(lesson.device, lesson.dtype)
+    target = choose_layout(train_small(s["train_steps"], length=s["train_length"]).to(lesson.device, lesson.dtype))
     passage = list(training_text()[1000:1000 + s["passage"]])
     return target, shallow_draft(target, 1), passage, (
         f"{args.model} has no trained weights here ({lesson.model.weights_source}), and acceptance rates need them: a "
