@@ -170,7 +170,7 @@ def test_quick_keeps_the_proportions_that_decide_each_line():
         assert s["prefix"] + s["suffix"] + s["answer"] <= 1024
 
 
-def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
+def test_lesson_13_quick_writes_one_verdict_and_exact_counts(tmp_path):
     lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / f"{lesson.NAME}.json").read_text())
     assert doc["lesson"] == lesson.NAME and doc["quick"] is True
@@ -192,12 +192,12 @@ def test_lesson_10_quick_writes_one_verdict_and_exact_counts(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_student_copy_without_prefix_match_stops_lesson_10_with_one_line(tmp_path):
+def test_a_student_copy_without_prefix_match_stops_lesson_13_with_one_line(tmp_path):
     from test_lessons_in_order import assert_stops_at_a_stub, copy_up_to, run_lesson
 
-    copy, stubbed = copy_up_to(9, tmp_path / "student")
+    copy, stubbed = copy_up_to(12, tmp_path / "student")
     assert "prefix-match" in [ex.id for ex in stubbed]
-    assert_stops_at_a_stub(run_lesson(copy, 10, tmp_path / "out"), [ex for ex in stubbed if ex.id == "prefix-match"])
+    assert_stops_at_a_stub(run_lesson(copy, 13, tmp_path / "out"), [ex for ex in stubbed if ex.id == "prefix-match"])
 
 
 @pytest.mark.parametrize("quick", [True, False])

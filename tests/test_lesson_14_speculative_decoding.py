@@ -201,9 +201,9 @@ def test_the_cost_rounds_add_up(target, one_thread):
 def test_a_student_copy_stops_at_this_lessons_exercise_before_measuring(tmp_path):
     """With only speculative-accept still a stub, the lesson stops at it with one line (its sampled run comes first)."""
     from test_lessons_in_order import assert_stops_at_a_stub, copy_up_to, run_lesson
-    copy, stubbed = copy_up_to(10, tmp_path / "student")
+    copy, stubbed = copy_up_to(13, tmp_path / "student")
     assert "speculative-accept" in [ex.id for ex in stubbed]
-    result = run_lesson(copy, 11, tmp_path / "out")
+    result = run_lesson(copy, 14, tmp_path / "out")
     assert_stops_at_a_stub(result, stubbed)
     assert "greedy, a" not in result.stdout   # stopped before the sweep's table, not after a minute of measuring
 
