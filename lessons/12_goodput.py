@@ -236,7 +236,7 @@ def judge_claim(lesson, rounds, kept: dict, p: dict, logs: Path):
                                                           ms(med(m, i, 'p99_ttft_ms') / 1e3))]]
                  for i, r in enumerate(rates)],
                 f"medians over {rounds.describe()}, a round being one sweep; goodput = share of requests meeting "
-                f"both targets:")
+                f"both targets (the verdict judges each sweep's own highest sustained rate, not these medians):")
     f = sweep_figures(rounds.results("sweep"), p, starved(lesson.load(), p["targets"]["itl"]))
     cost_http = {m: http_cost(kept[m], read_records(logs / f"{m}.jsonl")) for m in MODES}
     verdict = judge("chunked prefill raises the request rate that meets both the TTFT and the ITL target by what the "
