@@ -4,7 +4,8 @@ The claim
 ---------
 A user is served well when the first token comes soon (TTFT) and the text then
 never stalls (every inter-token gap, ITL, short). Goodput counts only those
-requests: the rate of requests that met *both* targets (DistServe). Under a mix
+requests: the rate of requests that met *both* targets (DistServe; the course's
+one definition, `minillm/bench/goodput.py`, the one lesson 15 uses). Under a mix
 of long prompts and running streams, a server that prefills each prompt whole
 stalls every stream for the length of that prefill (lesson 10), so as the
 request rate grows, more and more streams miss the ITL target, while raw
@@ -24,7 +25,7 @@ What this lesson measures
    trace sent at once). The targets follow, with k and m fixed here and
    printed before anything is swept:
 
-       ITL target  = k · t(decode step of STREAMS sequences)     k = 4
+       ITL target  = k · t(decode step of STREAMS sequences)     k = 3
        TTFT target = m · t(prefill of the long prompt)            m = 3
 
    and the rates are shares of the capacity. A request meets the ITL target
@@ -38,13 +39,27 @@ What this lesson measures
 --quick on a CPU serves the `mini` shape, whatever --model says: a sweep of
 gpt2 there takes minutes, and the claim is about scheduling, not weights.
 
-The verdict: chunked's highest rate ÷ unchunked's, one value per sweep, is at
-least 1.3 (a step of the rate grid), and chunked output throughput at the top
-rate is at least 90% of unchunked's. Sweeps are rounds: while a check
-straddles its line, more are run, up to a printed cap. The client and the
-server it times each need a core: when other programs leave fewer free over
-the lesson, both checks are INCONCLUSIVE, whatever their intervals, since the
-OS's time slices are as long as the ITL target.
+Before sweeping, the lesson predicts each mode's highest sustained rate from the
+step costs: a stream misses the ITL target when a step that carries a prefill is
+longer than the target (unchunked: the whole long prefill + a decode step;
+chunked: a chunk of the budget + a decode step, the prefill's time in proportion
+to its tokens), and at a rate λ a request decoding for D = output · decode step
+sees no long prompt arrive with probability exp(−λ · LONG_SHARE · D) (Poisson
+arrivals). The goodput share predicted at each rate is that probability when the
+mode's stall misses the target, else 1 (queueing ignored: the rates stay under
+the capacity); the predicted highest sustained rate is the highest of the grid
+whose share is ≥ 90%, and the prediction is chunked's ÷ unchunked's.
+
+The verdict, one value per sweep: chunked's highest rate ÷ unchunked's lies
+within one step of the rate grid of the prediction (the band: a rate read off
+a grid is known to one step either way), and chunked output throughput at the
+top rate is at least 90% of unchunked's (predicted 1: under the capacity, each
+serves what arrives). Sarathi-Serve's 2.6× is the paper's figure, printed as
+context. Sweeps are rounds (at least five): while a check straddles its line,
+more are run, up to a printed cap. The client and the server it times each need
+a core: when other programs leave fewer free over the lesson, both checks are
+INCONCLUSIVE, whatever their intervals, since the OS's time slices are as long
+as the ITL target.
 
 Also measured: what HTTP adds. Each server logs the engine's own record of
 every request (`--request-log`); the client's TTFT minus the engine's (the
@@ -60,27 +75,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import statistics
 import tempfile
 from pathlib import Path
 
-from common import make_parser, ms, plt, print_table, run, save_plot, start, write_results
-from servers import read_records, servers
+from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, write_results
+from servers import NEEDED_CORES, free_cores, http_cost, read_records, servers, starved, step_costs
 from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
+from minillm.bench.goodput import goodput
 
 import numpy as np
 
 from minillm.bench.serve import benchmark, summarize
-from minillm.bench.workloads import Request, Workload
+from minillm.bench.workloads import Workload
 from minillm.device import resolve_device
 
 NAME = "12_goodput"
-K_ITL, M_TTFT = 4.0, 3.0     # ITL target = k · decode step; TTFT target = m · prefill of the long prompt
+K_ITL, M_TTFT = 3.0, 3.0     # ITL target = k · decode step; TTFT target = m · prefill of the long prompt
 STREAMS = 4                  # the decode step the ITL target is scaled from: this many sequences
 LONG_SHARE = 0.25            # share of requests with a long prompt
 GOOD_SHARE = 0.90            # a rate is sustained when at least this share of its requests meet both targets
-RATE_GAIN_LINE = 1.3         # chunked's highest sustained rate ÷ unchunked's must reach this
-THROUGHPUT_LINE = 0.90       # chunked output throughput ÷ unchunked's at the top rate
+THROUGHPUT_LINE = 0.90       # chunked output throughput ÷ unchunked's at the top rate (predicted 1)
+SARATHI = "Sarathi-Serve: 2.6× the capacity of vLLM for Mistral-7B under a P99 target"
 UNCHUNKED_BUDGET = 2048      # vLLM without chunking: max(max_model_len, 2048)
 QUICK_CPU_MODEL = "mini"     # --quick on a CPU serves this shape, whatever --model says
 MODES = ("chunked", "unchunked")
@@ -94,77 +111,18 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "shares": [0.15, 0.22, 0.33, 0.5, 0.75], "sweeps": 3}
 
 
-def step_costs(url: str, log: Path, work: Workload, s: dict) -> dict:
-    """What the served engine's own records show, through the unchunked server: a decode step of STREAMS
-    sequences (the median gap between their tokens), the long prompt's prefill served alone, each the least of
-    3 rounds (a cost: load only ever adds to it), and the capacity: requests per second when the whole trace
-    is sent at once."""
-    def served(requests):
-        results, duration = asyncio.run(benchmark(url, requests, show_progress=False))
-        records = read_records(log)
-        return [records[r.id] for r in results], duration
-
-    decode, prefill = [], []
-    for i in range(3):
-        streams, _ = served([Request([1 + i + j] * s["short"], 32) for j in range(STREAMS)])
-        decode.append(statistics.median(b - a for rec in streams
-                                        for a, b in zip(rec["token_times"][1:], rec["token_times"][2:])))
-        (rec,), _ = served([Request([2 + i] * s["long"], 1)])
-        prefill.append(rec["token_times"][0] - rec["arrival"])
-    burst, duration = served(work.requests(float("inf")))
-    return {"decode": min(decode), "prefill_long": min(prefill), "capacity": len(burst) / duration}
-
-
-def http_cost(results, records: dict) -> dict:
-    """Client against engine for the same requests: TTFT difference, and each token's delivery delay."""
-    ttft, delay, client_itl, engine_itl = [], [], [], []
-    for r in results:
-        rec = records.get(r.id)
-        if not (r.success and rec and len(rec["token_times"]) == len(r.token_times)):
-            continue
-        ttft.append(r.ttft - (rec["token_times"][0] - rec["arrival"]))
-        delay += [c - e for c, e in zip(r.token_times, rec["token_times"])]
-        client_itl += r.itls
-        engine_itl += [b - a for a, b in zip(rec["token_times"], rec["token_times"][1:])]
-    q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
-    return {"requests": len(ttft), "ttft_added_p50_s": q(ttft, 50), "delivery_p50_s": q(delay, 50),
-            "delivery_p99_s": q(delay, 99), "client_itl_p50_s": q(client_itl, 50), "engine_itl_p50_s": q(engine_itl, 50),
-            "client_itl_p99_s": q(client_itl, 99), "engine_itl_p99_s": q(engine_itl, 99)}
-
-
-NEEDED_CORES = 2  # the client and the server it is timing run at once, and each needs a core of its own
-
-
-def free_cores(load) -> float | None:
-    """Cores' worth of CPU that other programs left free over the lesson (None: unknown on this system)."""
-    return None if load.share is None else load.cores * (1 - load.share)
-
-
-def starved(load, itl_target_s: float) -> str:
-    """Why the sweep cannot decide the claim, or "": when other programs leave fewer free cores than the client
-    and the server need, the OS shares a core between them in time slices of milliseconds, as long as the ITL
-    target, and goodput then measures the OS's scheduler rather than the engine's."""
-    free = free_cores(load)
-    if free is None or free >= NEEDED_CORES - 0.5:
-        return ""
-    return (f"other programs left {free:.1f} of the {load.cores} cores free while this lesson measured, and the "
-            f"client and the server need {NEEDED_CORES}: the OS's time slices (milliseconds) then stall tokens as "
-            f"long as the ITL target {ms(itl_target_s)}, so the sweep times the OS's scheduler, not the engine's; "
-            f"rerun on a quieter machine")
-
-
 def highest_sustained(points: list[dict], rates: list[float]) -> float:
     """The highest rate whose goodput share is ≥ GOOD_SHARE; half the lowest rate when none is."""
     good = [r for r, p in zip(rates, points) if p["goodput_share"] >= GOOD_SHARE]
     return max(good) if good else rates[0] / 2
 
 
-def plan(urls: dict, logs: Path, work: Workload, s: dict) -> dict:
+def plan(lesson, urls: dict, logs: Path, work: Workload, s: dict) -> dict:
     """Warm both servers; the step costs the unchunked one's engine records, and from them the targets and the rates
     to sweep, printed before anything is swept."""
     for url in urls.values():  # untimed: the first requests pay one-off costs
         asyncio.run(benchmark(url, work.requests(float("inf"))[:4], show_progress=False))
-    cost, budget = step_costs(urls["unchunked"], logs / "unchunked.jsonl", work, s), chunked_budget(s)
+    cost, budget = step_costs(urls["unchunked"], logs / "unchunked.jsonl", work, s, STREAMS), chunked_budget(s)
     targets = {"ttft": M_TTFT * cost["prefill_long"], "itl": K_ITL * cost["decode"]}
     rates = [round(share * cost["capacity"], 2) for share in s["shares"]]
     print(f"as the served engine records them: a decode step of {STREAMS} sequences {ms(cost['decode'])}, the "
@@ -175,10 +133,33 @@ def plan(urls: dict, logs: Path, work: Workload, s: dict) -> dict:
     print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s (shares {s['shares']} of that "
           f"capacity); chunked budget {budget} tokens; {s['requests']} requests per point, "
           f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\n")
-    # Why chunking may not lift the sustained rate here: the stall it removes is one step that carries a whole
-    # long prefill beside the decodes; when that step is not far over the ITL target, there is little to remove.
-    return {"s": s, "budget": budget, "cost": cost, "targets": targets, "rates": rates,
-            "stall": cost["prefill_long"] + cost["decode"]}
+    p = {"s": s, "budget": budget, "cost": cost, "targets": targets, "rates": rates,
+         "stall": cost["prefill_long"] + cost["decode"]}
+    p["predicted"] = predict_rates(p)
+    pr = p["predicted"]
+    predict(lesson, f"a step carrying a prefill lasts {ms(pr['stall_s']['unchunked'])} unchunked and "
+          f"{ms(pr['stall_s']['chunked'])} chunked, against the ITL target {ms(targets['itl'])}; a request decoding "
+          f"for {ms(pr['life_s'])} sees no long prompt arrive with probability exp(−λ · {LONG_SHARE:g} · "
+          f"{pr['life_s']:.3g} s): goodput share by rate " + "; ".join(
+              f"{m} " + ", ".join(f"{x:.0%}" for x in pr["share"][m]) for m in MODES)
+          + f"; highest sustained {pr['highest']['chunked']:g} and {pr['highest']['unchunked']:g}/s, chunked ÷ "
+          f"unchunked {pr['ratio']:.2f} (band {pr['band'][0]:.2f}–{pr['band'][1]:.2f}: one step of the rate grid); "
+          "output throughput at the top rate, chunked ÷ unchunked, 1 (under the capacity each serves what arrives)",
+          expect={"rate_gain_low": pr["ratio"], "rate_gain_high": pr["ratio"], "throughput_ratio": 1.0})
+    return p
+
+
+def predict_rates(p: dict) -> dict:
+    """Each mode's goodput share by rate and highest sustained rate, from the step costs (the docstring's model)."""
+    s, cost, rates, itl = p["s"], p["cost"], p["rates"], p["targets"]["itl"]
+    stall = {"unchunked": p["stall"], "chunked": cost["prefill_long"] * min(1, p["budget"] / s["long"]) + cost["decode"]}
+    life = s["output"] * cost["decode"]
+    share = {m: [1.0 if stall[m] <= itl else math.exp(-r * LONG_SHARE * life) for r in rates] for m in MODES}
+    best = {m: highest_sustained([{"goodput_share": x} for x in share[m]], rates) for m in MODES}
+    step = max(b / a for a, b in zip([rates[0] / 2] + rates, rates))  # the grid's widest step, "none" included
+    ratio = best["chunked"] / best["unchunked"]
+    return {"stall_s": stall, "life_s": life, "share": share, "highest": best, "ratio": ratio,
+            "band": [ratio / step, ratio * step]}
 
 
 def chunked_budget(s: dict) -> int:
@@ -186,24 +167,36 @@ def chunked_budget(s: dict) -> int:
     return max(16, 1 << (s["long"] // 4).bit_length() - 1)
 
 
-def make_checks(rounds, lesson, p: dict) -> list[Check]:
-    """Per sweep: chunked's highest sustained rate ÷ unchunked's, and their output throughput at the top rate."""
-    sweeps, undecided = rounds.results("sweep"), starved(lesson.load(), p["targets"]["itl"])
-    s, rates, cost, itl = p["s"], p["rates"], p["cost"], p["targets"]["itl"]
-    best = {m: [highest_sustained(w[m], rates) for w in sweeps] for m in MODES}
-    same = sum(c == u for c, u in zip(best["chunked"], best["unchunked"]))
-    why = (f"an unchunked step carrying one {s['long']}-token prefill costs about {ms(p['stall'])} (prefill "
-           f"{ms(cost['prefill_long'])} + a decode step {ms(cost['decode'])}), {p['stall'] / itl:.2f}× the ITL "
-           f"target {ms(itl)}, so the stall chunking removes is small; both modes sustained the same rate of the "
-           f"{len(rates)}-rate grid in {same} of {len(sweeps)} sweeps")
-    return [Check(f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked",
-                  [c / u for c, u in zip(best["chunked"], best["unchunked"])], RATE_GAIN_LINE, ">=",
-                  fmt="{:.2f}", why=why, undecided=undecided),
-            Check(f"output tokens/s at {rates[-1]:g}/s, chunked ÷ unchunked",
-                  [w["chunked"][-1]["output_throughput"] / w["unchunked"][-1]["output_throughput"] for w in sweeps],
-                  THROUGHPUT_LINE, ">=", fmt="{:.2f}", undecided=undecided,
-                  why=f"chunks of {p['budget']} tokens split each {s['long']}-token prefill into "
-                      f"{-(-s['long'] // p['budget'])} steps, and each step reads every weight once more")]
+def sweep_figures(sweeps: list[dict], p: dict, undecided: str) -> dict:
+    """What the checks read, from the sweeps so far: each sweep's highest sustained rate per mode, and chunked ÷
+    unchunked output throughput at the top rate."""
+    best = {m: [highest_sustained(w[m], p["rates"]) for w in sweeps] for m in MODES}
+    return {"rates": p["rates"], "predicted": p["predicted"], "highest_sustained": best, "undecided": undecided,
+            "top_rate_throughput_ratio": [w["chunked"][-1]["output_throughput"] / w["unchunked"][-1]["output_throughput"]
+                                          for w in sweeps],
+            "sweeps_same_sustained_rate": sum(c == u for c, u in zip(best["chunked"], best["unchunked"])),
+            "step_costs_s": p["cost"], "targets_s": p["targets"], "chunked_budget": p["budget"], "sizes": p["s"]}
+
+
+def checks(figures: dict) -> list[Check]:
+    """Per sweep: chunked's highest sustained rate ÷ unchunked's, inside the predicted band (a check for each end),
+    and their output throughput at the top rate."""
+    f = figures
+    pr, best, s, itl = f["predicted"], f["highest_sustained"], f["sizes"], f["targets_s"]["itl"]
+    gains = [c / u for c, u in zip(best["chunked"], best["unchunked"])]
+    stall = pr["stall_s"]
+    why = (f"a step carrying a prefill lasts {ms(stall['unchunked'])} unchunked ({stall['unchunked'] / itl:.2f}× the "
+           f"ITL target {ms(itl)}) and {ms(stall['chunked'])} chunked ({stall['chunked'] / itl:.2f}×), so the model "
+           f"predicted {pr['ratio']:.2f}; both modes sustained the same rate of the {len(f['rates'])}-rate grid in "
+           f"{f['sweeps_same_sustained_rate']} of {len(gains)} sweeps. {SARATHI}")
+    name = f"highest rate with goodput ≥ {GOOD_SHARE:.0%}, chunked ÷ unchunked"
+    return [Check(f"{name}, {end} end of the predicted band", gains, pr["band"][i], op, fmt="{:.2f}", why=why,
+                  undecided=f["undecided"], predicted=pr["ratio"], key=f"rate_gain_{end}")
+            for i, (end, op) in enumerate((("low", ">="), ("high", "<=")))] + [
+        Check(f"output tokens/s at {f['rates'][-1]:g}/s, chunked ÷ unchunked", f["top_rate_throughput_ratio"],
+              THROUGHPUT_LINE, ">=", fmt="{:.2f}", undecided=f["undecided"], predicted=1.0, key="throughput_ratio",
+              why=f"chunks of {f['chunked_budget']} tokens split each {s['long']}-token prefill into "
+                  f"{-(-s['long'] // f['chunked_budget'])} steps, and each step reads every weight once more")]
 
 
 def measure(lesson, urls: dict, work: Workload, p: dict):
@@ -218,15 +211,15 @@ def measure(lesson, urls: dict, work: Workload, p: dict):
             trace = work.requests(rate)
             for mode in (MODES if (w + i) % 2 == 0 else MODES[::-1]):
                 results, duration = asyncio.run(benchmark(urls[mode], trace, show_progress=False))
-                swept[mode].append(summarize(results, duration, p["targets"]))
+                swept[mode].append(point(results, duration, p["targets"]))
                 if i == len(p["rates"]) // 2:
                     kept[mode] = results
             print(f"  sweep {w + 1}, {rate:g}/s: goodput " + ", ".join(
                 f"{m} {swept[m][i]['goodput_share']:.0%}" for m in MODES), flush=True)
         return swept
 
-    rounds = interleave({"sweep": sweep}, p["s"]["sweeps"], warmup=0,
-                        until=settled(lambda r: make_checks(r, lesson, p)))
+    rounds = interleave({"sweep": sweep}, p["s"]["sweeps"], warmup=0, until=settled(lambda r: checks(
+        sweep_figures(r.results("sweep"), p, starved(lesson.load(), p["targets"]["itl"])))))
     return rounds, kept
 
 
@@ -243,47 +236,59 @@ def judge_claim(lesson, rounds, kept: dict, p: dict, logs: Path):
                                                           ms(med(m, i, 'p99_ttft_ms') / 1e3))]]
                  for i, r in enumerate(rates)],
                 f"medians over {rounds.describe()}, a round being one sweep; goodput = share of requests meeting "
-                f"both targets:")
-    best = {m: [highest_sustained(q, rates) for q in points[m]] for m in MODES}
+                f"both targets (the verdict judges each sweep's own highest sustained rate, not these medians):")
+    f = sweep_figures(rounds.results("sweep"), p, starved(lesson.load(), p["targets"]["itl"]))
     cost_http = {m: http_cost(kept[m], read_records(logs / f"{m}.jsonl")) for m in MODES}
-    verdict = judge("chunked prefill raises the request rate that meets both the TTFT and the ITL target, "
-                    "while throughput barely moves", make_checks(rounds, lesson, p), lesson.load(), [rounds])
+    verdict = judge("chunked prefill raises the request rate that meets both the TTFT and the ITL target by what the "
+                    "step costs predict, while throughput barely moves", checks(f), lesson.load(), [rounds])
     verdict.notes.append("highest sustained rate per sweep: " + "; ".join(
-        f"{m} {', '.join(f'{b:g}' for b in best[m])}/s" for m in MODES) + " (half the lowest rate: none was)")
+        f"{m} {', '.join(f'{b:g}' for b in f['highest_sustained'][m])}/s" for m in MODES)
+        + " (half the lowest rate: none was)")
     for m, h in cost_http.items():
         verdict.notes.append(
-            f"what HTTP adds ({m}, {rates[len(rates) // 2]:g}/s, {h['requests']} requests): TTFT +{ms(h['ttft_added_p50_s'])} "
-            f"(p50), each token reaches the client {ms(h['delivery_p50_s'])} after the engine sampled it (p50; "
-            f"p99 {ms(h['delivery_p99_s'])}); ITL p50 {ms(h['client_itl_p50_s'])} client vs "
+            f"what HTTP adds ({m}, {rates[len(rates) // 2]:g}/s, {h['requests']} requests): TTFT "
+            f"+{ms(h['ttft_added_p50_s'])} (p50), each token reaches the client {ms(h['delivery_p50_s'])} after the "
+            f"engine sampled it (p50; p99 {ms(h['delivery_p99_s'])}); ITL p50 {ms(h['client_itl_p50_s'])} client vs "
             f"{ms(h['engine_itl_p50_s'])} engine, p99 {ms(h['client_itl_p99_s'])} vs {ms(h['engine_itl_p99_s'])}")
     print_verdict(verdict)
-    return verdict, {"step_costs_s": p["cost"], "k_itl": K_ITL, "m_ttft": M_TTFT, "targets_s": p["targets"],
-                     "rates": rates, "capacity_estimate": p["cost"]["capacity"], "chunked_budget": p["budget"],
-                     "sizes": p["s"], "unchunked_stall_s": p["stall"],
-                     "stall_over_itl_target": p["stall"] / p["targets"]["itl"],
-                     "sweeps_same_sustained_rate": sum(c == u for c, u in zip(best["chunked"], best["unchunked"])),
-                     "points": points, "highest_sustained": best, "http_cost": cost_http,
-                     "free_cores_while_measuring": free_cores(verdict.load), "cores_needed": NEEDED_CORES}
+    return verdict, f | {"k_itl": K_ITL, "m_ttft": M_TTFT, "capacity_estimate": p["cost"]["capacity"],
+                         "unchunked_stall_s": p["stall"], "stall_over_itl_target": p["stall"] / p["targets"]["itl"],
+                         "points": points, "http_cost": cost_http, "free_cores_while_measuring": free_cores(verdict.load),
+                         "cores_needed": NEEDED_CORES}
 
 
-def plot(lesson, p: dict, points: dict, kept: dict, verdict) -> None:
-    rates, targets = p["rates"], p["targets"]
+def point(results, duration: float, targets: dict) -> dict:
+    """One rate's summary: bench-serve's numbers, and goodput by the course's one definition (bench/goodput.py)."""
+    good = goodput([(r.ttft, r.itls) if r.success else None for r in results], duration, targets)
+    return summarize(results, duration) | {"goodput_share": good["share"], "request_goodput": good["goodput"]}
+
+
+def plot(lesson, f: dict, kept: dict, verdict) -> None:
+    """Goodput per sweep (each sweep's highest sustained rate is what the verdict judges), throughput, the ITL CDF."""
+    rates, targets, points, best = f["rates"], f["targets_s"], f["points"], f["highest_sustained"]
     med = lambda m, i, key: statistics.median(q[i][key] for q in points[m])  # noqa: E731
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     twin = ax1.twinx()
     for m, color in zip(MODES, ("C0", "C1")):
-        ax1.plot(rates, [100 * med(m, i, "goodput_share") for i in range(len(rates))], "o-", color=color,
-                 label=f"{m}: goodput share")
+        for w, sweep in enumerate(points[m]):  # every sweep: the verdict's ratio is taken sweep by sweep
+            ax1.plot(rates, [100 * q["goodput_share"] for q in sweep], "o-", color=color, alpha=0.35, lw=1,
+                     label=f"{m}: goodput share, each sweep" if w == 0 else None)
+        ax1.plot(best[m], [100 * GOOD_SHARE] * len(best[m]), "v", color=color, ms=10, alpha=0.6,
+                 label=f"{m}: each sweep's highest sustained rate (none: half the lowest)")
         twin.plot(rates, [med(m, i, "output_throughput") for i in range(len(rates))], "s--", color=color,
-                  alpha=0.6, label=f"{m}: output tokens/s")
+                  alpha=0.6, label=f"{m}: output tokens/s (median)")
         itls = np.sort(np.concatenate([r.itls for r in kept[m] if r.success]) * 1e3)
         ax2.plot(itls, np.arange(1, len(itls) + 1) / len(itls), color=color, label=m)
-    ax1.axhline(100 * GOOD_SHARE, color="grey", ls=":", label=f"{GOOD_SHARE:.0%} target line")
-    ax1.set(xlabel="request rate (requests/s)", ylabel="requests meeting both targets (%, median of sweeps)",
-            ylim=(0, 105), title=f"goodput under TTFT ≤ {ms(targets['ttft'])} and ITL ≤ {ms(targets['itl'])}")
+    ax1.axhline(100 * GOOD_SHARE, color="grey", ls=":", label=f"{GOOD_SHARE:.0%} line")
+    gain = verdict.checks[0]
+    ax1.set(xlabel="request rate (requests/s)", ylabel="requests meeting both targets (%)", ylim=(0, 105),
+            xlim=(0, rates[-1] * 1.05), title=f"goodput under TTFT ≤ {ms(targets['ttft'])}, ITL ≤ "
+            f"{ms(targets['itl'])}\nhighest rate, chunked ÷ unchunked: {gain.median:.2f} (median of "
+            f"{len(gain.values)} sweeps' ratios; predicted {gain.predicted:.2f})")
     twin.set_ylabel("output tokens/s (median of sweeps)")
+    twin.set_ylim(0, twin.get_ylim()[1] * 1.05)
     ax1.legend(handles=ax1.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=7,
-               loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)  # below the axes, off the data
+               loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2)  # below the axes, off the data
     ax2.axvline(targets["itl"] * 1e3, color="grey", ls=":", label=f"ITL target {ms(targets['itl'])}")
     ax2.set(xscale="log", xlabel="inter-token gap seen by the client (ms)", ylabel="share of gaps ≤ x",
             title=f"ITL CDF at {rates[len(rates) // 2]:g} requests/s (last sweep)")
@@ -302,10 +307,10 @@ def main(argv=None) -> dict:
     budgets = {"chunked": (True, chunked_budget(s)),  # mode: (chunked prefill, max_num_batched_tokens)
                "unchunked": (False, max(UNCHUNKED_BUDGET, s["long"] + s["output"]))}
     with servers(args, budgets, logs) as urls:
-        p = plan(urls, logs, work, s)           # step costs → the targets and the rates, printed first
+        p = plan(lesson, urls, logs, work, s)           # step costs → the targets and the rates, printed first
         rounds, kept = measure(lesson, urls, work, p)
     verdict, figures = judge_claim(lesson, rounds, kept, p, logs)
-    plot(lesson, p, figures["points"], kept, verdict)
+    plot(lesson, figures, kept, verdict)
     write_results(lesson, figures, verdict)
     return {"verdict": verdict.as_dict(), "figures": figures}
 

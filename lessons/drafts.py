@@ -1,4 +1,10 @@
-"""Lesson 14's draft models: which one it speculates with, and why.
+"""Lesson 14's models: the pair it speculates with (a target with trained weights and its draft), and why.
+
+Acceptance rates need trained weights: a random init's next token barely depends
+on its context, so its α says nothing about speculation. With a checkpoint on disk
+the lesson speculates with it; without one, with a small model it trains here in
+seconds (`train_small`) on text that ships with every Python: the docstrings of a
+few standard-library modules, byte by byte.
 
 A draft must propose the target's tokens, so it needs the target's vocabulary.
 The classic pairs share GPT-2's tokenizer: distilgpt2 drafts for gpt2, gpt2 for
@@ -8,12 +14,22 @@ right as often as those blocks already agree with the whole model.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import sysconfig
+from pathlib import Path
 
 import torch
 
 from minillm.checkpoints.load import load_model, locate
+from minillm.config import GPT2Config
+from minillm.cpu_layout import choose_layout  # as the loader lays out every model it loads
+from minillm.kv_cache import generate
 from minillm.model import GPT2
+from minillm.sampling_params import SamplingParams
+
+TEXT_MODULES = ("argparse", "textwrap", "statistics", "difflib", "fractions", "calendar", "string", "shlex")
+SMALL = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_ctx=128, vocab_size=256, eos_token_id=None)  # bytes in, bytes out
 
 
 def shallow_draft(target: GPT2, n_layer: int) -> GPT2:
@@ -55,3 +71,60 @@ def choose_draft(target: GPT2, target_name: str, asked: str, device, dtype) -> t
                          f"{target.config.vocab_size}; a draft must propose the target's tokens: pick a checkpoint "
                          "of the same tokenizer, or --draft shallow")
     return draft, f"{name} ({draft.weights_source}{', the classic pair' if asked == 'auto' else ''})"
+
+
+def training_text() -> bytes:
+    """The docstrings of TEXT_MODULES (the standard library's own sources), as ASCII bytes."""
+    lib, docs = Path(sysconfig.get_paths()["stdlib"]), []
+    for name in TEXT_MODULES:
+        tree = ast.parse((lib / f"{name}.py").read_text())
+        docs += [d for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                 and (d := ast.get_docstring(n))]
+    return "\n\n".join(docs).encode("ascii", "replace")
+
+
+def train_small(steps: int, seed: int = 0, batch: int = 16, length: int = 64) -> GPT2:
+    """SMALL trained for `steps` steps of AdamW on `training_text()` (next byte, cross-entropy), on the CPU; its
+    weights_source says how, with the loss before and after."""
+    data, g = torch.tensor(list(training_text())), torch.Generator().manual_seed(seed)
+    model = GPT2(SMALL, seed=seed)
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=3e-3), []
+    for _ in range(steps):
+        ix = torch.randint(0, len(data) - length - 1, (batch,), generator=g).tolist()
+        x, y = (torch.stack([data[i + o:i + o + length] for i in ix]) for o in (0, 1))
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, SMALL.vocab_size), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    last = sum(losses[-20:]) / len(losses[-20:])
+    model.weights_source = (f"trained here: {steps} steps of AdamW on {len(data):,} bytes of the docstrings of Python's "
+                            f"{', '.join(TEXT_MODULES)} (loss {losses[0]:.2f} → {last:.2f} nats per byte)")
+    return model.eval().requires_grad_(False)
+
+
+def is_trained(model: GPT2) -> bool:
+    """Whether the weights came from a checkpoint or training, not a random init."""
+    return not model.weights_source.startswith("random-init")
+
+
+def quoting_prompt(target: GPT2, passage: list[int], quoted: int) -> list[int]:
+    """A passage, the target's greedy continuation of it, and the passage again."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=quoted, ignore_eos=True)
+    return passage + generate(target, [passage], greedy)[0] + passage
+
+
+def speculation_pair(lesson, args, s: dict) -> tuple[GPT2, GPT2, list[int], str]:
+    """The target and draft the lesson speculates with, a passage, and why: the --model's own weights and the
+    chosen draft when they are trained, else a small model trained here and its first block (drafts.py)."""
+    if is_trained(lesson.model):
+        draft, why = choose_draft(lesson.model, args.model, args.draft, lesson.device, lesson.dtype)
+        text = torch.randint(0, lesson.config.vocab_size, (s["passage"],), generator=torch.Generator().manual_seed(0))
+        return lesson.model, draft, text.tolist(), f"target {args.model} ({lesson.model.weights_source}); draft {why}"
+    target = choose_layout(train_small(s["train_steps"], length=s["train_length"]).to(lesson.device, lesson.dtype))
+    passage = list(training_text()[1000:1000 + s["passage"]])
+    return target, shallow_draft(target, 1), passage, (
+        f"{args.model} has no trained weights here ({lesson.model.weights_source}), and acceptance rates need them: a "
+        f"random init's α says nothing about speculation. So this run speculates with a {SMALL.n_layer}-block, "
+        f"{SMALL.n_embd}-wide model over bytes, {target.weights_source}, and its first block as the draft "
+        f"(`python weights_download.py {args.model}` to speculate with the real one)")

@@ -11,7 +11,9 @@ import pytest
 
 from lessons_support import load_lesson  # noqa: E402  (also puts lessons/ on sys.path)
 
-from minillm.bench.serve import RequestResult  # noqa: E402
+from minillm.bench.goodput import goodput  # noqa: E402
+from minillm.bench.serve import RequestResult, meets  # noqa: E402
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED  # noqa: E402
 
 lesson = load_lesson("12_goodput")
 
@@ -32,6 +34,60 @@ def test_what_http_adds_is_client_time_against_the_engine_record_of_the_same_req
     assert cost["ttft_added_p50_s"] == pytest.approx(0.050 - 0.036)
     assert cost["delivery_p50_s"] == pytest.approx(0.002)  # the gaps 10, 1, 2 ms: their median
     assert cost["client_itl_p50_s"] == pytest.approx(0.011) and cost["engine_itl_p50_s"] == pytest.approx(0.015)
+
+
+def test_goodput_counts_a_request_only_when_its_ttft_and_every_gap_meet_their_targets():
+    """The course's one definition (bench/goodput.py), which lessons 12 and 15 use: one gap over the ITL target, or
+    a TTFT over its target, and the request does not count; a failed one never does."""
+    targets = {"ttft": 0.1, "itl": 0.02}
+    ok, stall, late = (0.05, [0.01, 0.015]), (0.05, [0.01, 0.03]), (0.2, [0.01])
+    g = goodput([ok, stall, late, None], 2.0, targets)
+    assert g == {"goodput": 0.5, "share": 0.25, "met": 1, "requests": 4}
+    client = RequestResult(True, 8, start=0.0, token_times=[0.05, 0.06, 0.09], output_tokens=3)
+    assert not meets(client, targets) and meets(client, {"ttft": 0.1, "itl": 0.03})  # bench-serve: the same test
+    point = lesson.point([client], 1.0, {"ttft": 0.1, "itl": 0.03})
+    assert point["goodput_share"] == 1.0 and point["request_goodput"] == 1.0
+
+
+def plan(stall_s=0.030, budget=64, long=256, rates=(2.0, 4.0, 8.0)):
+    """A plan: decode 5 ms, a long prefill of `stall_s` − 5 ms, an ITL target of 15 ms, 16 tokens out."""
+    s = {"long": long, "output": 16, "requests": 12, "short": 16}
+    p = {"s": s, "budget": budget, "cost": {"decode": 0.005, "prefill_long": stall_s - 0.005, "capacity": 10.0},
+         "targets": {"itl": 0.015, "ttft": 0.1}, "rates": list(rates), "stall": stall_s}
+    return p | {"predicted": lesson.predict_rates(p)}
+
+
+def test_the_model_predicts_the_rate_each_mode_sustains():
+    """Unchunked, a 30 ms step misses the 15 ms target, so a request survives only if no long prompt arrives while
+    it decodes (80 ms): exp(−λ · 0.25 · 0.08) ≥ 90% up to λ ≈ 5.3/s; chunked (64 of 256 tokens: 11.25 ms) never
+    misses. Under the target unchunked too, chunking buys nothing."""
+    pr = plan()["predicted"]
+    assert pr["stall_s"]["chunked"] == pytest.approx(0.025 / 4 + 0.005) and pr["life_s"] == pytest.approx(0.08)
+    assert pr["highest"] == {"chunked": 8.0, "unchunked": 4.0} and pr["ratio"] == 2.0
+    assert pr["band"] == [1.0, 4.0]  # one step of the grid either way: its widest step is 2× (1 → 2 → 4 → 8)
+    assert plan(stall_s=0.012)["predicted"]["ratio"] == 1.0
+
+
+def sweep_points(chunked_best, unchunked_best, rates=(2.0, 4.0, 8.0), tput=1.0):
+    """One sweep whose goodput shares put each mode's highest sustained rate where asked."""
+    share = lambda best: [{"goodput_share": 1.0 if r <= best else 0.5, "output_throughput": 100.0} for r in rates]  # noqa
+    chunked = share(chunked_best)
+    chunked[-1] = {**chunked[-1], "output_throughput": 100.0 * tput}
+    return {"chunked": chunked, "unchunked": share(unchunked_best)}
+
+
+def test_each_check_can_fail():
+    """Chunked sustains 8/s and unchunked 4/s in every sweep: 2×, as predicted (band 1–4), and every check HOLDS.
+    Chunked at 2/s against 4/s (0.5×, under the band), chunked at 8/s against unchunked at half the lowest rate
+    (8×, over it), and chunked throughput at 80% of unchunked's: each NOT SUPPORTED, and only that check."""
+    p = plan()
+    figs = lambda *w: lesson.sweep_figures([sweep_points(*w)] * 5, p, "")  # noqa: E731
+    assert [c.outcome() for c in lesson.checks(figs(8.0, 4.0))] == [HOLDS] * 3
+    for i, bad in enumerate([(2.0, 4.0), (8.0, 0.0), (8.0, 4.0, (2.0, 4.0, 8.0), 0.8)]):
+        outcomes = [c.outcome() for c in lesson.checks(figs(*bad))]
+        assert outcomes[i] == NOT_SUPPORTED and outcomes.count(NOT_SUPPORTED) == 1, (bad, outcomes)
+    assert lesson.checks(lesson.sweep_figures([sweep_points(8.0, 4.0)] * 5, p, "one core free"))[0].outcome() \
+        == INCONCLUSIVE  # too few free cores: undecided, whatever the sweeps show
 
 
 @pytest.mark.slow

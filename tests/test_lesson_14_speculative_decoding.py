@@ -69,7 +69,7 @@ def test_the_shallow_draft_reads_its_head_in_the_targets_layout():
 
 
 def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):
-    prompt = lesson.quoting_prompt(target, passage=10, quoted=6, seed=4)
+    prompt = drafts.quoting_prompt(target, random_prompts(1, [10], seed=4)[0], quoted=6)
     text, quoted = prompt[:10], prompt[10:16]
     assert len(prompt) == 26 and prompt[16:] == text
     assert quoted == kv_cache.generate(target, [text], SamplingParams(temperature=0.0, max_tokens=6,
@@ -94,41 +94,63 @@ def run(seconds: float, tokens: int, stats=None):
     return lesson.Run([0] * (tokens + 1), seconds, tokens, stats)
 
 
-def test_a_sweep_row_compares_seconds_per_token_and_feeds_the_formula_the_measured_alpha_and_c():
+def test_a_sweep_row_feeds_the_formula_the_guesses_made_the_measured_alpha_and_c():
+    """2 guesses per pass at γ = 3 (lookup proposes fewer when it finds nothing): S is Leviathan's formula with
+    ḡ = 2 in γ's place; its value at γ = 3 is kept beside it."""
     stats = SpecDecodingStats(num_draft_tokens=20, num_accepted_tokens=15, num_rejections=5, num_target_passes=10)
     base = [run(1.0, 10), run(2.0, 10)]                    # 0.1 s and 0.2 s per token
     spec = [run(0.5, 10, stats), run(0.5, 5, stats)]       # 0.05 s and 0.1 s per token
     row = lesson.sweep_row("model draft", 3, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
     assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75
-    per_pass = expected_tokens_per_pass(0.75, 3)
-    assert row["formula_tokens_per_pass"] == pytest.approx(per_pass)
-    assert row["predicted"] == pytest.approx(per_pass / 1.75)   # γc + 1 = 1.75
-    assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
     assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
-    # its own counts and costs: 1.1 tokens per pass ÷ (2 guesses, not γ = 3, at c + a pass over 3 tokens: 1.5×)
+    per_pass = expected_tokens_per_pass(0.75, 2.0)   # (1 − α³) / (1 − α)
+    assert row["formula_tokens_per_pass"] == pytest.approx(per_pass) == pytest.approx((1 - 0.75 ** 3) / 0.25)
+    assert row["predicted"] == pytest.approx(per_pass / 1.5)   # ḡc + 1 = 1.5
+    assert row["leviathan_at_gamma"] == pytest.approx(expected_tokens_per_pass(0.75, 3) / 1.75)
+    assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
+    # its own counts and costs: 1.1 tokens per pass ÷ (2 guesses at c + a pass over 3 tokens: 1.5×)
     assert row["modelled"] == pytest.approx(1.1 / (2 * 0.25 + 1.5))
     other = lesson.sweep_row("model draft", 3, base, spec, c=0.25, verify={1: 1.0, 5: 2.0})   # 3 interpolated: 1.5
     assert other["modelled"] == pytest.approx(row["modelled"])
 
 
-def rows(fits_per_round, lookup_speedups):
-    """Sweep rows whose measured ÷ predicted speedups are the given ones (one list per row, a value per round)."""
-    out = [{"draft": "model draft", "gamma": g, "fit": f, "speedups": [1.0] * len(f)}
-           for g, f in enumerate(fits_per_round, 1)]
-    out.append({"draft": "prompt lookup", "gamma": lesson.LOOKUP_GAMMA, "fit": [1.0] * len(lookup_speedups),
-                "speedups": lookup_speedups})
-    return out
+def figures(premise=(1.1,) * 5, fit=(1.0,) * 5, lookup=(1.8,) * 5):
+    """What the lesson writes: a premise predicted at 1.05, lookup at 3×, the given rounds."""
+    c = cost({1: 1.0, 2: 1.05, 5: 1.1}, [10, 10.5, 11], [8, 8.2, 8.5])
+    c["rounds"] = {lesson.PREMISE_K: list(premise)}
+    rows = [{**r, "fit": list(fit), "speedups": list(lookup)} for r in sweep(1.8, 1.8, 3.0)]
+    return {"verification": c, "sweep": rows, "premise_predicted": 1.05, "lookup_predicted": 3.0}
 
 
-@pytest.mark.parametrize("premise, fits, lookup, want", [
-    ([1.1, 1.25], [[0.9, 1.1], [1.0, 0.95]], [1.6, 1.8], [HOLDS] * 4),
-    ([1.4, 1.9], [[0.6, 0.7], [1.0, 1.0]], [1.2, 1.3], [NOT_SUPPORTED, NOT_SUPPORTED, HOLDS, NOT_SUPPORTED]),
-    ([1.0, 1.0], [[1.2, 1.3], [1.0, 1.0]], [1.4, 1.6], [HOLDS, HOLDS, NOT_SUPPORTED, INCONCLUSIVE]),
-])
-def test_the_checks_fall_on_either_side_of_their_lines(premise, fits, lookup, want):
-    checks = lesson.make_checks({"rounds": {lesson.PREMISE_K: premise}}, rows(fits, lookup))
-    assert [c.outcome() for c in checks] == want
-    assert [c.line for c in checks] == [1.3, 0.85, 1.15, 1.5]
+def test_each_check_can_fail():
+    """The premise over 1.3×, a fit under the band's low end or over its high end, lookup under 1.5×: each NOT
+    SUPPORTED, and only that check; the predictions ride along (the fits' is 1: they are ratios to S)."""
+    checks = lesson.checks(figures())
+    assert [c.outcome() for c in checks] == [HOLDS] * 4
+    assert [c.line for c in checks] == [1.3, pytest.approx(1 / (1.3 * 1.15)), 1.15, 1.5]
+    assert [c.predicted for c in checks] == [1.05, 1.0, 1.0, 3.0]
+    for i, bad in enumerate([{"premise": [1.5] * 5}, {"fit": [0.6] * 5}, {"fit": [1.3] * 5}, {"lookup": [1.2] * 5}]):
+        outcomes = [c.outcome() for c in lesson.checks(figures(**bad))]
+        assert {j for j, o in enumerate(outcomes) if o == NOT_SUPPORTED} == {i}, (bad, outcomes)
+    assert lesson.checks(figures(premise=[1.2, 1.25, 1.35, 1.4, 1.2]))[0].outcome() == INCONCLUSIVE
+
+
+def test_without_trained_weights_the_lesson_trains_a_small_model_on_text_python_ships(monkeypatch):
+    """A random init's α says nothing: the pair is a small model trained here (a few steps in this test) on the
+    standard library's docstrings, and its first block; the passage is that text, and the lesson says so."""
+    class Lesson:
+        model, config, device, dtype = context_model(), context_model().config, torch.device("cpu"), torch.float32
+    Lesson.model.weights_source = "random-init (seed 0)"
+    args = type("Args", (), {"model": "tiny", "draft": "auto"})
+    target, draft, passage, why = drafts.speculation_pair(Lesson, args, {"train_steps": 3, "train_length": 16,
+                                                                         "passage": 12})
+    assert target.config == drafts.SMALL and target.weights_source.startswith("trained here: 3 steps of AdamW")
+    assert drafts.is_trained(target) and draft.h[0] is target.h[0] and len(draft.h) == 1
+    assert bytes(passage) in drafts.training_text() and len(passage) == 12
+    assert "tiny has no trained weights here" in why and "weights_download.py tiny" in why
+    Lesson.model.weights_source = "weights/gpt2"   # a checkpoint: speculated with as it is
+    target, _, passage, why = drafts.speculation_pair(Lesson, args, {"passage": 12})
+    assert target is Lesson.model and len(passage) == 12 and why.startswith("target tiny (weights/gpt2)")
 
 
 def cost(ratio, pass_ms, matmul_ms):
@@ -137,12 +159,13 @@ def cost(ratio, pass_ms, matmul_ms):
                                               "matmuls": {k: t / 1e3 for k, t in zip(ks, matmul_ms)}}}
 
 
-def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4)):
+def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4, 1.3, 1.35, 1.3)):
     return [{"draft": "prompt lookup", "gamma": 4, "speedup": speedup, "predicted": predicted, "modelled": speedup,
              "guesses_per_pass": guesses, "alpha": 0.8, "c": 0.01, "speedups": list(speedups),
-             "tokens_per_pass": 1.7},
+             "tokens_per_pass": 1.7, "leviathan_at_gamma": 3.0},
             {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "modelled": 0.8,
-             "guesses_per_pass": 4.0, "tokens_per_pass": 1.2, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95]}]
+             "guesses_per_pass": 4.0, "tokens_per_pass": 1.2, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95] * 2 + [0.9],
+             "leviathan_at_gamma": 1.1}]
 
 
 def test_explain_reads_the_cause_from_the_numbers():
@@ -151,13 +174,13 @@ def test_explain_reads_the_cause_from_the_numbers():
     assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
     assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
     assert "worst fit: prompt lookup at γ = 4, 1.30× against S = 2.60× (-50%)" in explain[1]
-    assert "own counts and costs (1.90 guesses per pass, each pass at its measured cost, not 1) predict 1.30× " \
-           "(+0%)" in explain[1]
+    assert "for the 1.90 guesses it made per pass (at γ guesses the formula says 3.00×); with each pass at its " \
+           "measured cost, not 1, 1.30× (+0%)" in explain[1]
     assert "prompt lookup: best γ = 4, 1.30× (α = 0.80, c = 0.010; 1.70 tokens per pass" in explain[2]
     assert "speculation pays" in explain[2] and "speculation does not pay" in explain[3] and len(explain) == 4
-    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1)))
+    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1, 0.95, 1.05, 1.0)))
     assert "10% of that in the matrix products" in other[0] and "mostly outside them" in other[0]
-    assert "model draft at γ = 4" in other[1] and "predict 0.80× (+12%)" in other[1]
+    assert "model draft at γ = 4" in other[1] and "1, 0.80× (+12%)" in other[1]
     assert "may or may not pay" in other[2]
 
 
@@ -178,9 +201,9 @@ def test_the_cost_rounds_add_up(target, one_thread):
 def test_a_student_copy_stops_at_this_lessons_exercise_before_measuring(tmp_path):
     """With only speculative-accept still a stub, the lesson stops at it with one line (its sampled run comes first)."""
     from test_lessons_in_order import assert_stops_at_a_stub, copy_up_to, run_lesson
-    copy, stubbed = copy_up_to(10, tmp_path / "student")
+    copy, stubbed = copy_up_to(13, tmp_path / "student")
     assert "speculative-accept" in [ex.id for ex in stubbed]
-    result = run_lesson(copy, 11, tmp_path / "out")
+    result = run_lesson(copy, 14, tmp_path / "out")
     assert_stops_at_a_stub(result, stubbed)
     assert "greedy, a" not in result.stdout   # stopped before the sweep's table, not after a minute of measuring
 

@@ -205,8 +205,55 @@ def test_the_lesson_runs_quick_and_every_figure_it_prints_is_in_its_json(tmp_pat
     for workers in fig["workers_after"].values():
         for role, s in workers.items():
             assert s["free_blocks"] == s["num_blocks"], (role, s)
-    bytes_check = doc["verdict"]["checks"][-1]
-    assert bytes_check["outcome"] == "HOLDS" and not bytes_check["timed"]
+    (moved,) = doc["verdict"]["facts"]  # counted by the formula it would be checked against: a fact
+    assert moved["value"] == moved["predicted"] == fig["bytes_moved_per_round"]
+    assert [c["key"] for c in doc["verdict"]["checks"]] == ["stall_low", "stall_high", "flat", "burst",
+                                                            "goodput_heavy", "goodput_light"]
+
+
+def lesson_round(window=0.020, before=0.005, throughput=100.0, light=(4, 1.0), heavy=(6, 1.0)):
+    """One server's round: the stall trace, the burst, and the two mixes, with (requests that met both targets,
+    span) for each; requests that miss carry one 50 ms gap."""
+    def mix(met, span, total):
+        return {"requests": [(0.01, [0.004] * 3)] * met + [(0.01, [0.05])] * (total - met), "span_s": span,
+                "gaps_s": [0.004] * 10}
+    return {"window_p99_itl_s": window, "itl_before_median_s": before, "long_ttft_s": 0.02, "long_transfer_s": 0.001,
+            "throughput": throughput, "bytes_sent": 1000, "mix_0": mix(*light, 4), "mix_2": mix(*heavy, 6)}
+
+
+def figures(coloc=None, two=None, disagg=None):
+    """Colocated: a 4× stall, its streams missing at the heavy mix (2 of 6 met); disaggregated: flat, all met."""
+    from lessons_support import load_lesson
+    lesson = load_lesson("15_disaggregation")
+    runs = {"colocated, 1 thread": [lesson_round(**(coloc or {"heavy": (2, 1.0)}))] * 5,
+            "colocated, 2 threads": [lesson_round(**(two or {"heavy": (2, 1.0), "throughput": 150.0}))] * 5,
+            "disaggregated": [lesson_round(**(disagg or {"window": 0.006, "throughput": 120.0}))] * 5}
+    p = {"fixed_s": 0.001, "stall": 4.0, "stall_band": [2.5, 6.0], "flat": 1.0, "burst": 1.0, "light": 1.0,
+         "heavy": 2.0, "heavy_undecided": "", "per_token": 1024, "moved": 1000}
+    s = {"streams": 4, "long_prompt": 128, "mixes": [0, 2]}
+    return lesson, {"setup": s, "predicted": p, "runs": runs, "bytes_moved_per_round": 1000}
+
+
+def test_each_check_can_fail():
+    """A stall under or over the model's band, a decode worker that stalls too, disaggregated faster than the best
+    colocated burst, a heavy mix where it does not win, a light mix where it wins by far: each NOT SUPPORTED, and
+    only that check; the goodput ratios count requests meeting both targets (bench/goodput.py)."""
+    from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED
+    lesson, f = figures()
+    assert [c.outcome() for c in lesson.checks(f)] == [HOLDS] * 6
+    heavy = lesson.checks(f)[4]
+    assert heavy.median == pytest.approx((6 + 1) / (2 + 1))  # met + 1 over met + 1, the same span
+    cases = [dict(coloc={"window": 0.010, "heavy": (2, 1.0)}), dict(coloc={"window": 0.040, "heavy": (2, 1.0)}),
+             dict(disagg={"window": 0.010, "throughput": 120.0}), dict(disagg={"window": 0.006, "throughput": 200.0}),
+             dict(disagg={"window": 0.006, "throughput": 120.0, "heavy": (1, 1.0)}),
+             dict(disagg={"window": 0.006, "throughput": 120.0, "light": (4, 0.5)})]
+    for i, case in enumerate(cases):
+        outcomes = [c.outcome() for c in lesson.checks(figures(**case)[1])]
+        assert {j for j, o in enumerate(outcomes) if o == NOT_SUPPORTED} == {i}, (case, outcomes)
+    f["predicted"]["heavy_undecided"] = "the model predicts no stall past the target"
+    assert lesson.checks(f)[4].outcome() == INCONCLUSIVE
+    (fact,) = lesson.facts(f)
+    assert fact.value == fact.predicted == 1000
 
 
 def test_serve_disaggregated_streams_the_colocated_tokens_through_the_openai_client():

@@ -12,14 +12,27 @@ difference between the two runs. Rounds of `interleave` name each run
     bound              1 / (1 − prefill share · tokens saved)        (Amdahl's law: the saved prefill
                        tokens' time falls to zero, the rest stays)
 
-Invariant (tests/test_lesson_10_prompt_caching.py): the bound is Amdahl's law on
-the prefill saved, and the same-forward gain is 1 when caching adds no host time.
+What it should buy, before measuring (`predicted_ttft`, `predicted_gain`, `predictions`): a pass costs a
+fixed part t₁ plus its FLOPs at a rate R (`pass_cost.py`), so
+
+    TTFT(P tokens computed, C cached)  = t₁ + FLOPs(P | C) / R
+    a hit's gain (S shared, U own)     = (t₁ + FLOPs(S + U | 0) / R) / (t₁ + FLOPs(U | S) / R)
+                                         → (S + U) / U when t₁ → 0, → 1 when the pass is all fixed cost
+    a run of requests                  = (prefill steps + decode steps) · t₁ + every step's FLOPs / R
+
+Invariant (tests/test_lesson_13_prompt_caching.py): the bound is Amdahl's law on
+the prefill saved, the same-forward gain is 1 when caching adds no host time, and a hit's
+predicted gain lies between 1 and (S + U) / U.
 """
 from __future__ import annotations
+
+import math
 
 from ..engine import LLMEngine
 from ..kv_pool import CacheConfig
 from ..scheduler import SchedulerConfig
+from .cost import step_cost
+from .pass_cost import FIXED_SLACK, RATE_FLOOR, band, pass_time
 from .replay import serve
 from .workloads import Conversation, conversation_blocks
 
@@ -62,3 +75,40 @@ def throughput_bound(off: dict, on: dict) -> dict:
     as if the saved tokens' time fell to zero and the rest stayed."""
     saved = 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"]
     return caching_bound(off["prefill_steps_s"], off["decode_steps_s"], saved)
+
+
+def predicted_ttft(cfg, computed: int, cached: int, fixed_s: float, flop_rate: float, dtype) -> float:
+    """One prefill pass of `computed` tokens after `cached` ones: t₁ + its FLOPs at `flop_rate` (pass_cost.py)."""
+    return pass_time(cfg, [computed], [cached], fixed_s, flop_rate, dtype)
+
+
+def predicted_gain(cfg, n: int, prefix: int, suffix: int, answer: int, fixed_s: float, flop_rate: float, dtype,
+                   budget: int, block_size: int = BLOCK_SIZE) -> float:
+    """Throughput on ÷ off of n requests sharing a `prefix`-token system prompt, each with `suffix` own tokens and
+    `answer` tokens out, all sent at once: caching on, all but the first skip the prefix's full blocks. Each run
+    takes ⌈prefill tokens ÷ budget⌉ prefill steps and answer − 1 decode steps of t₁, plus all their FLOPs."""
+    P, cached = prefix + suffix, prefix // block_size * block_size
+
+    def run_s(computed: list[int], cached_lens: list[int]) -> float:
+        decode = step_cost(cfg, [1] * n, [P] * n, dtype).flops * (answer - 1)
+        steps = math.ceil(sum(computed) / budget) + answer - 1
+        return steps * fixed_s + (step_cost(cfg, computed, cached_lens, dtype).flops + decode) / flop_rate
+    return run_s([P] * n, [0] * n) / run_s([P] + [P - cached] * (n - 1), [0] + [cached] * (n - 1))
+
+
+def predictions(cfg, s: dict, fixed_s: float, peak: float, dtype) -> dict:
+    """What the pass model predicts before measuring, for lesson 13's sizes `s` (the sweep's shared lengths and own
+    tokens; the shared workload's requests, prefix, suffix and answer): the sweep's TTFTs, the checked hit's gain and
+    the shared workload's, each at the peak and at RATE_FLOOR of it, and the band each is judged in."""
+    S, U, budget = s["sweep"], s["sweep_suffix"], SchedulerConfig().max_num_batched_tokens
+    hit = lambda rate: (predicted_ttft(cfg, S[-1] + U, 0, fixed_s, rate, dtype)  # noqa: E731
+                        / predicted_ttft(cfg, U, S[-1], fixed_s, rate, dtype))
+    shared = lambda rate: predicted_gain(cfg, s["requests"], s["prefix"], s["suffix"], s["answer"], fixed_s,  # noqa
+                                         rate, dtype, budget)
+    p = {"fixed_s": fixed_s, "flop_rate": peak, "rate_floor": RATE_FLOOR, "fixed_slack": FIXED_SLACK,
+         "ttft_gain": hit(peak), "shared_gain": shared(peak),
+         "ttft_off_s": [predicted_ttft(cfg, x + U, 0, fixed_s, peak, dtype) for x in S],
+         "ttft_on_s": [predicted_ttft(cfg, U, x, fixed_s, peak, dtype) for x in S]}
+    p |= {"ttft_band": band(p["ttft_gain"], hit(RATE_FLOOR * peak)),
+          "shared_band": band(p["shared_gain"], shared(RATE_FLOOR * peak))}
+    return p

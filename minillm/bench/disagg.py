@@ -5,8 +5,8 @@
                                          their ITL before it, the long request's TTFT and its prefill/transfer split
     burst(workers, sizes, vocab)         `burst` requests at once; generated tokens over the makespan
     mixed_trace(workers, sizes, vocab, n)   the streams again, with `n` long prompts arriving evenly over their
-                                         life: every gap between two of a stream's tokens, and the streams' span,
-                                         from which `goodput` counts the tokens that met an ITL target
+                                         life: each request's TTFT and gaps, and the run's span, from which
+                                         `goodput.goodput` counts the requests that met both targets
 
 Both take any `Workers`, colocated or disaggregated, so one round of the
 lesson serves the same requests through each, and times come from the
@@ -89,8 +89,8 @@ def burst(workers, s: dict, vocab_size: int, seed: int = 1) -> dict:
 def mixed_trace(workers, s: dict, vocab_size: int, n_long: int, seed: int = 2) -> dict:
     """`streams` short prompts decode `stream_tokens` each, and `n_long` long prompts arrive while they do, the
     i-th once every stream has made `warm + i·gap` tokens (gap spreads them evenly over the streams' life): the
-    load mix, in long prompts per stream lifetime. Returns every gap between two consecutive tokens of a stream
-    and the span from the streams' first token to their last, in seconds."""
+    load mix, in long prompts per stream lifetime. Returns every gap between two consecutive tokens of a stream,
+    every request's (TTFT, its gaps), and the span from the first arrival to the last token, in seconds."""
     rng = np.random.default_rng(seed)
     streams = [(rng.integers(0, vocab_size, s["stream_prompt"]).tolist(), s["stream_tokens"])
                for _ in range(s["streams"])]
@@ -108,12 +108,9 @@ def mixed_trace(workers, s: dict, vocab_size: int, n_long: int, seed: int = 2) -
         while marks and made >= marks[0]:
             marks.pop(0)
             workers.add_request(longs.pop(0), greedy(s["long_tokens"]))
+    metrics = [o.metrics for o in done.values()]
     times = [done[i].metrics.token_times for i in ids]
     return {"gaps_s": [b - a for t in times for a, b in zip(t, t[1:])],
-            "span_s": max(t[-1] for t in times) - min(t[0] for t in times)}
-
-
-def goodput(trace: dict, target_s: float) -> float:
-    """Stream tokens per second that came within `target_s` of the stream's token before: what a tight ITL
-    target lets count (a token that came late was still served, but not within the promise)."""
-    return sum(g <= target_s for g in trace["gaps_s"]) / trace["span_s"]
+            "requests": [(m.token_times[0] - m.arrival_time, [b - a for a, b in zip(m.token_times, m.token_times[1:])])
+                         for m in metrics],
+            "span_s": max(m.token_times[-1] for m in metrics) - min(m.arrival_time for m in metrics)}
