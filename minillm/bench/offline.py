@@ -7,11 +7,16 @@ measures the device's ceilings first (`roofline.py`: the peak FLOP/s of the fast
 of a large matmul and the engine's own projection, the bandwidth of the fastest of
 a copy, a sum and the engine's one-row product, each the best of its repeats),
 then times one prefill of `--prompt-len` tokens per sequence and one decode step
-after `--context-len` cached tokens, both through the contiguous KV cache (the
-decode step the engine runs on the device: replayed as a CUDA graph on CUDA, eager
-elsewhere), and prints for each phase:
+after `--context-len` cached tokens, both the model's forward pass through the
+contiguous KV cache (the decode step in the mode the engine decodes with on the
+device: replayed as a CUDA graph on CUDA, eager elsewhere), and prints for each phase:
 
     tokens/s, achieved FLOP/s (% of the peak), achieved bytes/s (% of the bandwidth)
+
+Then the step the engine itself takes: `LLMEngine.step()` at batch 1 on the same
+model (the paged cache, its gather, the scheduler and sampling around the same
+forward pass), in turns with the forward step (`steps.engine_against_forward`),
+and their ratio against the aim: at most ENGINE_STEP_GOAL× the forward step.
 
 For decode it also prints the *weight-read floor*: weight bytes ÷ bandwidth, the
 fastest any step could be that reads every weight once as stored (int8: a byte). A batch-1 decode
@@ -50,7 +55,7 @@ from ..config import dtype_bytes
 from .cost import as_stored, decode_cost, prefill_cost
 from ..device import available_memory
 from .roofline import achieved, measure_ceilings
-from .steps import time_decode, time_prefill
+from .steps import engine_against_forward, time_decode, time_prefill
 from .sweep import (DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, blas_check, blas_report, busy_report,
                     parse_batches, sweep)
 from .sweep import report as sweep_report
@@ -66,6 +71,8 @@ CPU_DECODE_GOAL = 0.80   # batch-1 decode on a CPU: weight bytes per step ÷ ste
 CPU_PREFILL_GOAL = 0.60  # 512-token prefill on a CPU in fp32: share of the peak (the faster of a matmul and
                          # the engine's projection, best repeats)
 GPU_DECODE_GOAL = 2.0    # decode step time within this factor of the weight-read floor
+ENGINE_STEP_GOAL = 1.15  # the engine's batch-1 step (LLMEngine.step) ÷ the model's forward step, timed in turns
+ENGINE_STEPS = 32        # decode steps per round of the engine's figure
 GOAL_PROMPT_LEN = 512
 EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emulated (native ones are as fast)
 
@@ -166,6 +173,9 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
     mode = "graph" if device.type == "cuda" else "eager"  # the step the engine decodes with on this device
     progress(f"timing a decode step ({mode}): {warmup} + {repeats} steps after {context_len} cached tokens")
     t_decode = time_decode(model, context_len, batch, warmup, repeats, mode=mode).median_s
+    progress(f"timing the engine's batch-1 step (LLMEngine.step) in turns with the forward step: {warmup} + "
+             f"{repeats} requests of {ENGINE_STEPS} tokens around {context_len} cached")
+    engine = engine_against_forward(model, context_len, ENGINE_STEPS, repeats, warmup)
     pre = achieved(as_stored(prefill_cost(cfg, prompt_len, batch, dtype), model), t_prefill, ceilings)  # int8: 1 B
     dec = achieved(as_stored(decode_cost(cfg, context_len, batch, dtype), model), t_decode, ceilings)
     weight_floor = dec["seconds"] * dec["weight_bytes_per_s"] / ceilings.bandwidth  # weight bytes ÷ bandwidth
@@ -173,7 +183,8 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
             "decode": {**dec, "mode": mode, "tokens_per_s": batch / t_decode,
                        "weight_frac_bandwidth": dec["weight_bytes_per_s"] / ceilings.bandwidth,
                        "weight_read_floor_s": weight_floor, "times_floor": t_decode / weight_floor},
-            "ceilings": ceilings.as_dict(), "prompt_len": prompt_len, "context_len": context_len, "batch": batch}
+            "engine": engine, "ceilings": ceilings.as_dict(), "prompt_len": prompt_len, "context_len": context_len,
+            "batch": batch}
 
 
 def report(result: dict, on_gpu: bool) -> list[str]:
@@ -199,13 +210,19 @@ def report(result: dict, on_gpu: bool) -> list[str]:
         f"prefill  batch {result['batch']} × {result['prompt_len']} tokens: {p['seconds'] * 1e3:.2f} ms, "
         f"{si(p['tokens_per_s'], 'tok/s')}, {si(p['flops_per_s'], 'FLOP/s')} "
         f"({p['frac_matmul_flops']:.0%} of peak), {si(p['bytes_per_s'], 'B/s')} ({p['frac_bandwidth']:.0%} of bw)",
-        f"decode   batch {result['batch']} after {result['context_len']} tokens, {d['mode']} step (the engine's): "
+        f"decode   batch {result['batch']} after {result['context_len']} tokens, the model's {d['mode']} forward step: "
         f"{d['seconds'] * 1e3:.2f} ms, "
         f"{si(d['tokens_per_s'], 'tok/s')}, {si(d['flops_per_s'], 'FLOP/s')} ({d['frac_matmul_flops']:.0%} of peak), "
         f"{si(d['bytes_per_s'], 'B/s')} ({d['frac_bandwidth']:.0%} of bw)",
         f"         weights read {si(d['weight_bytes_per_s'], 'B/s')} ({d['weight_frac_bandwidth']:.0%} of bw); "
         f"weight-read floor {d['weight_read_floor_s'] * 1e3:.2f} ms → step is {d['times_floor']:.2f}× the floor",
     ]
+    if "engine" in result:
+        e = result["engine"]
+        lines.append(f"engine   batch 1 through LLMEngine.step(), in turns with the forward step ({e['rounds']} requests of "
+                     f"{e['steps']} decode steps after a {e['prompt_len']}-token prompt): {e['engine_s'] * 1e3:.2f} ms a token against "
+                     f"{e['forward_s'] * 1e3:.2f} → {e['ratio']:.2f}× the forward step (requests "
+                     f"{min(e['round_ratios']):.2f}–{max(e['round_ratios']):.2f}×; aim ≤ {ENGINE_STEP_GOAL:g}×)")
     if on_gpu:
         lines.append(f"aims     decode: a step within {GPU_DECODE_GOAL:g}× the weight-read floor, weight bytes ÷ the "
                      f"bandwidth measured here ({si(c['bandwidth'], 'B/s')}): this run {d['times_floor']:.2f}×")
