@@ -219,10 +219,11 @@ def report(result: dict, on_gpu: bool) -> list[str]:
     ]
     if "engine" in result:
         e = result["engine"]
-        lines.append(f"engine   batch 1 through LLMEngine.step(), in turns with the forward step ({e['rounds']} requests of "
-                     f"{e['steps']} decode steps after a {e['prompt_len']}-token prompt): {e['engine_s'] * 1e3:.2f} ms a token against "
-                     f"{e['forward_s'] * 1e3:.2f} → {e['ratio']:.2f}× the forward step (requests "
-                     f"{min(e['round_ratios']):.2f}–{max(e['round_ratios']):.2f}×; aim ≤ {ENGINE_STEP_GOAL:g}×)")
+        lines += [f"engine   batch 1 through LLMEngine.step(), {e['rounds']} requests of {e['steps']} decode steps after a "
+                  f"{e['prompt_len']}-token prompt, each step in turns with the forward step:",
+                  f"         {e['engine_s'] * 1e3:.2f} ms a token against {e['forward_s'] * 1e3:.2f}; paired, "
+                  f"{e['ratio']:.2f}× the forward step (requests {min(e['round_ratios']):.2f}–"
+                  f"{max(e['round_ratios']):.2f}×); aim ≤ {ENGINE_STEP_GOAL:g}×"]
     if on_gpu:
         lines.append(f"aims     decode: a step within {GPU_DECODE_GOAL:g}× the weight-read floor, weight bytes ÷ the "
                      f"bandwidth measured here ({si(c['bandwidth'], 'B/s')}): this run {d['times_floor']:.2f}×")

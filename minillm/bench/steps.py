@@ -111,8 +111,9 @@ def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int
     decode contexts centre on `context_len`; after each of the engine's decode steps, one `decode_step` at
     `context_len` (the mode the engine decodes with on this device: a CUDA graph on CUDA, eager elsewhere).
     A step is the wall time of one `engine.step()` call, one output token: what a caller, and `serve`'s ITL,
-    gets. Returns the medians over every timed step ("engine_s", "forward_s"), their ratio, and each round's
-    ratio of medians ("round_ratios"), the run's own spread."""
+    gets. Each engine step is paired with the forward step after it, so a load that comes and goes slows
+    both. Returns the medians over every timed step ("engine_s", "forward_s"), the median of the paired ratios
+    ("ratio"), and each round's median of them ("round_ratios"), the run's own spread."""
     from ..engine import LLMEngine  # a wing may import the book; steps.py's other users need no engine
     cfg, device = model.config, model.device
     prompt_len = min(max(1, context_len - steps // 2), cfg.n_ctx - 1)
@@ -121,13 +122,13 @@ def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     forward = decode_step(model, min(context_len, cfg.n_ctx - 1), 1, seed, "graph" if device.type == "cuda" else "eager")
-    engine_s, forward_s, round_ratios = [], [], []
+    engine_s, forward_s, ratios, round_ratios = [], [], [], []
     with LLMEngine(model, record_timeline=False) as engine:
         for r in range(warmup + rounds):
             engine.add_request(prompt, params)
             while not engine.step():  # the prefill, up to the first token
                 pass
-            es, fs = [], []
+            es, fs, paired = [], [], []
             while engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 engine.step()  # samples on the host: the step has finished when it returns
@@ -136,12 +137,12 @@ def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int
                 forward()
                 synchronize(device)
                 fs.append(time.perf_counter() - t0)
+                paired.append(es[-1] / fs[-1])
             if r >= warmup:
-                engine_s += es
-                forward_s += fs
-                round_ratios.append(statistics.median(es) / statistics.median(fs))
-    e, f = statistics.median(engine_s), statistics.median(forward_s)
-    return {"engine_s": e, "forward_s": f, "ratio": e / f, "round_ratios": round_ratios, "steps": len(es),
+                engine_s, forward_s, ratios = engine_s + es, forward_s + fs, ratios + paired
+                round_ratios.append(statistics.median(paired))
+    return {"engine_s": statistics.median(engine_s), "forward_s": statistics.median(forward_s),
+            "ratio": statistics.median(ratios), "round_ratios": round_ratios, "steps": len(es),
             "rounds": rounds, "prompt_len": prompt_len, "context_len": context_len}
 
 
