@@ -147,3 +147,24 @@ def test_the_cli_generates_every_one_row_step_through_the_loaders_layout(numpy_p
     assert decodes >= 4 and prefills == 2
     assert numpy_products == [1] * ((4 * L + 1) * decodes + prefills), "and the head over each prompt's last row"
     capsys.readouterr()
+
+
+def test_the_loader_warns_where_numpy_loaded_first_keeps_one_row_products_off_the_faster_blas(monkeypatch):
+    """`import torch` before minillm loads numpy with OpenBLAS's threads spinning: the loader then keeps torch's
+    BLAS where numpy's would pay, so a library user's engine runs another layout than `bench` times. It says so,
+    naming the fix; where the threads sleep, or numpy's BLAS would not pay, it is silent."""
+    import warnings
+
+    from models import context_model
+    monkeypatch.setattr(cpu_layout, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_layout, "numpy_blas", lambda: "openblas")
+    monkeypatch.setattr(cpu_layout, "openblas_threads_sleep", lambda: False)
+    with pytest.warns(RuntimeWarning, match="Import minillm before torch and numpy"):
+        model = cpu_layout.choose_layout(context_model())
+    assert not layout_of(model)["numpy_one_row"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_layout.choose_layout(context_model().to(torch.bfloat16))  # numpy has no bf16 BLAS: nothing to lose
+        cpu_layout.choose_layout(context_model(), numpy_one_row=False)  # asked for by name
+        monkeypatch.setattr(cpu_layout, "openblas_threads_sleep", lambda: True)
+        assert layout_of(cpu_layout.choose_layout(context_model()))["numpy_one_row"]
