@@ -209,7 +209,7 @@ NUMPY_LOADED_FIRST = (
     "products stay on torch's BLAS, which streams fp32 more slowly on this AMD CPU (and torch's OpenMP threads spin "
     "at barriers, which a busy machine pays at every kernel): every step at batch 1, the engine's most, is slower "
     "than `python -m minillm bench` times. Import minillm before torch and numpy, or set OMP_WAIT_POLICY=PASSIVE "
-    "and OPENBLAS_THREAD_TIMEOUT=4 in the environment (docs/cpu_kernels.md)")
+    "and OPENBLAS_THREAD_TIMEOUT=4 in the environment (docs/bench.md: the engine's step against the forward step)")
 
 
 def choose_layout(model: GPT2, numpy_one_row: bool | None = None, packed: bool | None = None) -> GPT2:
@@ -225,7 +225,8 @@ def choose_layout(model: GPT2, numpy_one_row: bool | None = None, packed: bool |
     if numpy_one_row is None:
         vendor, blas, sleeps = cpu_vendor(), numpy_blas(), openblas_threads_sleep()
         numpy_one_row = numpy_blas_pays(model.device, model.dtype, vendor, blas, sleeps)
-        if not sleeps and numpy_blas_pays(model.device, model.dtype, vendor, blas, True):
+        if not sleeps and numpy_blas_pays(model.device, model.dtype, vendor, blas, True) and \
+                isinstance(model.h[0].mlp.c_fc, Conv1D):  # int8's modules (quantize.py) never take numpy's BLAS
             warnings.warn(NUMPY_LOADED_FIRST, RuntimeWarning, stacklevel=2)
     use_decode_attention_by_hand(bf16_decode_by_hand_pays(flags))
     return lay_out(model, head_copy=on_cpu and not (packs and model.dtype == torch.bfloat16), packed=packs,

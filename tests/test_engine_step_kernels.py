@@ -21,7 +21,7 @@ from minillm.cpu_layout import CPUConv1D, CPULMHead, layout_of
 from minillm.device import set_num_threads
 from minillm.engine import LLMEngine
 from minillm.model import GPT2, Conv1D, LMHead
-from minillm.quantize import WeightOnlyInt8Linear, WeightOnlyInt8LMHead
+from minillm.quantize import WeightOnlyInt8Linear, WeightOnlyInt8LMHead, quantize
 from minillm.sampling_params import SamplingParams
 from minillm.serving import launch
 
@@ -166,5 +166,6 @@ def test_the_loader_warns_where_numpy_loaded_first_keeps_one_row_products_off_th
         warnings.simplefilter("error")
         cpu_layout.choose_layout(context_model().to(torch.bfloat16))  # numpy has no bf16 BLAS: nothing to lose
         cpu_layout.choose_layout(context_model(), numpy_one_row=False)  # asked for by name
+        cpu_layout.choose_layout(quantize(context_model(), "int8"))  # int8's products never take numpy's BLAS
         monkeypatch.setattr(cpu_layout, "openblas_threads_sleep", lambda: True)
         assert layout_of(cpu_layout.choose_layout(context_model()))["numpy_one_row"]

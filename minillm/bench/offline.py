@@ -219,8 +219,8 @@ def report(result: dict, on_gpu: bool) -> list[str]:
     ]
     if "engine" in result:
         e = result["engine"]
-        lines += [f"engine   batch 1 through LLMEngine.step(), {e['rounds']} requests of {e['steps']} decode steps after a "
-                  f"{e['prompt_len']}-token prompt, each step in turns with the forward step:",
+        lines += [f"engine   batch 1 through LLMEngine.step(), {e['rounds']} requests of {e['steps']} decode steps "
+                  f"after a {e['prompt_len']}-token prompt, each step in turns with the forward step:",
                   f"         {e['engine_s'] * 1e3:.2f} ms a token against {e['forward_s'] * 1e3:.2f}; paired, "
                   f"{e['ratio']:.2f}× the forward step (requests {min(e['round_ratios']):.2f}–"
                   f"{max(e['round_ratios']):.2f}×); aim ≤ {ENGINE_STEP_GOAL:g}×"]

@@ -121,7 +121,8 @@ def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    forward = decode_step(model, min(context_len, cfg.n_ctx - 1), 1, seed, "graph" if device.type == "cuda" else "eager")
+    mode = "graph" if device.type == "cuda" else "eager"
+    forward = decode_step(model, min(context_len, cfg.n_ctx - 1), 1, seed, mode)
     engine_s, forward_s, ratios, round_ratios = [], [], [], []
     with LLMEngine(model, record_timeline=False) as engine:
         for r in range(warmup + rounds):
