@@ -17,7 +17,7 @@ import torch
 from minillm import cli, cpu_layout
 from minillm.bench.steps import count_ops, decode_step
 from minillm.checkpoints.load import load_model
-from minillm.cpu_layout import CPUConv1D, CPULMHead, layout_of
+from minillm.cpu_layout import CPULMHead, layout_of, packing_pays
 from minillm.device import set_num_threads
 from minillm.engine import LLMEngine
 from minillm.model import GPT2, Conv1D, LMHead
@@ -96,8 +96,8 @@ def test_an_engine_built_on_load_model_decodes_one_row_through_the_loaders_modul
     if layout == "int8":  # quantize.py's modules, which no CPU layout replaces
         assert type(model.h[0].mlp.c_fc) is WeightOnlyInt8Linear and type(model.lm_head) is WeightOnlyInt8LMHead
     else:
-        assert type(model.h[0].mlp.c_fc) is CPUConv1D and type(model.lm_head) is CPULMHead
-        assert layout_of(model)["numpy_one_row"] == (layout == "numpy's BLAS")
+        assert type(model.lm_head) is CPULMHead and layout_of(model)["numpy_one_row"] == (layout == "numpy's BLAS")
+        assert layout_of(model)["packed"] == packing_pays(model.device, model.dtype, "")
     with LLMEngine(model) as engine:
         check_batch_1_step(engine, numpy_products, layout == "numpy's BLAS")
 
