@@ -102,8 +102,9 @@ def test_an_engine_built_on_load_model_decodes_one_row_through_the_loaders_modul
         check_batch_1_step(engine, numpy_products, layout == "numpy's BLAS")
 
 
-def test_serve_builds_its_engine_on_the_loaders_layout_and_decodes_one_row_through_it(numpy_pays, numpy_products,
-                                                                                     monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_serve_builds_its_engine_on_the_loaders_layout_and_decodes_one_row_through_it(quantization, numpy_pays,
+                                                                                     numpy_products, monkeypatch):
     """`python -m minillm serve`'s own builder, up to the HTTP server, which checks the engine on its thread."""
     checked = []
 
@@ -114,14 +115,16 @@ def test_serve_builds_its_engine_on_the_loaders_layout_and_decodes_one_row_throu
             self.serving = serving
 
         def run(self):
-            future = self.serving.loop.call(lambda engine: check_batch_1_step(engine, numpy_products, True))
+            future = self.serving.loop.call(
+                lambda engine: check_batch_1_step(engine, numpy_products, quantization is None))
             checked.append(future.result(timeout=120) is None)
 
     monkeypatch.setattr(launch, "Server", CheckingServer)
     threads, handlers = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         assert cli.main(["serve", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--threads", "1",
-                         "--weights-dir", "/nonexistent"]) == 0
+                         "--weights-dir", "/nonexistent",
+                         *(["--quantization", quantization] if quantization else [])]) == 0
     finally:
         set_num_threads(threads)
         for s, handler in handlers.items():
