@@ -26,7 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..cuda_graphs import DecodeRunner
 from ..device import synchronize
+from ..engine import LLMEngine
 from ..kv_cache import KVCache, Segment
+from ..kv_pool import CacheConfig
 from ..sampling_params import SamplingParams
 from .timing import Timing, time_fn
 
@@ -107,14 +109,14 @@ def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int
     """The engine's batch-1 decode step against the model's forward step, timed in turns on `model` as loaded.
 
     Each round runs one greedy request of `steps` tokens alone through an `LLMEngine` built on `model` (its
-    defaults, as `load_model` then `LLMEngine`, the CLI and `serve` build it), its prompt long enough that the
+    defaults, as `load_model` then `LLMEngine` and `serve` build it, but a pool of one context's blocks: a step
+    reads only its own table's, and a GPU's default pool would claim most of its memory), its prompt so that the
     decode contexts centre on `context_len`; after each of the engine's decode steps, one `decode_step` at
     `context_len` (the mode the engine decodes with on this device: a CUDA graph on CUDA, eager elsewhere).
     A step is the wall time of one `engine.step()` call, one output token: what a caller, and `serve`'s ITL,
     gets. Each engine step is paired with the forward step after it, so a load that comes and goes slows
     both. Returns the medians over every timed step ("engine_s", "forward_s"), the median of the paired ratios
     ("ratio"), and each round's median of them ("round_ratios"), the run's own spread."""
-    from ..engine import LLMEngine  # a wing may import the book; steps.py's other users need no engine
     cfg, device = model.config, model.device
     prompt_len = min(max(1, context_len - steps // 2), cfg.n_ctx - 1)
     steps = min(steps, cfg.n_ctx - prompt_len)
@@ -124,7 +126,8 @@ def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int
     mode = "graph" if device.type == "cuda" else "eager"
     forward = decode_step(model, min(context_len, cfg.n_ctx - 1), 1, seed, mode)
     engine_s, forward_s, ratios, round_ratios = [], [], [], []
-    with LLMEngine(model, record_timeline=False) as engine:
+    pool = CacheConfig(num_gpu_blocks_override=-(-cfg.n_ctx // CacheConfig.block_size) + 1)
+    with LLMEngine(model, cache_config=pool, record_timeline=False) as engine:
         for r in range(warmup + rounds):
             engine.add_request(prompt, params)
             while not engine.step():  # the prefill, up to the first token
