@@ -37,6 +37,7 @@ that made them: docs/cpu_kernels.md.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -203,17 +204,30 @@ def numpy_blas_pays(device: torch.device, dtype: torch.dtype, vendor: str, blas:
             and threads_sleep)
 
 
+NUMPY_LOADED_FIRST = (
+    "numpy's OpenBLAS was loaded before minillm (`import torch` loads it), so its idle threads spin and one-row "
+    "products stay on torch's BLAS, which streams fp32 more slowly on this AMD CPU (and torch's OpenMP threads spin "
+    "at barriers, which a busy machine pays at every kernel): every step at batch 1, the engine's most, is slower "
+    "than `python -m minillm bench` times. Import minillm before torch and numpy, or set OMP_WAIT_POLICY=PASSIVE "
+    "and OPENBLAS_THREAD_TIMEOUT=4 in the environment (docs/bench.md: the engine's step against the forward step)")
+
+
 def choose_layout(model: GPT2, numpy_one_row: bool | None = None, packed: bool | None = None) -> GPT2:
     """Lay the model out for its device, once the weights are final (the loader calls it), and choose this CPU's
     attention kernel (`use_decode_attention_by_hand`).
 
     On a CPU: packed copies where `packing_pays`; the head's [C, V] copy, unless bf16's packed copy serves every
     row; one row through numpy's BLAS where `numpy_blas_pays`. On a GPU cuBLAS reads either layout at the same
-    speed: model.py's modules. `numpy_one_row` and `packed` override this machine's answers."""
+    speed: model.py's modules. `numpy_one_row` and `packed` override this machine's answers. Where numpy's BLAS
+    would pay but its threads spin (numpy loaded before minillm), a RuntimeWarning says so and how to import."""
     on_cpu, flags = model.device.type == "cpu", cpuinfo("flags")
     packs = packing_pays(model.device, model.dtype, flags) if packed is None else packed
     if numpy_one_row is None:
-        numpy_one_row = numpy_blas_pays(model.device, model.dtype, cpu_vendor(), numpy_blas(), openblas_threads_sleep())
+        vendor, blas, sleeps = cpu_vendor(), numpy_blas(), openblas_threads_sleep()
+        numpy_one_row = numpy_blas_pays(model.device, model.dtype, vendor, blas, sleeps)
+        if not sleeps and numpy_blas_pays(model.device, model.dtype, vendor, blas, True) and \
+                isinstance(model.h[0].mlp.c_fc, Conv1D):  # int8's modules (quantize.py) never take numpy's BLAS
+            warnings.warn(NUMPY_LOADED_FIRST, RuntimeWarning, stacklevel=2)
     use_decode_attention_by_hand(bf16_decode_by_hand_pays(flags))
     return lay_out(model, head_copy=on_cpu and not (packs and model.dtype == torch.bfloat16), packed=packs,
                    numpy_one_row=numpy_one_row)

@@ -20,6 +20,12 @@ def test_bench_reports_its_threads_load_and_aims_against_named_measured_ceilings
     assert f"weight reads at ≥ 80% of the bandwidth measured here ({bw})" in aims
     assert f"the peak measured here ({bench.si(r['ceilings']['matmul_flops'], 'FLOP/s')})" in aims
     assert "other processes kept 1.0 cores busy" in "\n".join(lines)
+    e = r["engine"]  # the engine's own step, LLMEngine.step() at batch 1, beside the forward step it is not
+    assert len(e["round_ratios"]) == 2 and e["steps"] >= 1 and e["engine_s"] > 0 and e["forward_s"] > 0
+    text = "\n".join(lines)
+    assert "forward step" in text and "(the engine's)" not in text
+    assert "batch 1 through LLMEngine.step()" in text and f"paired, {e['ratio']:.2f}× the forward step" in text
+    assert f"aim ≤ {bench.ENGINE_STEP_GOAL:g}×" in text
     gpu = "\n".join(bench.report(r, on_gpu=True))
     assert "within 2× the weight-read floor" in gpu and bench.si(r["ceilings"]["bandwidth"], "B/s") in gpu
     for line in lines:  # every kernel beside its ceiling, the fastest at 100%, none above

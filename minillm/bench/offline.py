@@ -8,11 +8,16 @@ measures the device's ceilings first, in the model's dtype and weight format
 projection, int8's too; the bandwidth of the fastest of a copy, a sum, a
 matrix-vector product and the engine's one-row product; each the best of its repeats),
 then times one prefill of `--prompt-len` tokens per sequence and one decode step
-after `--context-len` cached tokens, both through the contiguous KV cache (the
-decode step the engine runs on the device: replayed as a CUDA graph on CUDA, eager
-elsewhere), and prints for each phase:
+after `--context-len` cached tokens, both the model's forward pass through the
+contiguous KV cache (the decode step in the mode the engine decodes with on the
+device: replayed as a CUDA graph on CUDA, eager elsewhere), and prints for each phase:
 
     tokens/s, achieved FLOP/s (% of the peak), achieved bytes/s (% of the bandwidth)
+
+Then the step the engine itself takes: `LLMEngine.step()` at batch 1 on the same
+model (the paged cache, its gather, the scheduler and sampling around the same
+forward pass), in turns with the forward step (`steps.engine_against_forward`),
+and their ratio against the aim: at most ENGINE_STEP_GOAL× the forward step.
 
 For decode it also prints the *weight-read floor*: weight bytes ÷ bandwidth, the
 fastest any step could be that reads every weight once as stored (int8: a byte). A batch-1 decode
@@ -48,12 +53,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import dtype_bytes
 from .cost import as_stored, decode_cost, prefill_cost
-from ..device import available_memory
+from .bench_checks import _check, check_arguments, check_memory, check_output_path  # noqa: F401  (bench.check_memory)
 from .roofline import achieved, measure_ceilings, raised_for_steps
 from ..quantize import quantization_of
-from .steps import time_decode, time_prefill
+from .steps import engine_against_forward, time_decode, time_prefill
 from .sweep import (DEFAULT_BATCHES, SWEEP_CONTEXT, beside_busy_core, blas_check, blas_report, busy_report,
                     parse_batches, sweep)
 from .sweep import report as sweep_report
@@ -69,6 +73,8 @@ CPU_DECODE_GOAL = 0.80   # batch-1 decode on a CPU: weight bytes per step ÷ ste
 CPU_PREFILL_GOAL = 0.60  # 512-token prefill on a CPU in fp32: share of the peak (the faster of a matmul and
                          # the engine's projection, best repeats)
 GPU_DECODE_GOAL = 2.0    # decode step time within this factor of the weight-read floor
+ENGINE_STEP_GOAL = 1.15  # the engine's batch-1 step (LLMEngine.step) ÷ the model's forward step, timed in turns
+ENGINE_STEPS = 32        # decode steps per round of the engine's figure
 GOAL_PROMPT_LEN = 512
 EMULATED_SLOWDOWN = 3.0  # a dtype this much slower than fp32 at a matmul is emulated (native ones are as fast)
 
@@ -93,58 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the batch-1 step with its one-row products on numpy's BLAS and on torch's, "
                              "in turns, quiet and beside a busy core (fp32 on a CPU)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-
-
-def check_arguments(args: argparse.Namespace) -> None:
-    """Every number on the command line in its range, before anything is loaded or measured."""
-    for flag, low in (("batch", 1), ("prompt_len", 1), ("repeats", 1), ("warmup", 0), ("context_len", 0),
-                      ("threads", 1), ("sweep_context", 0)):
-        value = getattr(args, flag)
-        if value is not None and value < low:
-            raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least {low}")
-
-
-def check_output_path(flag: str, path: str | None) -> None:
-    """An output file's folder exists (made now if need be) and is writable, before any work is done."""
-    if path is None:
-        return
-    target = Path(path)
-    try:
-        if target.is_dir():
-            raise IsADirectoryError(21, "it is a folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(target.parent, os.W_OK):
-            raise PermissionError(13, "its folder is not writable")
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror}); give a path in a writable folder") \
-            from None
-
-
-def check_memory(cfg, dtype: torch.dtype, device: torch.device, prompt_len: int, context: int, batch: int) -> None:
-    """Refuse, before measuring, a batch whose KV cache and activations cannot fit in the device's memory.
-
-    The larger of the two phases, counted from below: the prefill holds the KV of batch × prompt_len tokens
-    and, at its peak, about 8 activations of n_embd per token (the residual, the layer norm, q, k, v and the
-    MLP's 4 · n_embd); the decode step holds the KV of batch × (context + 1) tokens."""
-    per_token = cfg.kv_bytes_per_token(dtype)
-    prefill_tokens = batch * prompt_len
-    prefill = prefill_tokens * (per_token + 8 * cfg.n_embd * dtype_bytes(dtype))
-    decode = batch * (context + 1) * per_token
-    need, have = max(prefill, decode), available_memory(device)
-    if need > have:
-        phase = (f"the prefill of {batch} × {prompt_len} tokens, KV and activations" if prefill >= decode else
-                 f"the decode step's KV of {batch} × {context + 1} tokens")
-        raise ValueError(f"--batch {batch} needs at least {need / 2**30:,.1f} GiB ({phase}) but {device} has "
-                         f"{have / 2**30:,.1f} GiB available; lower --batch (at most about "
-                         f"{max(1, int(batch * have / need)):,} fits) or --prompt-len / --context-len")
-
-
-def _check(args: argparse.Namespace, n_ctx: int) -> int:
-    context = args.prompt_len if args.context_len is None else args.context_len
-    if args.prompt_len > n_ctx or context + 1 > n_ctx:
-        raise ValueError(f"--prompt-len {args.prompt_len} / --context-len {context} (+1 new token) exceed the "
-                         f"model's n_ctx={n_ctx}; use at most {n_ctx} and {n_ctx - 1}")
-    return context
 
 
 def emulation_slowdown(device: torch.device, dtype: torch.dtype, n: int = 512) -> tuple[float, float]:
@@ -172,6 +126,9 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
     mode = "graph" if device.type == "cuda" else "eager"  # the step the engine decodes with on this device
     progress(f"timing a decode step ({mode}): {warmup} + {repeats} steps after {context_len} cached tokens")
     t_decode = time_decode(model, context_len, batch, warmup, repeats, mode=mode).median_s
+    progress(f"timing the engine's batch-1 step (LLMEngine.step) in turns with the forward step: {warmup} + "
+             f"{repeats} requests of {ENGINE_STEPS} tokens around {context_len} cached")
+    engine = engine_against_forward(model, context_len, ENGINE_STEPS, repeats, warmup)
     pre_cost = as_stored(prefill_cost(cfg, prompt_len, batch, dtype), model)  # int8: a byte a weight
     dec_cost = as_stored(decode_cost(cfg, context_len, batch, dtype), model)
     ceilings = raised_for_steps(ceilings, {"the prefill": (pre_cost, t_prefill), "the decode step": (dec_cost, t_decode)})
@@ -181,7 +138,8 @@ def bench(model, prompt_len: int, context_len: int, batch: int = 1, warmup: int 
             "decode": {**dec, "mode": mode, "tokens_per_s": batch / t_decode,
                        "weight_frac_bandwidth": dec["weight_bytes_per_s"] / ceilings.bandwidth,
                        "weight_read_floor_s": weight_floor, "times_floor": t_decode / weight_floor},
-            "ceilings": ceilings.as_dict(), "prompt_len": prompt_len, "context_len": context_len, "batch": batch}
+            "engine": engine, "ceilings": ceilings.as_dict(), "prompt_len": prompt_len, "context_len": context_len,
+            "batch": batch}
 
 
 def report(result: dict, on_gpu: bool) -> list[str]:
@@ -210,13 +168,20 @@ def report(result: dict, on_gpu: bool) -> list[str]:
         f"prefill  batch {result['batch']} × {result['prompt_len']} tokens: {p['seconds'] * 1e3:.2f} ms, "
         f"{si(p['tokens_per_s'], 'tok/s')}, {si(p['flops_per_s'], 'FLOP/s')} "
         f"({p['frac_matmul_flops']:.0%} of peak), {si(p['bytes_per_s'], 'B/s')} ({p['frac_bandwidth']:.0%} of bw)",
-        f"decode   batch {result['batch']} after {result['context_len']} tokens, {d['mode']} step (the engine's): "
+        f"decode   batch {result['batch']} after {result['context_len']} tokens, the model's {d['mode']} forward step: "
         f"{d['seconds'] * 1e3:.2f} ms, "
         f"{si(d['tokens_per_s'], 'tok/s')}, {si(d['flops_per_s'], 'FLOP/s')} ({d['frac_matmul_flops']:.0%} of peak), "
         f"{si(d['bytes_per_s'], 'B/s')} ({d['frac_bandwidth']:.0%} of bw)",
         f"         weights read {si(d['weight_bytes_per_s'], 'B/s')} ({d['weight_frac_bandwidth']:.0%} of bw); "
         f"weight-read floor {d['weight_read_floor_s'] * 1e3:.2f} ms → step is {d['times_floor']:.2f}× the floor",
     ]
+    if "engine" in result:
+        e = result["engine"]
+        lines += [f"engine   batch 1 through LLMEngine.step(), {e['rounds']} requests of {e['steps']} decode steps "
+                  f"after a {e['prompt_len']}-token prompt, each step in turns with the forward step:",
+                  f"         {e['engine_s'] * 1e3:.2f} ms a token against {e['forward_s'] * 1e3:.2f}; paired, "
+                  f"{e['ratio']:.2f}× the forward step (requests {min(e['round_ratios']):.2f}–"
+                  f"{max(e['round_ratios']):.2f}×); aim ≤ {ENGINE_STEP_GOAL:g}×"]
     if on_gpu:
         lines.append(f"aims     decode: a step within {GPU_DECODE_GOAL:g}× the weight-read floor, weight bytes ÷ the "
                      f"bandwidth measured here ({si(c['bandwidth'], 'B/s')}): this run {d['times_floor']:.2f}×")

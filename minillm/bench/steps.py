@@ -7,10 +7,16 @@ the host time, and the non-view ones are roughly the kernels a GPU launches.
 `time_decode(..., mode=)` times the same decode step eager, on static buffers,
 or replayed as a CUDA graph (`cuda_graphs.py`), so a lesson sets each against
 the floor of `cost.weight_read_floor`.
+
+`engine_against_forward` times the step a user of the engine gets, `LLMEngine.step()` at batch 1 (schedule,
+the paged cache's metadata and gather, the forward pass on the loaded model's layout, sampling, bookkeeping),
+in turns with `decode_step`'s forward pass alone on the same model: their ratio is what the engine adds.
 """
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -19,7 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..cuda_graphs import DecodeRunner
+from ..device import synchronize
+from ..engine import LLMEngine
 from ..kv_cache import KVCache, Segment
+from ..kv_pool import CacheConfig
+from ..sampling_params import SamplingParams
 from .timing import Timing, time_fn
 
 
@@ -92,6 +102,52 @@ def time_decode(model, cached_len: int, batch: int = 1, warmup: int = 1, repeats
                 seed: int = 0, mode: str = "eager") -> Timing:
     """Time `decode_step` (same arguments): `batch` sequences each add a token after `cached_len` cached ones."""
     return time_fn(decode_step(model, cached_len, batch, seed, mode), model.device, warmup, repeats)
+
+
+def engine_against_forward(model, context_len: int, steps: int = 32, rounds: int = 3, warmup: int = 1,
+                           seed: int = 0) -> dict:
+    """The engine's batch-1 decode step against the model's forward step, timed in turns on `model` as loaded.
+
+    Each round runs one greedy request of `steps` tokens alone through an `LLMEngine` built on `model` (its
+    defaults, as `load_model` then `LLMEngine` and `serve` build it, but a pool of one context's blocks: a step
+    reads only its own table's, and a GPU's default pool would claim most of its memory), its prompt so that the
+    decode contexts centre on `context_len`; after each of the engine's decode steps, one `decode_step` at
+    `context_len` (the mode the engine decodes with on this device: a CUDA graph on CUDA, eager elsewhere).
+    A step is the wall time of one `engine.step()` call, one output token: what a caller, and `serve`'s ITL,
+    gets. Each engine step is paired with the forward step after it, so a load that comes and goes slows
+    both. Returns the medians over every timed step ("engine_s", "forward_s"), the median of the paired ratios
+    ("ratio"), and each round's median of them ("round_ratios"), the run's own spread."""
+    cfg, device = model.config, model.device
+    prompt_len = min(max(1, context_len - steps // 2), cfg.n_ctx - 1)
+    steps = min(steps, cfg.n_ctx - prompt_len)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    mode = "graph" if device.type == "cuda" else "eager"
+    forward = decode_step(model, min(context_len, cfg.n_ctx - 1), 1, seed, mode)
+    engine_s, forward_s, ratios, round_ratios = [], [], [], []
+    pool = CacheConfig(num_gpu_blocks_override=-(-cfg.n_ctx // CacheConfig.block_size) + 1)
+    with LLMEngine(model, cache_config=pool, record_timeline=False) as engine:
+        for r in range(warmup + rounds):
+            engine.add_request(prompt, params)
+            while not engine.step():  # the prefill, up to the first token
+                pass
+            es, fs, paired = [], [], []
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()  # samples on the host: the step has finished when it returns
+                es.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                forward()
+                synchronize(device)
+                fs.append(time.perf_counter() - t0)
+                paired.append(es[-1] / fs[-1])
+            if r >= warmup:
+                engine_s, forward_s, ratios = engine_s + es, forward_s + fs, ratios + paired
+                round_ratios.append(statistics.median(paired))
+    return {"engine_s": statistics.median(engine_s), "forward_s": statistics.median(forward_s),
+            "ratio": statistics.median(ratios), "round_ratios": round_ratios, "steps": len(es),
+            "rounds": rounds, "prompt_len": prompt_len, "context_len": context_len}
 
 
 # ---- launch overhead ------------------------------------------------------------------
