@@ -150,7 +150,7 @@ def to_gguf(home: Path, checkpoint: Path, out: Path) -> dict[str, Path]:
 def llama_steps(home: Path, gguf: Path, threads: int, prompt_len: int, batches, steps: int = 16) -> dict:
     """{"decode_ms": {batch: ms per decode step}, "prefill_tok_s": …} from one `llama-batched-bench` run:
     each batch's sequences prefill `prompt_len` tokens apiece, then decode `steps` tokens together."""
-    ctx = max(batches) * (prompt_len + steps)
+    ctx = max(batches) * (prompt_len + steps + 16)  # 16 spare slots a sequence: llama.cpp pads its cache
     out = run_tool([home / "build" / "bin" / "llama-batched-bench", "-m", gguf, "-t", threads, "-tb", threads,
                     "-c", ctx, "-b", 2048, "-ub", 512, "-npp", prompt_len, "-ntg", steps,
                     "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"],

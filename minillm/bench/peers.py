@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from .peer_engines import PeerMissing, ct2_models, ct2_steps, llama_cpp, llama_steps, to_gguf, write_checkpoint
+from .peer_engines import (LLAMA_SDIST, PeerMissing, ct2_models, ct2_steps, llama_cpp, llama_steps, to_gguf,
+                           write_checkpoint)
 
 MINILLM = {"minillm fp32": ("fp32", None), "minillm int8": ("fp32", "int8"), "minillm bf16": ("bf16", None)}
 LLAMA = {"llama.cpp f32": "f32", "llama.cpp Q8_0": "Q8_0"}
@@ -39,7 +40,7 @@ RATIOS = [("fp32 batch 1 ÷ llama.cpp f32", ("minillm fp32", 1), ("llama.cpp f32
           ("int8 batch 16 ÷ CTranslate2 int8", ("minillm int8", 16), ("CTranslate2 int8", 16), 1.0, "≤"),
           ("fp32 prefill ÷ llama.cpp f32 (tok/s)", ("minillm fp32", "prefill"), ("llama.cpp f32", "prefill"),
            1.0, "≥")]
-BUILD_MIN, CONVERT_MIN, ROUND_S = 40, 3, 60  # the first run's build and conversions, a round: on 2 busy cores
+BUILD_MIN, CONVERT_MIN, ROUND_S = 20, 3, 90  # the first run's build and conversions, a round: on 2 busy cores
 
 
 def default_cache() -> Path:
@@ -166,6 +167,7 @@ def main(argv=None) -> dict:
     add_arguments(p)
     args = p.parse_args(argv)
     args.batches = tuple(int(b) for b in args.batches.split(","))
+    from .timing import device_name
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -185,8 +187,9 @@ def main(argv=None) -> dict:
         say(f"round {r + 1}/{args.rounds} done, {time.perf_counter() - started:.0f} s in, "
             f"load average {os.getloadavg()[0]:.1f}")
     floors = weight_floors(models)
-    lines = [f"gpt2-shaped {args.model}, random init, {args.threads} threads, {args.context} cached tokens, "
-             f"medians of {args.rounds} rounds in turns; load average {os.getloadavg()[0]:.2f}", "",
+    lines = [f"{device_name('cpu')}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end; "
+             f"{args.model}'s shape, random init, {args.threads} threads, {args.context} cached tokens, medians of "
+             f"{args.rounds} rounds in turns; {versions()}", "",
              *table(results, floors["s"], args.batches, args.prompt_len), "",
              f"weight-read floor: weight bytes read per step ÷ {floors['bandwidth'] / 1e9:.1f} GB/s measured read "
              "bandwidth (" + ", ".join(f"{n.split()[1]} {b / 1e6:.0f} MB" for n, b in floors["bytes"].items()) + ")",
@@ -197,6 +200,17 @@ def main(argv=None) -> dict:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
+
+
+def versions() -> str:
+    """The engines' versions, for the table's caption."""
+    import torch
+    try:
+        import ctranslate2
+        ct2 = f", CTranslate2 {ctranslate2.__version__}"
+    except ImportError:
+        ct2 = ""
+    return f"torch {torch.__version__}, llama.cpp from the {LLAMA_SDIST} sdist{ct2}"
 
 
 def weight_floors(models: dict) -> dict:
