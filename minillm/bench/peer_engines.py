@@ -181,9 +181,10 @@ def ct2_models(checkpoint: Path, out: Path) -> dict[str, Path]:
 
 def ct2_steps(path: Path, compute_type: str, threads: int, prompt_len: int, batches, steps: int = 16,
               seed: int = 0) -> dict:
-    """{"decode_ms": {batch: ms per step}, "prefill_tok_s": None}: a step is (the time of a prompt and
-    `steps` + 1 new tokens − that of the prompt and 1) ÷ `steps`; greedy, every sequence held to its length
-    (min_length), on `threads` threads."""
+    """{"decode_ms": {batch: ms per step}, "prefill_tok_s": …}: a step is (the time of a prompt and `steps` + 1
+    new tokens − that of the prompt and 1) ÷ `steps`, and a prefill the prompt and 1 token (its first token
+    comes from the prompt's forward pass), one sequence; greedy, every sequence held to its length (min_length),
+    on `threads` threads."""
     import ctranslate2
     import numpy as np
 
@@ -199,8 +200,9 @@ def ct2_steps(path: Path, compute_type: str, threads: int, prompt_len: int, batc
                            include_prompt_in_result=False)
         return time.perf_counter() - t0
 
-    decode = {}
+    decode, first = {}, {}
     for b in batches:
         timed(b, 1)  # warm-up
-        decode[b] = (timed(b, steps + 1) - timed(b, 1)) * 1e3 / steps
-    return {"decode_ms": decode, "prefill_tok_s": None}
+        first[b] = timed(b, 1)  # the prompt's forward pass and its one token: a prefill
+        decode[b] = (timed(b, steps + 1) - first[b]) * 1e3 / steps
+    return {"decode_ms": decode, "prefill_tok_s": prompt_len / first[min(batches)]}

@@ -5,8 +5,8 @@
 The same random-init checkpoint (`peer_engines.write_checkpoint`) goes to every engine: minillm loads it
 in fp32, int8 weight-only (`--quantization int8`) and bf16; llama.cpp reads it as f32 and Q8_0 GGUF;
 CTranslate2 as float32 and int8. Each round times, in each engine and in an order that rotates from
-round to round, a decode step of 1, 4 and 16 sequences after `--context` cached tokens and (minillm,
-llama.cpp) a prefill of `--prompt-len` tokens; the table holds the medians over rounds. minillm's step
+round to round, a decode step of 1, 4 and 16 sequences after `--context` cached tokens and a prefill of
+`--prompt-len` tokens; the table holds the medians over rounds. minillm's step
 is `steps.decode_step`, the model's forward step over the contiguous cache that `bench` sweeps.
 
 Beside each minillm dtype: its weight-read floor, the bytes one step reads as the model stores them
