@@ -60,7 +60,19 @@ def test_without_llama_cpp_or_ctranslate2_each_gets_one_line_and_minillm_runs_al
     assert said == [f"peer missing: llama.cpp: no llama-bench, llama-batched-bench, llama-quantize in "
                     f"{tmp_path / 'missing'}, and building was turned off (--no-build)",
                     "peer missing: CTranslate2: `import ctranslate2` failed (pip install -e .[peers])"]
-    assert "already built" not in peers.budget(arguments(tmp_path))
+
+
+def test_the_time_budget_counts_a_build_and_conversions_only_where_they_are_missing(tmp_path):
+    first = peers.budget(arguments(tmp_path))  # 20 min build + 3 min conversions + 3 rounds of 160 s
+    assert first.startswith("time budget: about 31 min") and "to build llama.cpp once" in first
+    assert "to convert the checkpoint once" in first
+    bin_dir = tmp_path / "missing" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "llama-batched-bench").touch()
+    (tmp_path / "peers" / "gpt2-converted").mkdir(parents=True)
+    (tmp_path / "peers" / "gpt2-converted" / "model-Q8_0.gguf").touch()
+    again = peers.budget(arguments(tmp_path, rounds=5))
+    assert again.startswith("time budget: about 13 min") and "build" not in again and "convert" not in again
 
 
 def test_llama_cpp_that_cannot_be_built_says_what_was_tried_and_what_failed(tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ RATIOS = [("fp32 batch 1 ÷ llama.cpp f32", ("minillm fp32", 1), ("llama.cpp f32
           ("int8 batch 16 ÷ CTranslate2 int8", ("minillm int8", 16), ("CTranslate2 int8", 16), 1.0, "≤"),
           ("fp32 prefill ÷ llama.cpp f32 (tok/s)", ("minillm fp32", "prefill"), ("llama.cpp f32", "prefill"),
            1.0, "≥")]
-BUILD_MIN, CONVERT_MIN, ROUND_S = 20, 3, 90  # the first run's build and conversions, a round: on 2 busy cores
+BUILD_MIN, CONVERT_MIN, ROUND_S = 20, 3, 160  # the first run's build and conversions, a round: on 2 busy cores
 
 
 def default_cache() -> Path:
@@ -153,13 +153,15 @@ def peers(args, checkpoint: Path, say) -> dict:
 
 
 def budget(args) -> str:
+    """The run's time, said before it starts: a build and conversions only where their outputs are missing."""
     home = args.llama_cpp or args.cache_dir / "llama.cpp"
-    built = (home / "build" / "bin" / "llama-batched-bench").is_file()
-    first = (0 if built or args.no_build else BUILD_MIN) + CONVERT_MIN
-    return (f"time budget: about {first + args.rounds * ROUND_S / 60:.0f} min on 2 busy cores "
-            f"({'llama.cpp already built; ' if built else f'up to {BUILD_MIN} min to build llama.cpp once; '}"
-            f"{CONVERT_MIN} min of conversions the first time, cached in {args.cache_dir}; "
-            f"{args.rounds} rounds of about {ROUND_S} s)")
+    build = 0 if (home / "build" / "bin" / "llama-batched-bench").is_file() or args.no_build else BUILD_MIN
+    converted = (args.cache_dir / "peers" / f"{args.model}-converted" / "model-Q8_0.gguf").is_file()
+    minutes = build + (0 if converted else CONVERT_MIN) + args.rounds * ROUND_S / 60
+    return (f"time budget: about {minutes:.0f} min on 2 busy cores ("
+            + (f"up to {BUILD_MIN} min to build llama.cpp once; " if build else "")
+            + ("" if converted else f"{CONVERT_MIN} min to convert the checkpoint once; ")
+            + f"{args.rounds} rounds of up to {ROUND_S} s; cache {args.cache_dir})")
 
 
 def main(argv=None) -> dict:
