@@ -84,6 +84,20 @@ def test_llama_cpp_that_cannot_be_built_says_what_was_tried_and_what_failed(tmp_
     assert not (tmp_path / "missing").exists()  # nothing downloaded, nothing half-made
 
 
+@pytest.mark.parametrize("source", ["src", "."])
+def test_a_built_llama_cpp_is_found_in_this_scripts_layout_or_a_checkouts(tmp_path, source):
+    home = tmp_path / "llama.cpp"
+    (home / "build" / "bin").mkdir(parents=True)
+    for tool in peer_engines.LLAMA_TOOLS:
+        (home / "build" / "bin" / tool).touch()
+    with pytest.raises(peer_engines.PeerMissing, match="no convert_hf_to_gguf.py in"):
+        peer_engines.llama_cpp(home, build=False)
+    (home / source).mkdir(exist_ok=True)
+    (home / source / "convert_hf_to_gguf.py").touch()
+    assert peer_engines.llama_cpp(home, build=False) == home
+    assert peer_engines.llama_source(home) == home / source  # home / "." is home
+
+
 def test_llama_batched_bench_output_becomes_ms_per_step_and_prefill_tok_s(tmp_path):
     home = tmp_path / "llama.cpp"
     (home / "build" / "bin").mkdir(parents=True)

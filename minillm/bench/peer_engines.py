@@ -94,9 +94,15 @@ def write_checkpoint(folder: Path, preset: str, seed: int = 0) -> Path:
 
 # ---- llama.cpp ----------------------------------------------------------------------------------
 
+def llama_source(home: Path) -> Path:
+    """Where `home` keeps llama.cpp's source: `src/` as this script builds it, else `home` itself (a checkout)."""
+    return home / "src" if (home / "src" / "convert_hf_to_gguf.py").is_file() else home
+
+
 def llama_cpp(home: Path, build: bool = True, log=print) -> Path:
-    """`home`, holding llama.cpp's source in `src/` and its tools in `build/bin/`: found, or built there."""
-    bin_dir, src = home / "build" / "bin", home / "src"
+    """`home`, holding llama.cpp's source (`src/`, or `home` itself: a checkout) and its tools in `build/bin/`:
+    found, or built there."""
+    bin_dir, src = home / "build" / "bin", llama_source(home)
     missing = [t for t in LLAMA_TOOLS if not (bin_dir / t).is_file()]
     if not missing and (src / "convert_hf_to_gguf.py").is_file():
         return home
@@ -108,6 +114,7 @@ def llama_cpp(home: Path, build: bool = True, log=print) -> Path:
         raise PeerMissing(f"llama.cpp: {found}, and it cannot be built here: no {' or '.join(tools)} on PATH "
                           "(apt-get install cmake g++)")
     home.mkdir(parents=True, exist_ok=True)
+    src = home / "src" if src == home and not (home / "CMakeLists.txt").is_file() else src
     if not (src / "CMakeLists.txt").is_file():
         run_tool([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_SDIST,
                   "-d", home], f"llama.cpp: {found}; downloading its source (pip download {LLAMA_SDIST})")
@@ -139,7 +146,8 @@ def to_gguf(home: Path, checkpoint: Path, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     f32, q8 = out / "model-f32.gguf", out / "model-Q8_0.gguf"
     if not f32.is_file():
-        run_tool([sys.executable, "-c", CONVERT, home / "src", checkpoint, "--outtype", "f32", "--outfile", f32],
+        run_tool([sys.executable, "-c", CONVERT, llama_source(home), checkpoint, "--outtype", "f32",
+                  "--outfile", f32],
                  "llama.cpp: convert_hf_to_gguf.py --outtype f32", out / "convert.log")
     if not q8.is_file():
         run_tool([home / "build" / "bin" / "llama-quantize", f32, q8, "Q8_0"], "llama.cpp: llama-quantize Q8_0",
