@@ -8,8 +8,9 @@ goes to each engine through that engine's own converter:
   timed by `llama-batched-bench` (a prefill of `npp` tokens per sequence, then `ntg` decode steps of
   `npl` sequences at once). Where no build is found in `<home>/build/bin`, it is built once there from
   the llama.cpp that the `llama-cpp-python` sdist vendors (fetched with pip), Release, `-DGGML_NATIVE=ON`,
-  only the tools used.
-- CTranslate2: `ct2-transformers-converter --quantization float32|int8`, timed through
+  only `LLAMA_TOOLS` (`llama-bench` too, for a reader's own `-d` depth checks).
+- CTranslate2: `ct2-transformers-converter --quantization float32|int8` (as `python -m
+  ctranslate2.converters.transformers`, the interpreter's own install), timed through
   `Generator.generate_batch`: a decode step is the time of `n` more greedy tokens over `n`.
 
 Every failure is a `PeerMissing` whose one line says what was tried and what failed; nothing here is
