@@ -105,7 +105,8 @@ def ratio_lines(results: dict) -> list[str]:
         r = ratio(results, num, den)
         if r is None:
             absent = [e for e, _ in (num, den) if e not in results]
-            lines.append(f"{what}: not measured ({absent[0] + ' did not run' if absent else 'not timed'})")
+            why = f"{absent[0]} did not run" if absent else f"batch {num[1]} not in --batches"
+            lines.append(f"{what}: not measured ({why})")
             continue
         met = r[0] <= target if way == "≤" else r[0] >= target
         lines.append(f"{what}: {r[0]:.2f}× (rounds {r[1]:.2f}–{r[2]:.2f}; target {way} {target:g}×: "
