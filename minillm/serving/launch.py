@@ -219,7 +219,8 @@ def run(args) -> int:
     caught: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it shut down for: make that a no-op
         signal.signal(sig, lambda s, frame: caught.append(s))
-    print(f"serving {name} ({model.weights_source}) on {device} at http://{args.host}:{args.port}/v1 "
+    weights = f"{str(model.dtype).removeprefix('torch.')}{f', {args.quantization} weights' * bool(args.quantization)}"
+    print(f"serving {name} ({model.weights_source}, {weights}) on {device} at http://{args.host}:{args.port}/v1 "
           f"(max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
           f"chunked prefill {'on' if args.enable_chunked_prefill else 'off'}, prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}, {engine.stats().num_blocks} KV blocks"
