@@ -19,13 +19,13 @@ What this lesson measures
 -------------------------
 Decode steps at a fixed context for a sweep of batches, and a prefill, for the three variants, in turns; each
 beside the roofline's prediction, made before it measures: max(FLOPs ÷ peak, bytes ÷ bandwidth), bytes as each
-model stores them (`cost.weight_bytes_read`), the peak of the dtype its product computes in. The prediction
-leaves out the host work and small kernels a step also pays, so "close to the byte ratio" is measured ÷
-predicted ≥ CLOSE. Prefill and the shrinking advantage are judged against the geometric middle between the
-two stories (bytes, or arithmetic): the run says which one its numbers follow. The cost, on a seeded model
-whose next token depends on its context (std 0.3; GPT-2's own 0.02 init gives one token whatever the context,
-and every variant would "agree"): max |logit diff|, KL(fp32 ‖ x), greedy agreement along a long fp32
-generation; perplexity on real text where real weights are present.
+model stores them (`cost.weight_bytes_read`), the peak of the dtype its product computes in. It leaves out the
+host work and small kernels a step also pays, so "close to the byte ratio" is measured ÷ predicted ≥ CLOSE.
+Prefill and the shrinking advantage are judged against the geometric middle between the two stories (bytes,
+or arithmetic): the run says which one its numbers follow. The cost, on a seeded model whose next token
+depends on its context (std 0.3; on GPT-2's own 0.02 init every variant would "agree"): max |logit diff|,
+KL(fp32 ‖ x), greedy agreement along a long fp32 generation, each beside the additive-noise model's prediction
+(`minillm/bench/accuracy.py`); perplexity on real text where real weights are present.
 
 Predict before you run: how much faster is an int8 decode step than fp32's on this machine, and a prefill?
 """
@@ -39,17 +39,16 @@ import statistics
 from common import (REPO_ROOT, make_parser, ms, plot_checks, plt, predict, print_table, quiet_load_model, run,
                     save_plot, si, start, ticks_at, write_results)
 import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
-import torch.nn.functional as F
 from minillm.bench.verdict import Check, Fact, interleave, judge, print_verdict, settled
 
-from minillm import PRESETS, GPT2, SamplingParams
-from minillm.engine import LLMEngine
+from minillm import PRESETS, GPT2
+from minillm.bench.accuracy import (ROUNDERS, context_sensitivity, first_divergence, greedy_runs, logit_error,
+                                    noisy_copy, perplexity as text_perplexity)
 from minillm.bench.cost import as_stored, decode_cost, prefill_cost, weight_bytes_read
 from minillm.bench.roofline import measure_ceilings
 from minillm.bench.steps import decode_step, prefill_step
 from minillm.checkpoints.tokenizer import load_tokenizer
 from minillm.cpu_layout import choose_layout, cpuinfo, native_bf16
-from minillm.kv_pool import CacheConfig
 from minillm.quantize import FUSED_MAX_ROWS, WeightOnlyInt8Linear, WeightOnlyInt8LMHead, quantize
 
 NAME = "06_fewer_bytes"
@@ -60,7 +59,6 @@ MAX_ABS_DIFF = 2.0         # on that model's logits of about ±11 (tests/test_qu
 MEAN_KL = 0.01             # nats, per position
 GREEDY_AGREEMENT = 0.9     # the variant's greedy choice equals fp32's at this share of fp32's generation
 SENSITIVE = 0.5            # the accuracy model changes its next token for this share of prompts whose first changes
-PPL_RATIO = 1.05           # real weights: the variant's perplexity ÷ fp32's, at most
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
@@ -72,38 +70,44 @@ def ceilings_for(device, dtype: torch.dtype, quick: bool):  # int8 takes bf16's:
     return measure_ceilings(device, dtype, quick=quick)
 
 
-def widened_bytes(model, cost) -> int:
-    """Bytes an int8 step moves to widen its weights to bf16 before the product (written and read back, 2 + 2 a
-    weight): on a CPU for more than FUSED_MAX_ROWS rows, elsewhere always; 0 for a model that is not int8."""
-    wide = lambda rows: model.device.type != "cpu" or rows > FUSED_MAX_ROWS  # noqa: E731
-    return sum(4 * m.weight.numel() for m in model.modules() if isinstance(m, WeightOnlyInt8Linear) and
-               wide(cost.tokens) or isinstance(m, WeightOnlyInt8LMHead) and wide(cost.lm_head_rows))
-
-
 def predicted_s(cost, model, peak: float, bandwidth: float) -> float:
-    """The roofline's time for a step: max(FLOPs ÷ peak, bytes ÷ bandwidth), the widening's bytes included."""
-    return max(cost.flops / peak, (cost.bytes + widened_bytes(model, cost)) / bandwidth)
+    """The roofline's time for a step: max(FLOPs ÷ peak, bytes ÷ bandwidth); an int8 model's bytes include
+    widening its weights to bf16 before the product (2 written + 2 read back a weight) on a CPU for more than
+    FUSED_MAX_ROWS rows, elsewhere always."""
+    wide = lambda rows: model.device.type != "cpu" or rows > FUSED_MAX_ROWS  # noqa: E731
+    widened = sum(4 * m.weight.numel() for m in model.modules() if isinstance(m, WeightOnlyInt8Linear) and
+                  wide(cost.tokens) or isinstance(m, WeightOnlyInt8LMHead) and wide(cost.lm_head_rows))
+    return max(cost.flops / peak, (cost.bytes + widened) / bandwidth)
 
 
 def plan(lesson, models: dict, ceil: dict, s: dict) -> dict:
-    """Every step's cost and predicted time, printed before anything is timed."""
+    """Every step's cost and predicted time, before anything is timed (the figures, without their times)."""
     cfg, bw = lesson.config, max(c.bandwidth for c in ceil.values())  # one bandwidth: the device's best read
     peak = {v: ceil[VARIANTS[v][0]].matmul_flops for v in VARIANTS}
-    steps = {}
+    f = {"decode": {v: [] for v in VARIANTS}, "prefill": {}, "bandwidth": bw, "peak": peak}
     for v, model in models.items():
         costs = {b: decode_cost(cfg, s["context"], b, VARIANTS[v][0]) for b in s["batches"]}
         for b, cost in {**costs, "prefill": prefill_cost(cfg, s["prompt"], 1, VARIANTS[v][0])}.items():
             cost = as_stored(cost, model)
-            steps[(v, b)] = {**({"batch": b} if b != "prefill" else {}), "bytes": cost.bytes, "flops": cost.flops,
-                             "predicted_s": predicted_s(cost, model, peak[v], bw)}
-    p1, pre = ({v: steps[(v, key)]["predicted_s"] for v in VARIANTS} for key in (1, "prefill"))
-    predict(lesson, f"batch-1 decode at context {s['context']}: fp32 {ms(p1['fp32'])}, bf16 {ms(p1['bf16'])}, int8 "
-            f"{ms(p1['int8'])} (bytes ÷ {si(bw, 'B/s')}): each step of the chain about "
-            f"{p1['fp32'] / p1['bf16']:.2f}× and {p1['bf16'] / p1['int8']:.2f}× faster",
-            f"prefill of {s['prompt']} tokens: bf16 ÷ int8 {pre['bf16'] / pre['int8']:.2f}×, fp32 ÷ int8 "
-            f"{pre['fp32'] / pre['int8']:.2f}× (peaks {si(peak['fp32'], 'FLOP/s')} in fp32, "
-            f"{si(peak['int8'], 'FLOP/s')} in bf16, where int8's product computes)")
-    return {"steps": steps, "bandwidth": bw, "peak": peak}
+            e = {"bytes": cost.bytes, "flops": cost.flops, "predicted_s": predicted_s(cost, model, peak[v], bw)}
+            f["decode"][v].append({"batch": b, **e}) if b != "prefill" else f["prefill"].update({v: e})
+    p1 = {v: f["decode"][v][0]["predicted_s"] for v in VARIANTS}
+    pre = {v: e["predicted_s"] for v, e in f["prefill"].items()}
+    lines = [f"batch-1 decode at context {s['context']}: fp32 {ms(p1['fp32'])}, bf16 {ms(p1['bf16'])}, int8 "
+             f"{ms(p1['int8'])} (bytes ÷ {si(bw, 'B/s')}): each step of the chain about "
+             f"{p1['fp32'] / p1['bf16']:.2f}× and {p1['bf16'] / p1['int8']:.2f}× faster",
+             f"prefill of {s['prompt']} tokens: bf16 ÷ int8 {pre['bf16'] / pre['int8']:.2f}×, fp32 ÷ int8 "
+             f"{pre['fp32'] / pre['int8']:.2f}× (peaks {si(peak['fp32'], 'FLOP/s')} in fp32, "
+             f"{si(peak['int8'], 'FLOP/s')} in bf16, where int8's product computes)"]
+    return {"figures": f, "lines": lines}
+
+
+def expected(f: dict) -> dict[str, float]:
+    """Each check's prediction, from the figures before anything is measured (their values stand in)."""
+    timed = {"decode": {v: [{**e, "times_s": [1.0]} for e in es] for v, es in f["decode"].items()},
+             "prefill": {v: {**e, "times_s": [1.0]} for v, e in f["prefill"].items()}}
+    acc = {**f["accuracy"], **{v: {**e, "first_divergence_median": 0} for v, e in f["accuracy"]["predicted"].items()}}
+    return {c.key: c.predicted for c in checks({**f, **timed, "accuracy": acc})}
 
 
 def ridge_batch(cfg, context: int, ridge: float) -> int:
@@ -111,37 +115,35 @@ def ridge_batch(cfg, context: int, ridge: float) -> int:
     return next((b for b in range(1, 4096) if decode_cost(cfg, context, b, torch.bfloat16).intensity >= ridge), 4096)
 
 
-def accuracy(s: dict) -> dict:
-    """fp32, bf16 and int8 copies of one context-sensitive model: each variant's logits along fp32's greedy
-    generations (teacher-forced), and how far its own greedy generation follows fp32's."""
-    cfg = PRESETS["tiny"]
-    base = GPT2(cfg, seed=None).eval()
+def accuracy_setup(s: dict) -> dict:
+    """fp32, bf16 and int8 copies of one context-sensitive model, fp32's greedy generations through the engine,
+    and the noise model's prediction of each variant's figures (`bench/accuracy.py`), before any variant runs."""
+    base = GPT2(PRESETS["tiny"], seed=None).eval()
     base.init_weights(0, std=CONTEXT_STD)
     models = {"fp32": choose_layout(copy.deepcopy(base)),
               "bf16": choose_layout(copy.deepcopy(base).to(torch.bfloat16)),
               "int8": choose_layout(quantize(copy.deepcopy(base).to(torch.bfloat16)))}
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, cfg.vocab_size, (s["prompts"], 8), generator=g).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.n_ctx - 8, ignore_eos=True)
-    runs = {v: [list(o.outputs[0].token_ids) for o in
-                LLMEngine(m, cache_config=CacheConfig(block_size=8)).generate(prompts, params)]
-            for v, m in models.items()}
-    out = {"positions": sum(map(len, runs["fp32"])), "generated": params.max_tokens}
+    V, n = base.config.vocab_size, base.config.n_ctx - 8
+    prompts = torch.randint(0, V, (s["prompts"], 8), generator=torch.Generator().manual_seed(1))
+    runs = greedy_runs(models["fp32"], prompts.tolist(), n)
+    ids = torch.cat([prompts, torch.tensor(runs)], dim=1)
     with torch.inference_mode():
-        ids = torch.tensor([p + t for p, t in zip(prompts, runs["fp32"])])
-        logits = {v: m(ids)[:, 7:-1].float() for v, m in models.items()}
-        changed = ids[:, :8].clone()
-        changed[:, 0] = (changed[:, 0] + 1) % cfg.vocab_size
-        last = [m(x)[:, -1].argmax(-1) for m, x in ((models["fp32"], ids[:, :8]), (models["fp32"], changed))]
-    out["context_sensitivity"] = (last[0] != last[1]).float().mean().item()
-    ref, chosen = logits["fp32"].log_softmax(-1), ids[:, 8:]
+        ref = models["fp32"](ids)[:, 7:-1]
+        predicted = {v: logit_error(ref, noisy_copy(base, [ROUNDERS[r] for r in rounders])(ids)[:, 7:-1], ids[:, 8:])
+                     for v, rounders in (("bf16", ["bf16"]), ("int8", ["int8", "bf16"]))}
+    return {"models": models, "prompts": prompts.tolist(), "runs": runs, "ids": ids, "ref": ref, "figures": {
+        "positions": n * len(runs), "predicted": predicted, "vocab": V,
+        "context_sensitivity": context_sensitivity(models["fp32"], prompts)}}
+
+
+def accuracy(a: dict) -> dict:
+    """Each variant's logits along fp32's generations, and how far its own greedy generation follows fp32's."""
+    out = a["figures"]
     for v in ("bf16", "int8"):
-        kl = (ref.exp() * (ref - logits[v].log_softmax(-1))).sum(-1)
-        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                 for x, y in zip(runs["fp32"], runs[v])]
-        out[v] = {"max_abs_diff": (logits[v] - logits["fp32"]).abs().max().item(), "mean_kl": kl.mean().item(),
-                  "max_kl": kl.max().item(), "greedy_agreement": (logits[v].argmax(-1) == chosen).float().mean().item(),
-                  "first_divergence_median": statistics.median(first)}
+        with torch.inference_mode():
+            out[v] = logit_error(a["ref"], a["models"][v](a["ids"])[:, 7:-1], a["ids"][:, 8:])
+        mine = greedy_runs(a["models"][v], a["prompts"], len(a["runs"][0]))
+        out[v]["first_divergence_median"] = statistics.median(first_divergence(a["runs"], mine))
     return out
 
 
@@ -150,25 +152,21 @@ def perplexity(lesson, models: dict) -> dict | None:
     tokenizer = None if lesson.model.weights_source.startswith("random-init") else load_tokenizer(lesson.args.model)
     if tokenizer is None or tokenizer.is_fallback:
         return None
-    text = (REPO_ROOT / "docs" / "design.md").read_text()
-    ids = torch.tensor([tokenizer.encode(text)[:lesson.config.n_ctx]], device=lesson.device)
+    ids = torch.tensor(tokenizer.encode((REPO_ROOT / "docs" / "design.md").read_text())[:lesson.config.n_ctx])
     with torch.inference_mode():
-        nll = {v: F.cross_entropy(m(ids)[0, :-1].float(), ids[0, 1:]).item() for v, m in models.items()}
-    return {"tokens": ids.shape[1], "text": "docs/design.md", **{v: math.exp(x) for v, x in nll.items()}}
+        return {"tokens": len(ids), "text": "docs/design.md",
+                **{v: text_perplexity(m(ids[None].to(lesson.device))[0].cpu(), ids) for v, m in models.items()}}
 
 
-def measure(lesson, models: dict, p: dict, s: dict, rest: dict) -> dict:
+def measure(lesson, models: dict, f: dict, s: dict) -> dict:
     """Every variant's decode steps and prefill, in turns; the figures every check is built from."""
-    fns = {}
-    for v, model in models.items():
-        fns.update({f"{v} batch {b}": decode_step(model, s["context"], b) for b in s["batches"]})
-        fns[f"{v} prefill"] = prefill_step(model, s["prompt"])
+    fns = {**{f"{v} batch {b}": decode_step(m, s["context"], b) for v, m in models.items() for b in s["batches"]},
+           **{f"{v} prefill": prefill_step(m, s["prompt"]) for v, m in models.items()}}
 
     def figures_of(rounds) -> dict:
-        return {**rest, "decode": {v: [{**p["steps"][(v, b)], "times_s": rounds.times(f"{v} batch {b}")}
-                                       for b in s["batches"]] for v in VARIANTS},
-                "prefill": {v: {**p["steps"][(v, "prefill")], "times_s": rounds.times(f"{v} prefill")}
-                            for v in VARIANTS}}
+        return {**f, "decode": {v: [{**e, "times_s": rounds.times(f"{v} batch {e['batch']}")} for e in es]
+                                for v, es in f["decode"].items()},
+                "prefill": {v: {**e, "times_s": rounds.times(f"{v} prefill")} for v, e in f["prefill"].items()}}
     rounds = interleave(fns, s["repeats"], device=lesson.device, desc="variants and batches, in turns",
                         until=settled(lambda r: checks(figures_of(r))))
     figures = figures_of(rounds)
@@ -182,8 +180,7 @@ def measure(lesson, models: dict, p: dict, s: dict, rest: dict) -> dict:
     return {"figures": figures, "rounds": rounds}
 
 
-def per_round(slow: dict, fast: dict) -> list[float]:
-    """One step's time ÷ another's, round by round (how many times faster `fast` is)."""
+def per_round(slow: dict, fast: dict) -> list[float]:  # how many times faster `fast` is, round by round
     return [a / b for a, b in zip(slow["times_s"], fast["times_s"])]
 
 
@@ -193,9 +190,9 @@ def vanishing_batch(d: dict, measured: bool) -> int:
                  if measured else b16["predicted_s"] / i8["predicted_s"]) <= 1), 0)
 
 
-def checks(f: dict) -> list[Check]:
+def checks(figures: dict) -> list[Check]:
     """The claim's checks, from the figures the lesson writes to its JSON."""
-    d, pre, out = f["decode"], f["prefill"], []
+    d, pre, out = figures["decode"], figures["prefill"], []
     for slow, fast in (("fp32", "bf16"), ("bf16", "int8")):
         pred = d[slow][0]["predicted_s"] / d[fast][0]["predicted_s"]
         out.append(Check(f"batch-1 decode, {slow} step ÷ {fast} step", per_round(d[slow][0], d[fast][0]),
@@ -223,24 +220,22 @@ def checks(f: dict) -> list[Check]:
                      "sweep larger batches",
                      why=f"int8's advantage over bf16 held at batch {d['int8'][last]['batch']}: its step there was "
                          f"{statistics.median(big):.2f}× faster against {statistics.median(one):.2f}× at batch 1"))
-    acc = f["accuracy"]
+    acc = figures["accuracy"]
     out.append(Check("share of prompts whose greedy token changes with their first token", [acc["context_sensitivity"]],
                      SENSITIVE, ">=", timed=False, fmt="{:.2f}", key="context_sensitivity",
-                     why="the accuracy model ignores its context: any two variants would agree on it"))
+                     predicted=1 - 1 / acc["vocab"], why="the accuracy model ignores its context: any two variants "
+                     f"would agree on it (1 − 1/{acc['vocab']}: a model that reads it, barring a chance repeat)"))
     for v in ("bf16", "int8"):
-        a = acc[v]
+        a, pred = acc[v], acc["predicted"][v]
         out += [Check(f"{v}: max |logit − fp32's|", [a["max_abs_diff"]], MAX_ABS_DIFF, "<=", timed=False,
-                      key=f"{v}_max_abs_diff", why=f"KL {a['mean_kl']:.3g} nats on average, {a['max_kl']:.3g} at most"),
+                      key=f"{v}_max_abs_diff", predicted=pred["max_abs_diff"],
+                      why=f"KL {a['mean_kl']:.3g} nats on average, {a['max_kl']:.3g} at most"),
                 Check(f"{v}: mean KL(fp32 ‖ {v}), nats", [a["mean_kl"]], MEAN_KL, "<=", timed=False,
-                      key=f"{v}_mean_kl", why=f"its largest logit error is {a['max_abs_diff']:.3g}"),
+                      key=f"{v}_mean_kl", predicted=pred["mean_kl"], why=f"its largest logit error is "
+                      f"{a['max_abs_diff']:.3g}, the noise model's {pred['max_abs_diff']:.3g}"),
                 Check(f"{v}: greedy agreement with fp32's generation", [a["greedy_agreement"]], GREEDY_AGREEMENT,
-                      ">=", timed=False, fmt="{:.3f}", key=f"{v}_greedy_agreement",
+                      ">=", timed=False, fmt="{:.3f}", key=f"{v}_greedy_agreement", predicted=pred["greedy_agreement"],
                       why=f"free-running, {v} leaves fp32's tokens after {a['first_divergence_median']:g} (median)")]
-        if f.get("perplexity"):
-            ppl = f["perplexity"]
-            out.append(Check(f"{v}: perplexity ÷ fp32's on real text", [ppl[v] / ppl["fp32"]], PPL_RATIO, "<=",
-                             timed=False, fmt="{:.4f}", key=f"{v}_perplexity_ratio",
-                             why=f"fp32 {ppl['fp32']:.4g}, {v} {ppl[v]:.4g} over {ppl['tokens']} tokens"))
     return out
 
 
@@ -250,8 +245,12 @@ def facts(f: dict) -> list[Fact]:
     return [Fact("int8 weight bytes ÷ fp32's", f["weight_bytes"]["int8"] / f["weight_bytes"]["fp32"], fmt="{:.3f}",
                  why="counted from the models as stored (int8, its fp32 scales, the rest in bf16)"),
             Fact(f"first batch where int8's step is no faster than bf16's (0: none up to batch {last})", measured,
-                 predicted=predicted or None, fmt="{:g}", why=f"judged by the shrinking advantage; bf16's step "
-                 f"reaches the ridge at batch {f['ridge_batch']:g}")]
+                 predicted=(predicted or None) if measured else None, fmt="{:g}", why=f"judged by the shrinking "
+                 f"advantage; the roofline: {predicted or 'none'}, and bf16's step at the ridge from batch "
+                 f"{f['ridge_batch']:g}")] + [
+            Fact(f"{v}: perplexity ÷ fp32's on real text", ppl[v] / ppl["fp32"], fmt="{:.4f}", why=f"fp32 "
+                 f"{ppl['fp32']:.4g} over {ppl['tokens']} tokens of {ppl['text']}; the logits above judge the cost")
+            for v in ("bf16", "int8") if (ppl := f.get("perplexity"))]
 
 
 def plot(lesson, f: dict, verdict) -> None:
@@ -292,13 +291,14 @@ def main(argv=None) -> dict:
               quiet_load_model(args.model, lesson.device, dt, q) for v, (dt, q) in VARIANTS.items()}
     ceil = {dt: ceilings_for(lesson.device, dt, args.quick) for dt in (torch.float32, torch.bfloat16)}
     lesson.ceilings = ceil[torch.float32]
-    p = plan(lesson, models, ceil, s)
-    rest = {"context_len": s["context"], "prompt_len": s["prompt"], "bandwidth": p["bandwidth"], "peak": p["peak"],
-            "weight_bytes": {v: weight_bytes_read(m) for v, m in models.items()},
-            "ridge_batch": ridge_batch(lesson.config, s["context"], p["peak"]["bf16"] / p["bandwidth"]),
-            "native_bf16": native_bf16(cpuinfo("flags")) if lesson.device.type == "cpu" else None,
-            "accuracy": accuracy(s), "perplexity": perplexity(lesson, models)}
-    m = measure(lesson, models, p, s, rest)
+    p, a = plan(lesson, models, ceil, s), accuracy_setup(s)
+    f = {"context_len": s["context"], "prompt_len": s["prompt"], **p["figures"], "accuracy": a["figures"],
+         "weight_bytes": {v: weight_bytes_read(m) for v, m in models.items()},
+         "native_bf16": native_bf16(cpuinfo("flags")) if lesson.device.type == "cpu" else None}
+    f["ridge_batch"] = ridge_batch(lesson.config, s["context"], f["peak"]["bf16"] / f["bandwidth"])
+    predict(lesson, *p["lines"], expect=expected(f))
+    f.update(accuracy=accuracy(a), perplexity=perplexity(lesson, models))
+    m = measure(lesson, models, f, s)
     f, pre = m["figures"], m["figures"]["prefill"]
     verdict = judge("fewer bytes per weight make decode faster by about the byte ratio, not prefill, and less so "
                     "as the batch grows; at a bounded cost in the logits", checks(f), lesson.load(), [m["rounds"]],
