@@ -254,7 +254,8 @@ def facts(f: dict) -> list[Fact]:
 
 
 def plot(lesson, f: dict, verdict) -> None:
-    fig, axes = plt.subplots(1, 4, figsize=(21, 5.5))
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    axes = axes.flatten()
     batches, d = [e["batch"] for e in f["decode"]["fp32"]], f["decode"]
     for v, color in zip(VARIANTS, ("C0", "C1", "C2")):
         axes[0].plot(batches, [statistics.median(e["times_s"]) * 1e3 for e in d[v]], "o-", color=color, label=v)
@@ -277,9 +278,9 @@ def plot(lesson, f: dict, verdict) -> None:
     axes[3].barh(range(len(counted)), [c.median / c.line for c in counted],
                  color=["darkgreen" if c.outcome() == "HOLDS" else "firebrick" for c in counted])
     axes[3].axvline(1, color="k", ls="--", lw=1)
-    axes[3].set_yticks(range(len(counted)), [c.name for c in counted], fontsize=7)
-    axes[3].set(xscale="log", xlabel="value ÷ its bound (≤ checks hold left of 1, ≥ right)",
-                title="the cost, on a model that reads its context")
+    axes[3].set_yticks(range(len(counted)), [c.key for c in counted], fontsize=8)
+    axes[3].set(xscale="log", xlabel="value ÷ its line (≤ checks hold left of 1, ≥ checks right of it)",
+                title="the counted checks: the cost, on a model that reads its context")
     save_plot(lesson, fig, verdict)
 
 
