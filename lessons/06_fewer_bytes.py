@@ -254,8 +254,7 @@ def facts(f: dict) -> list[Fact]:
 
 
 def plot(lesson, f: dict, verdict) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
-    axes = axes.flatten()
+    axes = (fig := plt.figure(figsize=(15, 10))).subplots(2, 2).flatten()
     batches, d = [e["batch"] for e in f["decode"]["fp32"]], f["decode"]
     for v, color in zip(VARIANTS, ("C0", "C1", "C2")):
         axes[0].plot(batches, [statistics.median(e["times_s"]) * 1e3 for e in d[v]], "o-", color=color, label=v)
