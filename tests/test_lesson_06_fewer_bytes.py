@@ -161,3 +161,25 @@ def test_the_error_measures_and_the_noise_model():
     rounded = ROUNDERS["int8"](w.t()).t()
     assert not torch.allclose(n, rounded), "the noise is shuffled, not the rounding itself"
     assert torch.allclose((n - w).norm(dim=0), (rounded - w).norm(dim=0), rtol=1e-4), "each row keeps its error's size"
+
+
+def test_perplexity_runs_with_real_weights_and_is_skipped_without(monkeypatch, variants):
+    """The real-text path, with a stand-in tokenizer (the real one needs the downloaded weights): each variant's
+    perplexity on docs/design.md, close to fp32's; a random init gets none."""
+    from types import SimpleNamespace
+
+    class Bytes:
+        is_fallback = False
+
+        def encode(self, text):
+            return [b % PRESETS["tiny"].vocab_size for b in text.encode()]
+
+    monkeypatch.setattr(L06, "load_tokenizer", lambda name: Bytes())
+    models = variants[1]
+    lesson = SimpleNamespace(model=SimpleNamespace(weights_source="weights/tiny"), args=SimpleNamespace(model="tiny"),
+                             config=PRESETS["tiny"], device=torch.device("cpu"))
+    ppl = L06.perplexity(lesson, models)
+    assert ppl["tokens"] == PRESETS["tiny"].n_ctx and ppl["text"] == "docs/design.md"
+    assert all(0.9 < ppl[v] / ppl["fp32"] < 1.1 for v in ("bf16", "int8")), ppl
+    lesson.model.weights_source = "random-init (seed 0)"
+    assert L06.perplexity(lesson, models) is None
