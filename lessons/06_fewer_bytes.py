@@ -66,7 +66,7 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "batches": [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128], "prompts": 8 if quick else 16}
 
 
-def ceilings_for(device, dtype: torch.dtype, quick: bool):  # int8 takes bf16's: its product computes in bf16
+def ceilings_for(device, dtype: torch.dtype, quantization: str | None, quick: bool):  # int8: bf16's (its product's)
     return measure_ceilings(device, dtype, quick=quick)
 
 
@@ -83,7 +83,7 @@ def predicted_s(cost, model, peak: float, bandwidth: float) -> float:
 def plan(lesson, models: dict, ceil: dict, s: dict) -> dict:
     """Every step's cost and predicted time, before anything is timed (the figures, without their times)."""
     cfg, bw = lesson.config, max(c.bandwidth for c in ceil.values())  # one bandwidth: the device's best read
-    peak = {v: ceil[VARIANTS[v][0]].matmul_flops for v in VARIANTS}
+    peak = {v: ceil[v].matmul_flops for v in VARIANTS}
     f = {"decode": {v: [] for v in VARIANTS}, "prefill": {}, "bandwidth": bw, "peak": peak}
     for v, model in models.items():
         costs = {b: decode_cost(cfg, s["context"], b, VARIANTS[v][0]) for b in s["batches"]}
@@ -289,8 +289,8 @@ def main(argv=None) -> dict:
     s = sizes(lesson.config.n_ctx, args.quick)
     models = {v: lesson.model if (lesson.dtype, args.quantization) == (dt, q) else
               quiet_load_model(args.model, lesson.device, dt, q) for v, (dt, q) in VARIANTS.items()}
-    ceil = {dt: ceilings_for(lesson.device, dt, args.quick) for dt in (torch.float32, torch.bfloat16)}
-    lesson.ceilings = ceil[torch.float32]
+    ceil = {v: ceilings_for(lesson.device, dt, q, args.quick) for v, (dt, q) in VARIANTS.items()}
+    lesson.ceilings = ceil["fp32"]
     p, a = plan(lesson, models, ceil, s), accuracy_setup(s)
     f = {"context_len": s["context"], "prompt_len": s["prompt"], **p["figures"], "accuracy": a["figures"],
          "weight_bytes": {v: weight_bytes_read(m) for v, m in models.items()},
