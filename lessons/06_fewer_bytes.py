@@ -62,8 +62,8 @@ SENSITIVE = 0.5            # the accuracy model changes its next token for this 
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
-    return {"context": min(128, n_ctx // 2), "prompt": min(128 if quick else 256, n_ctx // 2), "repeats": 5,
-            "batches": [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128], "prompts": 8 if quick else 16}
+    return {"context": min(128, n_ctx // 2), "prompt": min(64 if quick else 256, n_ctx // 2), "repeats": 5,
+            "batches": [1, 4, 16, 32] if quick else [1, 2, 4, 8, 16, 32, 64, 128], "prompts": 8 if quick else 16}
 
 
 def ceilings_for(device, dtype: torch.dtype, quantization: str | None, quick: bool):  # int8: bf16's (its product's)
