@@ -60,7 +60,8 @@ from plots import plot_checks, plot_roofline, ticks_at  # noqa: E402,F401  (the 
 from tables import ms, pct, print_over_100_note, print_table  # noqa: E402,F401  (the tables', lessons/tables.py)
 from minillm.bench.timing import environment, si  # noqa: E402
 from minillm.bench.threads import ThreadChoice, apply_threads, choose_threads  # noqa: E402
-from minillm.checkpoints.load import add_model_arguments, load_model, locate, random_model  # noqa: E402
+from minillm.checkpoints.load import (add_model_arguments, add_quantization_argument, load_model,  # noqa: E402
+                                      locate, random_model)
 from minillm.device import resolve_device, resolve_dtype  # noqa: E402
 from minillm.cpu_layout import kernels  # noqa: E402
 from minillm.device import set_num_threads  # noqa: E402
@@ -85,6 +86,7 @@ def make_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every lesson takes; `--help` shows the lesson's whole docstring."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, weights_dir=False)
+    add_quantization_argument(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes that finish in seconds on a CPU")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the cores free when the lesson starts; see minillm/bench/threads.py)")
@@ -125,15 +127,15 @@ class Lesson:
         return MachineLoad.between(self.started, read_load())
 
 
-def quiet_load_model(name: str, device, dtype):
+def quiet_load_model(name: str, device, dtype, quantization: str | None = None):
     """load_model, with a one-line note instead of a banner when the weights are not downloaded."""
     folder, preset = locate(name)
     if preset is None or folder.is_dir() or preset not in HF_CHECKPOINTS:
-        return load_model(name, device, dtype)
+        return load_model(name, device, dtype, quantization=quantization)
     if not os.environ.get("MINILLM_LESSONS_WEIGHTS_NOTE_SHOWN"):  # run_all.py said it once for every lesson
         print(f"(no weights in {folder}: a seeded random init of the {preset} shape; times and bytes do not depend "
               f"on the values. `python weights_download.py {preset}` fetches the real ones)")
-    return random_model(PRESETS[preset], device, dtype)
+    return random_model(PRESETS[preset], device, dtype, quantization=quantization)
 
 
 def weights_layout(model) -> str:
@@ -147,13 +149,14 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     started = read_load()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = quiet_load_model(args.model, device, dtype)
+    model = quiet_load_model(args.model, device, dtype, getattr(args, "quantization", None))
     ceil = measure_ceilings(device, dtype, quick=args.quick) if ceilings else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lesson = Lesson(name, args, model, device, dtype, ceil, out, started, threads)
+    quantization = getattr(args, "quantization", None)
     print(f"== {name} ==  model {args.model} ({model.weights_source}), {device}, {str(dtype).removeprefix('torch.')}"
-          f"{', quick' if args.quick else ''}")
+          f"{f', {quantization} weights' if quantization else ''}{', quick' if args.quick else ''}")
     print(f"threads: {threads.reason}")
     if ceil is not None:
         line = (f"this machine's limits, measured now with the kernels the model runs (results file: \"ceilings\"): "
@@ -250,6 +253,7 @@ def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
         "quick": lesson.args.quick,
         "model": lesson.args.model,
         "weights_source": lesson.model.weights_source,
+        "quantization": getattr(lesson.args, "quantization", None),
         "layout": weights_layout(lesson.model),
         "environment": environment(lesson.device, lesson.dtype),
         "threads": lesson.threads.as_dict() if lesson.threads else None,

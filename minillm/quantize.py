@@ -85,9 +85,12 @@ def quantize_per_channel(weight_out_in: torch.Tensor) -> tuple[torch.Tensor, tor
     """W [out, in] → (q int8 [out, in], scales fp32 [out]): one symmetric scale per output channel, so that
     q · scale[:, None] is W to within scale / 2 per element."""
     w = weight_out_in.detach().float()
+    # >>> exercise quantize-per-channel (lesson 06, 2 pts): one symmetric int8 scale per output channel, then round and clamp
+    # hint: row o of W [out, in] gets a scale of its own: which one puts the row's largest magnitude on 127, the top of int8's symmetric range? What scale keeps a row of zeros finite (its q stays 0 whatever the scale)? Which rounding keeps every element within half a step of W / scale, and which range keeps -q an int8 too? Return q as int8 [out, in] and the fp32 scales [out]. Off limits: quantize_per_channel_affine, fake_quantize_per_channel_affine, quantize_per_tensor, fake_quantize_per_tensor_affine.
     scales = w.abs().amax(dim=1) / 127
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale gives zeros
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [out, in], row-major
+    # <<< exercise
     return q, scales
 
 

@@ -345,7 +345,7 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
             "speculative-accept": "the acceptance rule spliced from tests/test_speculative.py"}
 
 
-HONEST = {"model-causal-attention", "scheduler-budget-fill"}
+HONEST = {"model-causal-attention", "scheduler-budget-fill", "quantize-per-channel"}
 
 
 def visible_and_seeded_slots(seed: int) -> dict:

@@ -118,6 +118,9 @@ NON_SOLUTIONS = {   # exercise -> (what it is, the region's code)
                            "return list(draft_token_ids) + [int(torch.multinomial(target_probs[len(draft_token_ids)], "
                            "1, generator=generator))]"),
     "prefix-match": ("no block is ever cached", "return []"),
+    "quantize-per-channel": ("one scale for the whole tensor",
+                             "scales = (w.abs().max() / 127).expand(w.shape[0]).clone(); "
+                             "q = torch.round(w / scales[:, None]).to(torch.int8)"),
 }
 
 FLOOR_SCRIPT = r'''

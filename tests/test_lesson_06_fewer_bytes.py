@@ -1,0 +1,185 @@
+"""Lesson 06 (fewer bytes): its quick run, each check's counterfactual, and int8 and bf16 decodes within the
+bounds the chapter states, on a model whose next token depends on its context."""
+import copy
+import json
+
+import pytest
+import torch
+
+from minillm import PRESETS
+from minillm.bench.accuracy import (ROUNDERS, context_sensitivity, first_divergence, greedy_runs, logit_error,
+                                    noisy_copy)
+from minillm.bench.verdict import NOT_SUPPORTED
+from minillm.cpu_layout import choose_layout
+from minillm.quantize import quantize
+from models import context_model, random_prompts
+
+from lessons_support import load_lesson, run_quick  # also puts lessons/ on sys.path
+
+L06 = load_lesson("06_fewer_bytes")
+
+
+def test_quick_run_writes_its_documented_figures_and_one_verdict(tmp_path, capsys):
+    doc = run_quick(L06, tmp_path, capsys)
+    f = doc["figures"]
+    assert {"decode", "prefill", "accuracy", "weight_bytes", "ridge_batch", "bandwidth", "peak"} <= f.keys()
+    assert [e["batch"] for e in f["decode"]["int8"]] == L06.sizes(PRESETS["tiny"].n_ctx, True)["batches"]
+    assert all(len(e["times_s"]) >= 5 for es in f["decode"].values() for e in es)
+    assert f["weight_bytes"]["int8"] < f["weight_bytes"]["bf16"] < f["weight_bytes"]["fp32"]
+    assert f["perplexity"] is None and any("perplexity" in r for r in doc["verdict"]["reasons"])  # tiny: no weights
+    assert {c["key"] for c in doc["verdict"]["checks"]} == set(doc["lesson_predictions"])
+    json.dumps(f)  # plain JSON values all the way down
+
+
+def holding_figures() -> dict:
+    """Figures on which every check holds: decode steps at their predictions, bf16 and int8 prefill alike, int8's
+    advantage gone at batch 64, small logit errors on a context-sensitive model."""
+    def step(batch, predicted, bytes_, times):
+        return {"batch": batch, "bytes": bytes_, "flops": 1e9 * batch, "predicted_s": predicted,
+                "times_s": list(times)}
+    jitter = [1.0, 1.02, 0.98, 1.01, 0.99]
+    decode = {"fp32": [step(1, 4.0, 4e8, [4.0 * j for j in jitter]), step(64, 20.0, 4e8, [20.0 * j for j in jitter])],
+              "bf16": [step(1, 2.0, 2e8, [2.0 * j for j in jitter]), step(64, 10.0, 2e8, [10.0 * j for j in jitter])],
+              "int8": [step(1, 1.0, 1e8, [1.0 * j for j in jitter]), step(64, 10.0, 1e8, [10.0 * j for j in jitter])]}
+    prefill = {v: {"bytes": b, "flops": 1e11, "predicted_s": p, "times_s": [p * j for j in jitter]}
+               for v, b, p in (("fp32", 4e8, 9.0), ("bf16", 2e8, 5.0), ("int8", 1e8, 5.0))}
+    error = {"max_abs_diff": 0.5, "mean_kl": 0.0005, "max_kl": 0.01, "greedy_agreement": 0.97}
+    accuracy = {"context_sensitivity": 0.8, "vocab": 512, "positions": 960,
+                "predicted": {"bf16": dict(error), "int8": dict(error)},
+                "bf16": {**error, "first_divergence_median": 30}, "int8": {**error, "first_divergence_median": 20}}
+    return {"decode": decode, "prefill": prefill, "accuracy": accuracy, "ridge_batch": 10,
+            "perplexity": {"fp32": 30.0, "bf16": 30.1, "int8": 30.4, "tokens": 512, "text": "docs/design.md"},
+            "weight_bytes": {"fp32": 4e8, "bf16": 2e8, "int8": 1e8}}
+
+
+def scale_times(entry: dict, by: float) -> None:
+    entry["times_s"] = [t * by for t in entry["times_s"]]
+
+
+COUNTERFACTUALS = {  # check key → a measurement that puts it on the wrong side
+    "decode_fp32_over_bf16": lambda f: scale_times(f["decode"]["bf16"][0], 2.0),      # bf16 no faster than fp32
+    "decode_bf16_over_int8": lambda f: scale_times(f["decode"]["int8"][0], 2.0),      # int8 no faster than bf16
+    "prefill_bf16_over_int8": lambda f: scale_times(f["prefill"]["int8"], 0.5),       # prefill at the byte ratio
+    "advantage_shrinks": lambda f: scale_times(f["decode"]["int8"][1], 0.5),          # still 2× at batch 64
+    "context_sensitivity": lambda f: f["accuracy"].update(context_sensitivity=0.0),    # a model that ignores it
+    "bf16_max_abs_diff": lambda f: f["accuracy"]["bf16"].update(max_abs_diff=5.0),
+    "bf16_mean_kl": lambda f: f["accuracy"]["bf16"].update(mean_kl=0.1),
+    "bf16_greedy_agreement": lambda f: f["accuracy"]["bf16"].update(greedy_agreement=0.5),
+    "int8_max_abs_diff": lambda f: f["accuracy"]["int8"].update(max_abs_diff=5.0),
+    "int8_mean_kl": lambda f: f["accuracy"]["int8"].update(mean_kl=0.1),
+    "int8_greedy_agreement": lambda f: f["accuracy"]["int8"].update(greedy_agreement=0.5),
+}
+
+
+def test_each_check_can_fail():
+    """Every check holds on the holding figures, and comes out NOT SUPPORTED on its own counterfactual."""
+    holding = L06.checks(holding_figures())
+    assert {c.key for c in holding} == set(COUNTERFACTUALS), "a check without a counterfactual, or one too many"
+    assert all(c.outcome() == "HOLDS" for c in holding), [c.describe() for c in holding]
+    for key, change in COUNTERFACTUALS.items():
+        figures = copy.deepcopy(holding_figures())
+        change(figures)
+        outcome = {c.key: c.outcome() for c in L06.checks(figures)}
+        assert outcome[key] == NOT_SUPPORTED, f"{key}: {outcome}"
+
+
+def test_the_prefill_check_is_undecided_where_the_roofline_cannot_tell_bytes_from_arithmetic():
+    f = holding_figures()
+    f["prefill"]["int8"]["predicted_s"] = 2.5  # the roofline itself predicts the byte ratio
+    check = next(c for c in L06.checks(f) if c.key == "prefill_bf16_over_int8")
+    assert check.outcome() == "INCONCLUSIVE" and "cannot tell" in check.undecided
+
+
+def test_the_vanishing_batch_and_the_facts():
+    f = holding_figures()
+    assert L06.vanishing_batch(f["decode"], measured=True) == 64 == L06.vanishing_batch(f["decode"], measured=False)
+    scale_times(f["decode"]["int8"][1], 0.5)
+    assert L06.vanishing_batch(f["decode"], measured=True) == 0
+    facts = {x.name: x for x in L06.facts(f)}
+    assert any("perplexity" in name for name in facts) and any(x.value == 0 and x.predicted is None
+                                                             for x in facts.values())
+
+
+def test_the_roofline_counts_int8_widening_above_the_fused_rows():
+    from minillm.bench.cost import decode_cost, prefill_cost
+    model = quantize(context_model().to(torch.bfloat16))
+    cfg = model.config
+    small, large = decode_cost(cfg, 8, 2, torch.bfloat16), prefill_cost(cfg, 64, 1, torch.bfloat16)
+    huge_peak = 1e30  # bytes alone decide
+    assert L06.predicted_s(small, model, huge_peak, 1.0) == small.bytes
+    projections = 12 * cfg.n_layer * cfg.n_embd ** 2
+    assert L06.predicted_s(large, model, huge_peak, 1.0) == large.bytes + 4 * projections  # the head: one row
+
+
+# ---- int8 and bf16 decode against fp32, within the chapter's bounds ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def variants():
+    base = context_model()
+    return base, {"fp32": choose_layout(copy.deepcopy(base)),
+                  "bf16": choose_layout(copy.deepcopy(base).to(torch.bfloat16)),
+                  "int8": choose_layout(quantize(copy.deepcopy(base).to(torch.bfloat16)))}
+
+
+def test_the_accuracy_model_reads_its_context(variants):
+    prompts = torch.tensor(random_prompts(16, [8], seed=11))
+    assert context_sensitivity(variants[1]["fp32"], prompts) >= L06.SENSITIVE
+    gpt2_init = choose_layout(context_model(std=0.02))
+    assert context_sensitivity(gpt2_init, prompts) < L06.SENSITIVE, "GPT-2's init should ignore its context"
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int8"])
+def test_decodes_agree_with_fp32_within_the_bounds_the_chapter_states(variants, variant):
+    """The engine decodes fp32's greedy continuations; the variant's logits along them (teacher-forced) stay within
+    the lesson's bounds, and its own engine decode follows fp32's for a while before the first disagreement."""
+    base, models = variants
+    prompts = random_prompts(6, [8], seed=12)
+    runs = greedy_runs(models["fp32"], prompts, 96)
+    ids = torch.tensor([p + r for p, r in zip(prompts, runs)])
+    with torch.no_grad():
+        err = logit_error(models["fp32"](ids)[:, 7:-1], models[variant](ids)[:, 7:-1], ids[:, 8:])
+    assert err["max_abs_diff"] <= L06.MAX_ABS_DIFF[variant] and err["mean_kl"] <= L06.MEAN_KL[variant]
+    assert err["greedy_agreement"] >= L06.GREEDY_AGREEMENT
+    assert err["max_abs_diff"] > 1e-3, "the variant must differ from fp32: is it rounded at all?"
+    own = greedy_runs(models[variant], prompts, 96)
+    assert max(first_divergence(runs, own)) >= 8, "the variant's decode leaves fp32's at once"
+
+
+def test_the_error_measures_and_the_noise_model():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 40, generator=g)
+    chosen = logits.argmax(-1)
+    same = logit_error(logits, logits.clone(), chosen)
+    assert same == {"max_abs_diff": 0.0, "mean_kl": 0.0, "max_kl": 0.0, "greedy_agreement": 1.0}
+    shifted = logit_error(logits, logits + 3.0, chosen)
+    assert abs(shifted["mean_kl"]) < 1e-6 and shifted["greedy_agreement"] == 1.0
+    assert shifted["max_abs_diff"] == pytest.approx(3.0, rel=1e-6)
+    base = context_model()
+    noisy = noisy_copy(base, [ROUNDERS["int8"]])
+    w, n = base.h[0].mlp.c_fc.weight, noisy.h[0].mlp.c_fc.weight
+    assert not torch.equal(w, n) and base.h[0].mlp.c_fc.weight is w  # the reference is left as it was
+    rounded = ROUNDERS["int8"](w.t()).t()
+    assert not torch.allclose(n, rounded), "the noise is shuffled, not the rounding itself"
+    assert torch.allclose((n - w).norm(dim=0), (rounded - w).norm(dim=0), rtol=1e-4), "each row keeps its error's size"
+
+
+def test_perplexity_runs_with_real_weights_and_is_skipped_without(monkeypatch, variants):
+    """The real-text path, with a stand-in tokenizer (the real one needs the downloaded weights): each variant's
+    perplexity on docs/design.md, close to fp32's; a random init gets none."""
+    from types import SimpleNamespace
+
+    class Bytes:
+        is_fallback = False
+
+        def encode(self, text):
+            return [b % PRESETS["tiny"].vocab_size for b in text.encode()]
+
+    monkeypatch.setattr(L06, "load_tokenizer", lambda name: Bytes())
+    models = variants[1]
+    lesson = SimpleNamespace(model=SimpleNamespace(weights_source="weights/tiny"), args=SimpleNamespace(model="tiny"),
+                             config=PRESETS["tiny"], device=torch.device("cpu"))
+    ppl = L06.perplexity(lesson, models)
+    assert ppl["tokens"] == PRESETS["tiny"].n_ctx and ppl["text"] == "docs/design.md"
+    assert all(0.9 < ppl[v] / ppl["fp32"] < 1.1 for v in ("bf16", "int8")), ppl
+    lesson.model.weights_source = "random-init (seed 0)"
+    assert L06.perplexity(lesson, models) is None
