@@ -66,8 +66,8 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "batches": [1, 4, 16, 32] if quick else [1, 2, 4, 8, 16, 32, 64, 128], "prompts": 8 if quick else 16}
 
 
-def ceilings_for(device, dtype: torch.dtype, quantization: str | None, quick: bool):  # int8: bf16's (its product's)
-    return measure_ceilings(device, dtype, quick=quick)
+def ceilings_for(device, dtype: torch.dtype, quantization: str | None, quick: bool):  # each variant's own kernels
+    return measure_ceilings(device, dtype, quick=quick, quantization=quantization)
 
 
 def predicted_s(cost, model, peak: float, bandwidth: float) -> float:

@@ -150,7 +150,8 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model = quiet_load_model(args.model, device, dtype, getattr(args, "quantization", None))
-    ceil = measure_ceilings(device, dtype, quick=args.quick) if ceilings else None
+    ceil = measure_ceilings(device, dtype, quick=args.quick, quantization=getattr(args, "quantization", None)) \
+        if ceilings else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lesson = Lesson(name, args, model, device, dtype, ceil, out, started, threads)
