@@ -275,7 +275,7 @@ def plot(lesson, figures: dict, count: int, verdict) -> None:
     axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     plot_roofline(axes[2], lesson.ceilings, {f"decode, batch {batches[0]}..{batches[-1]}": (
         [q["intensity"] for q in points], [q["flops_per_s"] for q in points])})
-    axes[2].set_title("roofline (ceilings: fastest kernels' best, at the start)")
+    axes[2].set_title("roofline (ceilings measured at the start)")
     save_plot(lesson, fig, verdict)
 
 
