@@ -119,7 +119,8 @@ def predict_batches(lesson, s: dict, budget: dict) -> dict:
     predict(lesson, f"at context {s['context']} the roofline puts a batch-1 step at {ms(times[0])}, batch {BASE} at "
             f"{ms(base)} and batch {b_star} at {ms(star)} ({costs[batches.index(b_star)].intensity:.2f} FLOP/B against "
             f"the ridge {ceil.ridge:.1f}): batch {b_star}'s step should cost {star / base:.2f}× batch {BASE}'s, "
-            f"{b_star // BASE}× the tokens for that; {BAND}× that ratio is the claim's line")
+            f"{b_star // BASE}× the tokens for that; {BAND}× that ratio is the claim's line",
+            expect={"step_ratio": star / base})
     return {"batches": batches, "costs": costs, "times": times, "b_star": b_star, "usable": usable, "fits": fits,
             "per_token": per_token, "weight_bytes": weight_bytes, "budget": budget,
             "predicted_ratio": star / base, "predicted_switch": base / times[0]}

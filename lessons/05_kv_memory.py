@@ -88,10 +88,15 @@ def memory_now(device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
 
 
+def sequences_measured(config, dtype) -> int:
+    """Full-context sequences in a measured cache: at least MIN_TENSOR_BYTES per tensor (K, V)."""
+    return max(1, math.ceil(2 * MIN_TENSOR_BYTES / (config.kv_bytes_per_token(dtype) * config.n_ctx)))
+
+
 def measure_cache(config, device, dtype) -> dict:
     """A filled KVCache of full-context sequences, at least MIN_TENSOR_BYTES per tensor: its memory, before/after."""
     per_token = config.kv_bytes_per_token(dtype)
-    seqs = max(1, math.ceil(2 * MIN_TENSOR_BYTES / (per_token * config.n_ctx)))
+    seqs = sequences_measured(config, dtype)
     gc.collect()
     release_free_memory()  # else the cache may be carved from freed memory the OS still counts
     before = memory_now(device)
@@ -136,7 +141,10 @@ def predict_bytes(lesson) -> None:
             f"{REL_TOL:.0%} plus {si(slack_bytes(device), 'B')} of rounding",
             f"what GQA/MQA would change: {ex['n_layer']} layers of {ex['n_head']} query heads of {ex['head_dim']} in "
             f"bf16 keep {si(mha, 'B')} per token with a KV head per query head, {si(gqa, 'B')} with 8 (GQA, "
-            f"{mha // gqa}× less), {si(mqa, 'B')} with one (MQA, {mha // mqa}× less): as many more tokens in flight")
+            f"{mha // gqa}× less), {si(mqa, 'B')} with one (MQA, {mha // mqa}× less): as many more tokens in flight",
+            expect={**{f"mb_{name}": c.kv_bytes_per_token(dtype) * c.n_ctx * sequences_measured(c, dtype) / 1e6
+                       for name, c in {**{n: PRESETS[n] for n in HF_CHECKPOINTS}, lesson.args.model: cfg}.items()},
+                    "least_over_formula": 1.0})
 
 
 def measure(lesson, budget: dict) -> list[dict]:
@@ -156,7 +164,7 @@ def measure(lesson, budget: dict) -> list[dict]:
                "layout_copy_bytes": copies, "n_ctx": c.n_ctx,
                "tokens_that_fit": tokens_that_fit(usable, c.weight_bytes(dtype) + copies, per_token)}
         row["full_sequences_that_fit"] = row["tokens_that_fit"] // c.n_ctx
-        seqs = max(1, math.ceil(2 * MIN_TENSOR_BYTES / (per_token * c.n_ctx)))
+        seqs = sequences_measured(c, dtype)
         if per_token * seqs * c.n_ctx <= MEASURE_SHARE * available:
             row.update(measure_cache(c, device, dtype))
         else:

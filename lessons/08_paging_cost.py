@@ -157,7 +157,7 @@ def predict_gather(lesson, s: dict) -> float:
             f"{ms(cost.bytes / lesson.ceilings.bandwidth)} at the measured bandwidth; paging adds a gather that reads "
             f"and writes {si(moved, 'B')}, {ms(moved / lesson.ceilings.bandwidth)}: the paged step should cost "
             f"1 + {si(moved, 'B')} ÷ {si(cost.bytes, 'B')} = {ratio:.2f}× the contiguous one, all of it in "
-            f"attention's gather; the claim's line is {BAND}× that, {BAND * ratio:.2f}×")
+            f"attention's gather; the claim's line is {BAND}× that, {BAND * ratio:.2f}×", expect={"step_ratio": ratio})
     return ratio
 
 

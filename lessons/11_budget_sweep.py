@@ -150,7 +150,7 @@ def predict_gain(lesson, trace, configs: dict) -> dict:
             f"{len(plans[OLD_NAME])} steps, {ms(secs[OLD_NAME])} on the roofline, at {LARGE} {len(plans[LARGE_NAME])} "
             f"steps, {ms(secs[LARGE_NAME])}: tokens/s should grow {gain:.2f}× (the seed said ~{1 + SEED_GAIN:g}×); "
             f"{BAND}× that is the claim's line. Were a step's cost all fixed, the gain would be the steps' ratio, "
-            f"{room:.2f}×")
+            f"{room:.2f}×", expect={"gain": gain})
     return {"predicted_gain": gain, "planned_steps": {n: len(p) for n, p in plans.items()}, "planned_s": secs,
             "steps_ratio": room}
 
