@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import statistics
 
-import matplotlib
-
 from common import (make_parser, ms, pct, plot_roofline, plt, predict, print_over_100_note, print_table, run,
                     save_plot, si, start, ticks_at, write_results)
 import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
@@ -273,7 +271,8 @@ def plot(lesson, figures: dict, count: int, verdict) -> None:
     axes[1].legend(fontsize=8)
     for ax in axes[:2]:
         ticks_at(ax, batches if ax is axes[1] else [q["batch"] for q in on_one])
-    axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ys = [lo for lo, _ in ivs] + [hi for _, hi in ivs] + [q["batch"] / BASE for q in on_one]
+    ticks_at(axes[0], [2.0 ** k for k in range(-4, 12) if min(ys) / 2 <= 2.0 ** k <= max(ys) * 2], axis="y")
     plot_roofline(axes[2], lesson.ceilings, {f"decode, batch {batches[0]}..{batches[-1]}": (
         [q["intensity"] for q in points], [q["flops_per_s"] for q in points])})
     axes[2].set_title("roofline (ceilings measured at the start)")
