@@ -34,7 +34,7 @@ time (a request joins at the first step boundary after its arrival; its TTFT
 counts from its arrival, queueing included). The arrival rate (8/s on a CPU)
 is several times what the CPU serves, so the queue stays full and tokens/s
 measures capacity. --quick sends its requests at once, 3 tokens out each,
-enough of them for four budgets of 512 of prompt: the budgets have room to
+enough of them for three budgets of 512 of prompt: the budgets have room to
 differ (the steps at 512 ÷ the steps at 4096 is printed: the most a budget
 could gain were a step's cost all fixed). The KV pool holds the whole trace,
 so no run preempts and the budget is the only variable.
@@ -133,8 +133,8 @@ def planned_seconds(config, dtype, ceilings, steps) -> float:
 
 
 def sizes(n_ctx: int, quick: bool, on_gpu: bool) -> dict:
-    if quick:  # four budgets of 512 of prompt, at once, 3 tokens out each: the budgets have room to differ
-        return {"requests": -(-4 * OLD_DEFAULT // (n_ctx // 4)), "rate": None, "prompt_median": n_ctx / 4,
+    if quick:  # three budgets of 512 of prompt, at once, 3 tokens out each: the budgets have room to differ
+        return {"requests": -(-3 * OLD_DEFAULT // (n_ctx // 4)), "rate": None, "prompt_median": n_ctx / 4,
                 "output_median": 3, "fixed_output": 3, "budgets": [OLD_DEFAULT, LARGE], "repeats": 5}
     return {"requests": 64 if on_gpu else 12, "rate": 200.0 if on_gpu else 8.0, "prompt_median": n_ctx / 4,
             "output_median": 16, "budgets": [256, 512, 1024, 2048, 4096], "repeats": 5}
@@ -180,15 +180,17 @@ def itl_why(figures: dict) -> str:
     """Why the ITL tails differ between chunked and unchunked, from the runs' steps."""
     c, u = figures["configs"][OLD_NAME]["runs"], figures["configs"][UNCHUNKED_NAME]["runs"]
     m = lambda runs, key: med(r[key] for r in runs)  # noqa: E731
+    waits = ("the wait lands in TTFT" if m(u, "prefill_steps") <= 1 else
+             "the streams started by the first of them wait the later ones between two tokens, the rest wait in TTFT")
     return (f"why ITL p99 is {m(c, 'itl_p99_s') / m(u, 'itl_p99_s'):.1f}× chunked ({OLD_DEFAULT}) what it is "
             f"unchunked: every request is queued at t = 0, so unchunked prefills whole prompts in steps of their "
-            f"own ({m(u, 'prefill_steps'):.0f} steps; median {ms(m(u, 'prefill_step_s'))}) before most "
-            f"streams have a first token: the wait lands in TTFT (p99 {ms(m(u, 'ttft_p99_s'))}), and its ITL are "
-            f"mostly decode-only steps ({ms(m(u, 'decode_step_s'))}); chunked lets the first prompts stream "
-            f"while later ones are still cut into chunks, so steps carry a chunk beside running decodes "
-            f"({m(c, 'prefill_beside_decodes'):.0f} steps; median {ms(m(c, 'prefill_step_s'))}), and a stream's "
-            f"token waits that long (ITL p99 {ms(m(c, 'itl_p99_s'))}, TTFT p99 {ms(m(c, 'ttft_p99_s'))}). Lesson 10 "
-            "is the other case: one long prompt arriving while streams run, whose one step chunking splits")
+            f"own ({m(u, 'prefill_steps'):.0f} steps; median {ms(m(u, 'prefill_step_s'))}) before any decode resumes: "
+            f"{waits} (p99 {ms(m(u, 'ttft_p99_s'))}), and its other gaps are decode-only steps "
+            f"({ms(m(u, 'decode_step_s'))}; ITL p50 {ms(m(u, 'itl_p50_s'))}, p99 {ms(m(u, 'itl_p99_s'))}); chunked lets "
+            f"the first prompts stream while later ones are still cut into chunks, so steps carry a chunk beside "
+            f"running decodes ({m(c, 'prefill_beside_decodes'):.0f} steps; median {ms(m(c, 'prefill_step_s'))}), and "
+            f"a stream's token waits that long (ITL p99 {ms(m(c, 'itl_p99_s'))}, TTFT p99 {ms(m(c, 'ttft_p99_s'))}). "
+            "Lesson 10 is the other case: one long prompt arriving while streams run, whose one step chunking splits")
 
 
 def measure(lesson, s: dict, trace: list, configs: dict, stats: dict, p: dict):
