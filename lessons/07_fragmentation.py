@@ -139,10 +139,6 @@ def sharing(lesson, trace: list, budget_tokens: int, cap: int | None, real_model
             "served_by_model": real}
 
 
-def sizes(quick: bool) -> dict:
-    return {"block_sizes": [1, 4, 16, 64] if quick else [1, 4, 8, 16, 32, 64, 128], "real_model": not quick}
-
-
 def paged_waste(block_size: int, life: float) -> float:  # the formula: (bs − 1)/2 empty slots per sequence
     return (block_size - 1) / 2 / (life + (block_size - 1) / 2)
 
@@ -196,38 +192,41 @@ def checks(figures: dict) -> list[Check]:
     got, want, M, life = share["measured"], share["predicted"], figures["reservation_tokens"], pred["life_mean_len"]
     return [Check(f"paged waste, block {BLOCK_SIZE} (≤ {WASTE_BAND:g} × the formula's)", [p["waste"]],
                   WASTE_BAND * pred["paged_waste"], "<=", timed=False, fmt="{:.1%}", predicted=pred["paged_waste"],
-                  key="paged_waste", why=f"{p['waste']:.1%} of allocated memory held no token against (bs − 1)/2 slots of a "
-                      f"{life:.0f}-token sequence, {pred['paged_waste']:.1%}: blocks stay allocated beyond their "
-                      f"sequence's last token (the sweep: block {sweep[0]['block_size']} wastes "
-                      f"{sweep[0]['waste']:.1%})"),
+                  key="paged_waste",
+                  why=f"{p['waste']:.1%} of allocated memory held no token against (bs − 1)/2 slots of a {life:.0f}-"
+                      f"token sequence, {pred['paged_waste']:.1%}: blocks stay allocated past their sequence's last "
+                      f"token (the sweep: block {sweep[0]['block_size']} wastes {sweep[0]['waste']:.1%})"),
             Check("sustained concurrent sequences, paged ÷ contiguous",
                   [p["sustained_running"] / c["sustained_running"]], CONCURRENCY_FACTOR, ">=", timed=False,
                   fmt="{:.2f}", predicted=pred["concurrency"], key="concurrency",
-                  why=f"contiguous slabs ran {c['sustained_running']:.1f} sequences and paging "
-                      f"{p['sustained_running']:.1f} while requests waited, with {p['preemptions']} preemptions: "
-                      f"a {life:.0f}-token average against {M}-token slabs leaves paging room for at most "
-                      f"{pred['concurrency']:.1f}× the sequences"),
+                  why=f"slabs ran {c['sustained_running']:.1f} sequences and paging {p['sustained_running']:.1f} while "
+                      f"requests waited ({p['preemptions']} preemptions): {life:.0f}-token sequences against {M}-token "
+                      f"slabs leave paging room for at most {pred['concurrency']:.1f}× the sequences"),
             Check(f"KV blocks held by {share['samples']} samples sharing a prompt ÷ block arithmetic's",
                   [got["grouped"] / want["grouped"]], 1.0, "<=", timed=False, fmt="{:.2f}", predicted=1.0,
-                  key="shared_blocks", why=f"{got['grouped']} blocks against the {want['grouped']} that sharing each prompt's full "
-                      f"blocks leaves ({got['separate']} unshared): the samples did not share them")]
+                  key="shared_blocks", why=f"{got['grouped']} blocks against the {want['grouped']} that sharing each "
+                                           f"prompt's full blocks leaves ({got['separate']} unshared): no sharing")]
+
+
+def facts(figures: dict) -> list[Fact]:
+    """Beside the checks, against vLLM's figures: what the workload, not the mechanism, sets."""
+    (lo, hi), share, pred = VLLM_CONTIGUOUS_WASTE, figures["sharing"], figures["predicted"]
+    return [Fact("contiguous waste", figures["contiguous"]["waste"], pred["contiguous_waste"], "{:.3f}",
+                 f"context: vLLM's paper measured {lo:.0%}–{hi:.0%} for earlier systems and under "
+                 f"{PAGED_WASTE_LIMIT:.0%} for paging; the trace's lengths against M and the block set both"),
+            Fact(f"KV blocks saved by {share['samples']} samples sharing a prompt", share["saving"],
+                 1 - share["predicted"]["grouped"] / share["predicted"]["separate"], "{:.3f}",
+                 f"context: vLLM's paper, {PAPER_SHARING_SAVING:.1%}–9.8%; the prompts' length against the outputs "
+                 "sets it")]
 
 
 def judge_claim(lesson, m: dict, figures: dict):
-    """The checks; the paper's figures and the formula's as facts; what sharing bought in one budget."""
-    runs, real, share, pred = m["runs"], m["real"], m["sharing"], figures["predicted"]
-    got, want, t, c = share["measured"], share["predicted"], share["together"], runs["contiguous"]
-    lo, hi = VLLM_CONTIGUOUS_WASTE
-    facts = [Fact("contiguous waste", c["waste"], predicted=pred["contiguous_waste"], fmt="{:.3f}",
-                  why=f"context: vLLM's paper measured {lo:.0%}–{hi:.0%} for earlier systems, and under "
-                      f"{PAGED_WASTE_LIMIT:.0%} for paging; the trace's lengths against M and the block set both"),
-             Fact(f"KV blocks saved by {share['samples']} samples sharing a prompt", share["saving"],
-                  predicted=1 - want["grouped"] / want["separate"], fmt="{:.3f}",
-                  why=f"context: vLLM's paper, {PAPER_SHARING_SAVING:.1%}–9.8%; the prompts' length against the "
-                      "outputs sets it")]
+    """The checks and the facts; what sharing bought in one budget."""
+    runs, real, share = m["runs"], m["real"], m["sharing"]
+    got, want, t = share["measured"], share["predicted"], share["together"]
     verdict = judge("paging wastes only what half a block per sequence predicts, runs at least twice the sequences in "
                     "the same memory, and lets n samples of a prompt share its full blocks",
-                    checks(figures), lesson.load(), facts=facts)
+                    checks(figures), lesson.load(), facts=facts(figures))
     agree = got["grouped"] == want["grouped"] and got["separate"] == want["separate"] \
         and got["copies"] == sum(a["predicted_copies"] for a in share["prompts"])
     g, s = t["grouped"], t["separate"]
@@ -302,7 +301,8 @@ def main(argv=None) -> dict:
           f"output mean {stats['output_mean']:.0f} (max {stats['output_max']}), all queued at t = 0\nKV budget: "
           f"{RESERVATIONS} slabs of max_model_len={M} = {budget_tokens:,} tokens = {si(budget_bytes, 'B')}\n")
     predicted = predict_waste(lesson, trace, budget_tokens)
-    m = measure(lesson, sizes(args.quick), trace, budget_tokens, budget_bytes)
+    sizes = {"block_sizes": [1, 4, 16, 64] if args.quick else [1, 4, 8, 16, 32, 64, 128], "real_model": not args.quick}
+    m = measure(lesson, sizes, trace, budget_tokens, budget_bytes)
     m["sharing"] = sharing(lesson, trace, budget_tokens, 16 if args.quick else None, not args.quick)
     figures = {"trace": stats, "budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "reservation_tokens": M,
                "predicted": predicted, "contiguous": m["runs"]["contiguous"], "paged": m["runs"]["paged"],

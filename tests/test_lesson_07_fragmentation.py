@@ -83,3 +83,11 @@ def test_each_check_can_fail():
 def test_the_formula_predicts_paged_waste_from_the_lengths_over_a_life():
     assert frag.paged_waste(1, 30.0) == 0 and frag.paged_waste(16, 30.0) == pytest.approx(7.5 / 37.5)
     assert frag.paged_waste(64, 30.0) > frag.paged_waste(16, 30.0)
+
+
+def test_vllms_figures_are_facts_beside_the_checks_never_lines():
+    fs = frag.facts({**figures(), "sharing": {**figures()["sharing"], "saving": 0.3375}})
+    assert [f.name for f in fs] == ["contiguous waste", "KV blocks saved by 4 samples sharing a prompt"]
+    assert fs[0].predicted == 0.76 and "60%–80%" in fs[0].why and "under 4%" in fs[0].why
+    assert fs[1].predicted == pytest.approx(1 - 53 / 80) and "6.1%" in fs[1].why
+    assert all(c.line not in (frag.PAGED_WASTE_LIMIT, frag.PAPER_SHARING_SAVING) for c in frag.checks(figures()))
