@@ -201,9 +201,8 @@ def measure(lesson, s: dict) -> dict:
     model, cfg, dtype, bw = lesson.model, lesson.config, lesson.dtype, lesson.ceilings.bandwidth
     pred = predicted_ratio(cfg, dtype, s["judged"], BLOCK_SIZE)
 
-    def settle(r):
-        point = {"context": s["judged"], "block_size": BLOCK_SIZE, "step_ratio": r.ratio("paged step", "contiguous step")}
-        return Check("", point["step_ratio"], BAND * pred, "<=").outcome() != "INCONCLUSIVE"
+    def settle(r):  # the judged check, decided
+        return Check("", r.ratio("paged step", "contiguous step"), BAND * pred, "<=").outcome() != "INCONCLUSIVE"
     by_context = [compare(model, c, BLOCK_SIZE, s["repeats"], settle if c == s["judged"] else None)
                   for c in s["contexts"]]
     point = next(r for r in by_context if r["context"] == s["judged"])
