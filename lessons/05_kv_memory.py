@@ -267,6 +267,7 @@ def plot(lesson, rows: list[dict], d: dict, verdict) -> None:
                          va="bottom", fontsize=8)
     axes[2].set(ylabel="full-context sequences (log)", yscale="log", title="sequences whose KV fits beside the weights")
     axes[2].tick_params(axis="x", labelsize=7, rotation=30)
+    axes[2].yaxis.set_minor_formatter(plt.NullFormatter())  # powers of ten only
     save_plot(lesson, fig, verdict)
 
 
