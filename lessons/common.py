@@ -221,7 +221,7 @@ def command_line(lesson: Lesson) -> str:
     for key, value in vars(lesson.args).items():
         flag = "--" + key.replace("_", "-")
         if key == "predict":
-            parts += [x for k, v in value for x in (flag, f"{k}={v:g}")]
+            parts += [x for k, v in value or [] for x in (flag, f"{k}={v:g}")]
         elif value is True:
             parts.append(flag)
         elif value is not False and value is not None:

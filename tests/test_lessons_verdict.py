@@ -186,7 +186,7 @@ def test_an_inconclusive_verdict_names_the_check_its_interval_the_line_and_the_c
               [rounds])
     assert v.outcome == INCONCLUSIVE and not v.holds
     text = "\n".join(v.lines())
-    assert "INCONCLUSIVE on “paged ÷ contiguous”: its interval 1.2–1.7 (94% interval of the median)" in text
+    assert "INCONCLUSIVE on “paged ÷ contiguous”: 1.2–1.7, where the true median lies (94% sure)," in text
     assert "straddles the line ≤ 1.5" in text and "3 + 2 added until decided; cap 7 rounds or 4 s" in text
     assert "25% of the CPU" in text
     doc = v.as_dict()
