@@ -17,12 +17,11 @@ contiguous step reads, so at the measured bandwidth
 
     paged step ÷ contiguous step ≈ 1 + gathered bytes ÷ contiguous step bytes
 
-(at batch 8 and a quarter of gpt2's context, about 1.5). The model
-leaves out a copy's write costing more than its read (up to a read for
-ownership: 1.5× the bytes it counts) and a rest of the step slower than its
-bytes (per-op overhead, which dilutes the gather). So the claim judged is the
-mechanism, with that room: the paged step costs at most 1.3× the ratio the
-model predicts (`BAND`); a gather at a third of the bandwidth would be past it.
+(at batch 8 and a quarter of gpt2's context, about 1.5). The model leaves out a
+copy's write costing more than its read (up to a read for ownership: 1.5× the
+bytes it counts) and a rest of the step slower than its bytes (per-op overhead,
+which dilutes the gather). So the claim judged is the mechanism, with that room:
+the paged step costs at most 1.3× the ratio the model predicts (`BAND`).
 
 What this lesson measures
 -------------------------
@@ -36,8 +35,8 @@ the rest of attention, outside attention (the block tables and slot mapping
 `prepare` builds). Then the full run repeats it at other contexts (the share
 of K and V grows with the context, and the ratio with it) and at other block
 sizes (tiny blocks mean long tables; big ones copy padding: the formula's
-⌈·⌉, and the gather's bytes/s per block size show what padding does not
-explain). `--quick` times the judged point and three block sizes.
+⌈·⌉; the gather's calls per layer and bytes/s per block size show what
+padding does not explain). `--quick` times the judged point and three block sizes.
 
 Predict before you run: attention alone, how much dearer is it paged? And the
 whole step? At which context would the step's ratio pass 1.5?
@@ -129,9 +128,11 @@ def compare(model, ctx: int, block_size: int, repeats: int, until=None) -> dict:
         parts[cache] = {"step_s": steps, "gather_s": [s["gather"] for s in splits],
                         "attention_s": [s["attention"] - s["gather"] for s in splits],  # attention less its gather
                         "outside_s": [t - s["attention"] for t, s in zip(steps, splits)]}
+    keys_per_row = -(-(ctx + 1) // block_size) * block_size  # a row's whole blocks
     return {"rounds": r, "context": ctx, "block_size": block_size, "parts": parts,
             "step_ratio": r.ratio("paged step", "contiguous step"),
-            "gather_bytes": gathered_bytes(model.config, model.dtype, ctx, block_size)}
+            "gather_bytes": gathered_bytes(model.config, model.dtype, ctx, block_size),
+            "gathers_per_layer": len(paged.cache.decode_groups(BATCH, keys_per_row))}
 
 
 med = statistics.median
@@ -214,10 +215,11 @@ def measure(lesson, s: dict) -> dict:
         return [r["context"], r["block_size"], ms(med(c["step_s"])), ms(med(p["step_s"])),
                 f"{med(r['step_ratio']):.2f}", f"{predicted_ratio(cfg, dtype, r['context'], r['block_size']):.2f}",
                 ms(med(c["attention_s"])), ms(med(p["attention_s"])), ms(med(p["gather_s"])),
-                si(r["gather_bytes"], "B"), f"{padding - 1:.0%}", pct(r["gather_bytes"] / med(p["gather_s"]) / bw),
+                si(r["gather_bytes"], "B"), f"{padding - 1:.0%}", r["gathers_per_layer"],
+                pct(r["gather_bytes"] / med(p["gather_s"]) / bw),
                 ms(med([a - b for a, b in zip(p["outside_s"], c["outside_s"])]))]
     headers = ["context", "block", "contig step", "paged step", "step ×", "predicted ×", "contig attn",
-               "paged attn less gather", "gather", "gathered", "padding", "gather % bw", "extra outside attn"]
+               "paged attn less gather", "gather", "gathered", "padding", "calls", "gather % bw", "extra outside attn"]
     print_table(headers, [row(r) for r in by_context], f"Batch {BATCH}, block {BLOCK_SIZE}, by context, each step "
                 f"split inside (medians of {s['repeats']} rounds; {point['rounds'].count} at context {s['judged']}):")
     print_table(headers, [row(r) for r in by_block], f"Batch {BATCH}, context {s['judged']}, by block size:")
@@ -231,11 +233,12 @@ def block_notes(rows: list[dict], bandwidth: float) -> list[str]:
     notes = []
     for r in rows:
         if ref is not None and r is not ref and rate(r) < 2 / 3 * rate(ref):
-            notes.append(f"block {r['block_size']}: its gather took {ms(med(r['parts']['paged']['gather_s']))} against "
-                         f"{ms(med(ref['parts']['paged']['gather_s']))} at block {BLOCK_SIZE}, for {si(r['gather_bytes'], 'B')} "
-                         f"of whole blocks against {si(ref['gather_bytes'], 'B')}: at {si(rate(r), 'B/s')} against "
-                         f"{si(rate(ref), 'B/s')}, a copy slower per byte ({pct(rate(r) / bandwidth)} of the bandwidth) "
-                         "than its padding explains")
+            took = lambda x: ms(med(x["parts"]["paged"]["gather_s"]))  # noqa: E731
+            notes.append(f"block {r['block_size']}: its gather took {took(r)} against {took(ref)} at block "
+                         f"{BLOCK_SIZE}, for {si(r['gather_bytes'], 'B')} of whole blocks against {si(ref['gather_bytes'], 'B')}: at {si(rate(r), 'B/s')} against "
+                         f"{si(rate(ref), 'B/s')} in {r['gathers_per_layer']} call(s) a layer against "
+                         f"{ref['gathers_per_layer']}: a copy slower per byte ({pct(rate(r) / bandwidth)} of the "
+                         "bandwidth) than its padding explains")
     return notes
 
 

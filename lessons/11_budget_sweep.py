@@ -180,15 +180,16 @@ def itl_why(figures: dict) -> str:
     """Why the ITL tails differ between chunked and unchunked, from the runs' steps."""
     c, u = figures["configs"][OLD_NAME]["runs"], figures["configs"][UNCHUNKED_NAME]["runs"]
     m = lambda runs, key: med(r[key] for r in runs)  # noqa: E731
+    steps = lambda n: f"{n:.0f} step{'s' * (n != 1)}"  # noqa: E731
     waits = ("the wait lands in TTFT" if m(u, "prefill_steps") <= 1 else
              "the streams started by the first of them wait the later ones between two tokens, the rest wait in TTFT")
     return (f"why ITL p99 is {m(c, 'itl_p99_s') / m(u, 'itl_p99_s'):.1f}× chunked ({OLD_DEFAULT}) what it is "
             f"unchunked: every request is queued at t = 0, so unchunked prefills whole prompts in steps of their "
-            f"own ({m(u, 'prefill_steps'):.0f} step{'s' * (m(u, 'prefill_steps') != 1)}; median {ms(m(u, 'prefill_step_s'))}) before any decode resumes: "
+            f"own ({steps(m(u, 'prefill_steps'))}; median {ms(m(u, 'prefill_step_s'))}) before any decode resumes: "
             f"{waits} (p99 {ms(m(u, 'ttft_p99_s'))}), and its other gaps are decode-only steps "
             f"({ms(m(u, 'decode_step_s'))}; ITL p50 {ms(m(u, 'itl_p50_s'))}, p99 {ms(m(u, 'itl_p99_s'))}); chunked lets "
             f"the first prompts stream while later ones are still cut into chunks, so steps carry a chunk beside "
-            f"running decodes ({m(c, 'prefill_beside_decodes'):.0f} step{'s' * (m(c, 'prefill_beside_decodes') != 1)}; median {ms(m(c, 'prefill_step_s'))}), and "
+            f"running decodes ({steps(m(c, 'prefill_beside_decodes'))}; median {ms(m(c, 'prefill_step_s'))}), and "
             f"a stream's token waits that long (ITL p99 {ms(m(c, 'itl_p99_s'))}, TTFT p99 {ms(m(c, 'ttft_p99_s'))}). "
             "Lesson 10 is the other case: one long prompt arriving while streams run, whose one step chunking splits")
 

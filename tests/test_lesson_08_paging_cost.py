@@ -70,3 +70,11 @@ def test_each_check_can_fail():
     slow = figures([3.0, 3.2, 2.9, 3.1, 3.0])  # a gather at a third of the bandwidth: past 1.3× the model
     check, = paging.checks(copy.deepcopy(slow))
     assert check.outcome() == NOT_SUPPORTED and "inside the gather" in check.why
+
+
+def test_08_a_block_sizes_gather_slower_than_its_padding_explains_is_noted():
+    row = lambda bs, nbytes, s: {"block_size": bs, "gather_bytes": nbytes, "gathers_per_layer": 1,  # noqa: E731
+                                 "parts": {"paged": {"gather_s": [s] * 5}}}
+    assert paging.block_notes([row(16, 1e6, 1e-3), row(64, 1.2e6, 1.2e-3)], 2e10) == []  # its padding, no more
+    note, = paging.block_notes([row(16, 1e6, 1e-3), row(64, 1.2e6, 3.6e-3)], 2e10)      # 3× slower per byte
+    assert note.startswith("block 64: its gather took 3.6 ms against 1 ms at block 16")
