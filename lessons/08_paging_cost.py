@@ -29,8 +29,8 @@ The same decode step, paged (blocks of 16, interleaved across the sequences as
 sequences that grow together get them) and contiguous (`KVCache`), timed in
 turns, and split *inside each step* (not timed apart, where caches would be
 warm): the time inside attention (every layer's `cache.attend`) and, paged,
-inside the gather (every `gather_kv` call attention makes). So the bars add
-up to the step, and the extra time is placed where it was spent: the gather,
+inside the gather (every `gather_kv` call attention makes; on a GPU each is
+synchronised). So the bars add up to the step, and the extra is placed: the gather,
 the rest of attention, outside attention (the block tables and slot mapping
 `prepare` builds). Then the full run repeats it at other contexts (the share
 of K and V grows with the context, and the ratio with it) and at other block
