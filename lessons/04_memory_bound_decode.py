@@ -233,6 +233,8 @@ def judge_claim(lesson, figures: dict, rounds):
         verdict.notes.append(f"past batch {b_star}: " + ", ".join(
             f"batch {q['batch']} costs {q['seconds'] / base['seconds']:.2f}× batch {BASE}'s step (roofline "
             f"{q['predicted_s'] / base['predicted_s']:.2f}×)" for q in later))
+    verdict.notes.append("each step ÷ its roofline time (1: at the ceilings; the kernels' efficiency at each row count): "
+                         + ", ".join(f"batch {q['batch']} {q['seconds'] / q['predicted_s']:.1f}×" for q in figures["points"]))
     print_verdict(verdict)
     return verdict
 
