@@ -1,6 +1,6 @@
 """The GPU check: one budgeted run, most valuable stage first, that keeps every result it reaches.
 
-    python gpu_check.py               # on a lent GPU: stops starting stages once --budget (480 s) is spent
+    python gpu_check.py               # on a lent GPU: stops starting stages once --budget (540 s) is spent
     python gpu_check.py --dry-run     # anywhere: the same flow on the CPU with `tiny`, CUDA-only stages skipped
 
 The stages, in order of value, each with its estimate for an H200 (estimates
@@ -70,7 +70,7 @@ from minillm.bench.gpu_targets import check_targets, compiled_reference, judge  
 from minillm.bench.alarm import Alarm, time_limit  # noqa: E402
 from run_all import discover  # noqa: E402  (lessons/run_all.py: lessons by file name)
 
-BUDGET_S = 480
+BUDGET_S = 540  # 15 lessons on gpt2 and the compiled reference, within one 10-minute command
 # Packages a lesson needs beyond the GPU machine's, by the topic in its file name (`NN_<topic>.py`): where one is
 # missing, the lesson is skipped and says why (lesson 12 serves over HTTP: the [serve] extra).
 LESSON_NEEDS = {"goodput": ["fastapi", "uvicorn", "httpx"]}

@@ -14,6 +14,7 @@ import torch
 from minillm import PRESETS
 from minillm import cli
 from minillm.bench import offline as bench
+from minillm.bench import bench_checks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +62,7 @@ def nothing_measured(monkeypatch):
 
 
 def test_bench_refuses_a_batch_that_cannot_fit_before_measuring(capsys, tmp_path, monkeypatch, nothing_measured):
-    monkeypatch.setattr(bench, "available_memory", lambda device: 2**30)
+    monkeypatch.setattr(bench_checks, "available_memory", lambda device: 2**30)
     code = cli.main(["bench", "--model", "tiny", "--batch", "400000", "--prompt-len", "64",
                      "--weights-dir", str(tmp_path)])
     err = capsys.readouterr().err
@@ -76,7 +77,7 @@ def test_the_memory_check_counts_the_larger_phase(monkeypatch):
 
     def check(**kw):
         bench.check_memory(cfg, torch.float32, torch.device("cpu"), **kw)
-    monkeypatch.setattr(bench, "available_memory", lambda device: 3 * 1024 * 1000)
+    monkeypatch.setattr(bench_checks, "available_memory", lambda device: 3 * 1024 * 1000)
     check(prompt_len=1000, context=0, batch=1)  # the prefill: 3 KiB × 1,000 tokens, all the memory there is
     with pytest.raises(ValueError, match=r"--batch 2 needs at least .* \(the prefill of 2 × 1000 tokens"):
         check(prompt_len=1000, context=0, batch=2)
