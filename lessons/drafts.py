@@ -92,7 +92,7 @@ def train_small(steps: int, seed: int = 0, batch: int = 16, length: int = 64) ->
     for _ in range(steps):
         ix = torch.randint(0, len(data) - length - 1, (batch,), generator=g).tolist()
         x, y = (torch.stack([data[i + o:i + o + length] for i in ix]) for o in (0, 1))
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, SMALL.vocab_size), y.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
