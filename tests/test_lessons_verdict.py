@@ -1,12 +1,14 @@
-"""The verdict library (minillm/bench/verdict.py): checks judged on both sides of every line, intervals and the
-machine's load, timing in turns, and the stop at an exercise still to be written (lessons/common.py)."""
+"""The verdict library (minillm/bench/verdict.py, rounds.py, load.py): checks judged on both sides of every line,
+predictions and measured ÷ predicted, facts that decide nothing, intervals and the machine's load, timing in turns
+(never fewer than MIN_ROUNDS), and the stop at an exercise still to be written (lessons/common.py)."""
 import math
 import time
 
 import pytest
 
 from minillm.bench import verdict as measure
-from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED, Check, LoadReading, MachineLoad, interleave, judge
+from minillm.bench.verdict import (HOLDS, INCONCLUSIVE, MIN_ROUNDS, NOT_SUPPORTED, Check, Fact, LoadReading, MachineLoad,
+                                   interleave, judge)
 
 from lessons_support import load_lesson  # also puts lessons/ on sys.path
 
@@ -21,18 +23,18 @@ def load(share, cores=2):
 
 
 @pytest.mark.parametrize("values,outcome", [
-    ([1.6, 1.7, 1.8], HOLDS),            # the whole interval above the line
-    ([1.5, 1.5], HOLDS),                 # on the line counts as holding
-    ([1.2, 1.3, 1.4], NOT_SUPPORTED),    # the whole interval below
-    ([1.4, 1.6], INCONCLUSIVE),          # the line inside the interval
-    ([1.49, 1.9, 2.0], INCONCLUSIVE),    # three rounds: the interval is their range, one round below is enough
+    ([1.6, 1.7, 1.8, 1.7, 1.6], HOLDS),            # the whole interval above the line
+    ([1.5] * 5, HOLDS),                            # on the line counts as holding
+    ([1.2, 1.3, 1.4, 1.3, 1.2], NOT_SUPPORTED),    # the whole interval below
+    ([1.4, 1.6, 1.5, 1.6, 1.4], INCONCLUSIVE),     # the line inside the interval
+    ([1.49, 1.9, 2.0, 1.9, 2.0], INCONCLUSIVE),    # five rounds: the interval is their range, one below is enough
 ])
 def test_check_at_least(values, outcome):
     assert Check("gain", values, 1.5, ">=").outcome() == outcome
 
 
 @pytest.mark.parametrize("values,outcome", [
-    ([1.1, 1.2], HOLDS), ([1.5], HOLDS), ([1.51, 1.6], NOT_SUPPORTED), ([1.3, 1.6], INCONCLUSIVE),
+    ([1.1, 1.2] * 3, HOLDS), ([1.5] * 5, HOLDS), ([1.51, 1.6] * 3, NOT_SUPPORTED), ([1.3, 1.6] * 3, INCONCLUSIVE),
 ])
 def test_check_at_most(values, outcome):
     assert Check("cost", values, 1.5, "<=").outcome() == outcome
@@ -58,17 +60,29 @@ def test_more_rounds_narrow_the_interval_but_an_outlier_does_not_decide():
     assert Check("speedup", values[-4:], 1.0, ">=").outcome() == INCONCLUSIVE  # 4 rounds: the range, outlier in
 
 
+@pytest.mark.parametrize("n", range(1, MIN_ROUNDS))
+def test_a_timed_check_from_fewer_than_min_rounds_is_never_decided(n):
+    """With n ≤ 4 rounds no interval holds the median 90% of the time: however far from the line, no verdict."""
+    assert MIN_ROUNDS == 5 and measure.median_interval([1.0] * n)[2] < measure.CONFIDENCE
+    for values in ([9.0] * n, [0.1] * n):
+        c = Check("speedup", values, 1.0, ">=")
+        assert c.outcome() == INCONCLUSIVE
+        assert f"only {n} rounds: a timed check is decided from at least 5" in "\n".join(judge("x", [c], load(0)).lines())
+    assert Check("speedup", [9.0] * MIN_ROUNDS, 1.0, ">=").outcome() == HOLDS
+    assert Check("bytes", [9.0], 1.0, ">=", timed=False).outcome() == HOLDS, "a count has no rounds to need"
+
+
 def test_the_load_never_widens_an_interval():
     """A speedup of 2.30–2.34 against a line of 1.0 holds however busy the machine was while it was measured."""
-    c = Check("speedup", [2.30, 2.34, 2.31], 1.0, ">=")
+    c = Check("speedup", [2.30, 2.34, 2.31, 2.32, 2.33], 1.0, ">=")
     for share in (0.0, 0.5, 0.95):
         assert judge("claim", [c], load(share)).outcome == HOLDS and c.interval() == (2.30, 2.34)
 
 
 def test_a_share_of_a_ceiling_over_100_percent_is_flagged():
-    c = Check("share of the matmul ceiling", [0.04, 0.5, 4.68], 0.2, ">=", fmt="{:.0%}", of_ceiling=True)
+    c = Check("share of the matmul ceiling", [0.04, 0.5, 4.68, 0.6, 0.5], 0.2, ">=", fmt="{:.0%}", of_ceiling=True)
     assert "4%–468%*" in c.describe() and "* over 100%" in c.describe()
-    assert "*" not in Check("share", [0.4, 0.5, 0.6], 0.2, ">=", fmt="{:.0%}", of_ceiling=True).describe()
+    assert "*" not in Check("share", [0.4, 0.5, 0.6, 0.5, 0.4], 0.2, ">=", fmt="{:.0%}", of_ceiling=True).describe()
 
 
 def test_a_counted_check_has_no_spread():
@@ -89,11 +103,76 @@ def test_check_rejects_what_it_cannot_judge(kwargs, message):
         Check(**{"name": "x", "values": [1.0], "line": 1.0, "holds_if": ">=", **kwargs})
 
 
+# ---- predicted, measured ÷ predicted, facts ------------------------------------------------------
+
+
+def test_a_check_reports_measured_over_predicted_with_its_interval():
+    c = Check("speedup", [1.8, 2.0, 2.2, 2.0, 1.9], 1.0, ">=", fmt="{:.2f}", predicted=4.0, key="speedup")
+    assert c.over_predicted() == pytest.approx((0.5, 0.45, 0.55))
+    assert "predicted 4.00, measured ÷ predicted 0.50 (0.45–0.55) → HOLDS" in c.describe()
+    entry = judge("claim", [c], load(0.0)).as_dict()["checks"][0]
+    assert entry["key"] == "speedup" and entry["predicted"] == 4.0
+    assert entry["measured_over_predicted"] == pytest.approx([0.5, 0.45, 0.55])
+    below = Check("ratio", [2.0] * 5, 1.0, ">=", predicted=-4.0)  # a negative prediction keeps lo ≤ hi
+    assert below.over_predicted() == (-0.5, -0.5, -0.5)
+
+
+def test_a_check_without_a_prediction_carries_null_and_prints_none():
+    c = Check("tokens", [3.0], 1.0, ">=", timed=False)
+    entry = judge("claim", [c], load(0.0)).as_dict()["checks"][0]
+    assert entry["predicted"] is None and entry["measured_over_predicted"] is None
+    assert "predicted" not in c.describe()
+    zero = Check("tokens that differ", [0.0], 0.0, "<=", timed=False, predicted=0)
+    assert zero.over_predicted() is None and "predicted 0 →" in zero.describe()  # no ratio over 0
+    count = Check("bytes", [110.0], 120.0, "<=", timed=False, predicted=100)
+    assert "measured ÷ predicted 1.10 →" in count.describe()  # a count: no interval to print
+
+
+def test_the_ratio_judges_the_mechanism_on_a_band():
+    """A lesson judges measured ÷ predicted against its band by judging values ÷ predicted: a run at half the
+    prediction fails a band of 0.7–1.3 on the low side whatever the paper's figure says."""
+    predicted, measured = 2.0, [1.0, 1.05, 0.95, 1.0, 1.02]
+    ratio = [m / predicted for m in measured]
+    assert Check("measured ÷ predicted", ratio, 0.7, ">=", predicted=1.0).outcome() == NOT_SUPPORTED
+    assert Check("measured ÷ predicted", [r * 2 for r in ratio], 0.7, ">=", predicted=1.0).outcome() == HOLDS
+
+
+@pytest.mark.parametrize("kwargs,message", [({"predicted": float("inf")}, "finite prediction"),
+                                            ({"predicted": float("nan")}, "finite prediction")])
+def test_a_prediction_must_be_a_number(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Check("x", [1.0] * 5, 1.0, ">=", **kwargs)
+
+
+def test_a_check_key_defaults_to_its_name_and_keys_must_differ():
+    assert Check("Paged ÷ contiguous, block 16", [1.0], 1.0, ">=", timed=False).key == "paged_contiguous_block_16"
+    assert Check("x", [1.0], 1.0, ">=", timed=False, key="step_ratio").key == "step_ratio"
+    twins = [Check("a", [1.0], 1, ">=", timed=False, key="k"), Check("b", [1.0], 1, ">=", timed=False, key="k")]
+    with pytest.raises(ValueError, match=r"\['k'\] repeat"):
+        judge("claim", twins, load(0.0))
+
+
+def test_a_fact_is_printed_and_recorded_but_never_judged():
+    holds = Check("speedup", [2.0] * 5, 1.0, ">=")
+    fact = Fact("KV bytes per token", 36864, predicted=36864, fmt="{:.0f}", why="a count equal to its formula")
+    odd = Fact("a figure far off its prediction", 1.0, predicted=100.0)
+    v = judge("claim", [holds], load(0.0), facts=[fact, odd])
+    assert v.outcome == HOLDS, "a fact 100× off its prediction decides nothing"
+    assert ("fact: KV bytes per token: 36864 (predicted 36864, measured ÷ predicted 1.00); a count equal to its "
+            "formula") in v.lines()
+    doc = v.as_dict()
+    assert doc["facts"][1] == {"name": "a figure far off its prediction", "value": 1.0, "predicted": 100.0,
+                               "measured_over_predicted": 0.01, "why": ""}
+    assert all(c["name"] != fact.name for c in doc["checks"])
+    assert judge("claim", [holds], load(0.0)).as_dict()["facts"] == []
+    assert Fact("x", 2.0).describe() == "fact: x: 2"
+
+
 # ---- the lesson's one verdict -------------------------------------------------------------------
 
 
 def test_verdict_not_supported_wins_over_inconclusive_which_wins_over_holds():
-    holds, fails, unclear = Check("a", [2.0], 1, ">="), Check("b", [0.5], 1, ">="), Check("c", [0.9, 1.1], 1, ">=")
+    holds, fails, unclear = Check("a", [2.0] * 5, 1, ">="), Check("b", [0.5] * 5, 1, ">="), Check("c", [0.9, 1.1] * 3, 1, ">=")
     assert judge("claim", [holds], load(0.0)).outcome == HOLDS
     assert judge("claim", [holds, unclear], load(0.0)).outcome == INCONCLUSIVE
     assert judge("claim", [holds, unclear, fails], load(0.0)).outcome == NOT_SUPPORTED
@@ -115,25 +194,25 @@ def test_an_inconclusive_verdict_names_the_check_its_interval_the_line_and_the_c
 
 
 def test_a_not_supported_check_prints_its_why_and_a_holding_one_does_not():
-    fails = Check("gain", [1.1, 1.2, 1.15], 1.4, ">=", why="steps of 6 tokens at both budgets")
-    holds = Check("cost", [1.1, 1.2, 1.15], 1.4, "<=", why="never printed")
+    fails = Check("gain", [1.1, 1.2, 1.15, 1.1, 1.2], 1.4, ">=", why="steps of 6 tokens at both budgets")
+    holds = Check("cost", [1.1, 1.2, 1.15, 1.1, 1.2], 1.4, "<=", why="never printed")
     v = judge("claim", [fails, holds], load(0.0))
     assert v.outcome == NOT_SUPPORTED
     assert "why (gain): steps of 6 tokens at both budgets" in v.lines()
     assert not any("never printed" in line for line in v.lines())
     assert v.as_dict()["checks"][0]["why"] == "steps of 6 tokens at both budgets"
-    bare = judge("claim", [Check("gain", [1.0], 1.4, ">=")], load(0.0))
+    bare = judge("claim", [Check("gain", [1.0] * 5, 1.4, ">=")], load(0.0))
     assert any("gives no explanation" in line for line in bare.lines())  # a missing why shows, it is not hidden
 
 
 def test_a_decisive_verdict_names_no_rerun_but_records_the_load():
-    v = judge("claim", [Check("x", [2.0, 2.1], 1.5, ">=")], load(0.02))
+    v = judge("claim", [Check("x", [2.0, 2.1] * 3, 1.5, ">=")], load(0.02))
     assert v.outcome == HOLDS and "quiet" not in "\n".join(v.lines())
     assert "2% of the CPU" in v.lines()[-1] and v.as_dict()["load"]["share"] == 0.02
 
 
 def test_print_verdict_labels_each_outcome(capsys):
-    for values, label in (([2.0], "CLAIM HOLDS"), ([0.5], "NOT SUPPORTED"), ([0.5, 2.0], "INCONCLUSIVE")):
+    for values, label in (([2.0] * 5, "CLAIM HOLDS"), ([0.5] * 5, "NOT SUPPORTED"), ([0.5, 2.0] * 3, "INCONCLUSIVE")):
         measure.print_verdict(judge("claim", [Check("x", values, 1.0, ">=")], load(0.0)))
         assert label in capsys.readouterr().out
 
@@ -171,9 +250,9 @@ def test_read_load_on_this_machine():
 def test_interleave_alternates_the_order_and_keeps_every_round():
     calls = []
     fns = {name: (lambda name=name: calls.append(name) or name.upper()) for name in "abc"}
-    rounds = interleave(fns, repeats=3, warmup=1)
-    assert calls == list("abc") + list("abc") + list("cba") + list("abc")  # warm-ups, then a b c | c b a | a b c
-    assert rounds.results("b") == ["B"] * 3 and len(rounds.times("a")) == 3 and rounds.added == 0
+    rounds = interleave(fns, repeats=5, warmup=1)
+    assert calls == list("abc") + list("abc") + list("cba") + list("abc") + list("cba") + list("abc")  # warm-ups, then
+    assert rounds.results("b") == ["B"] * 5 and len(rounds.times("a")) == 5 and rounds.added == 0  # a b c | c b a ...
     rounds.seconds = {"a": [2.0, 4.0, 9.0], "b": [1.0, 2.0, 3.0]}
     assert rounds.ratio("a", "b") == [2.0, 2.0, 3.0] and rounds.median("a") == 4.0
     with pytest.raises(ValueError):
@@ -183,20 +262,31 @@ def test_interleave_alternates_the_order_and_keeps_every_round():
 def test_interleave_adds_rounds_until_decided_and_stops_at_its_cap():
     """A burst of load spoils the first round: the range of up to 7 rounds keeps it and straddles the line; at 8
     rounds the 90% interval drops the extreme rounds (k = 2) and clears it."""
-    per_round = [0.9, 1.3, 1.2, 1.25, 1.3, 1.2, 1.3, 1.2, 1.3, 1.2]
+    per_round = [0.9, 1.3, 1.2, 1.25, 1.3, 1.2, 1.3, 1.2, 1.3, 1.2, 1.3, 1.2]
     fns = {"a": lambda: None}
 
     def checks(r):
         return [Check("x", per_round[:r.count], 1.0, ">=")]
-    decided = interleave(fns, repeats=3, warmup=0, until=measure.settled(checks), max_repeats=10, cap_s=60)
-    assert decided.count == 8 and decided.added == 5 and checks(decided)[0].interval() == (1.2, 1.3)
-    never = interleave(fns, repeats=3, warmup=0, until=lambda r: False, cap_s=60)
-    assert never.count == never.cap_rounds == 2 * 3 + 1 and never.added == 4
-    assert "3 + 4 added until decided; cap 7 rounds" in never.describe()
-    timed_out = interleave({"slow": lambda: time.sleep(0.01)}, repeats=2, warmup=0, until=lambda r: False, cap_s=0.0)
-    assert timed_out.count == 2  # no time for added rounds: the cap in seconds holds too
-    plain = interleave(fns, repeats=2, warmup=0)
-    assert plain.cap_rounds == 0 and plain.describe() == "2 rounds"
+    decided = interleave(fns, repeats=5, warmup=0, until=measure.settled(checks), max_repeats=12, cap_s=60)
+    assert decided.count == 8 and decided.added == 3 and checks(decided)[0].interval() == (1.2, 1.3)
+    never = interleave(fns, repeats=5, warmup=0, until=lambda r: False, cap_s=60)
+    assert never.count == never.cap_rounds == 2 * 5 + 1 and never.added == 6
+    assert "5 + 6 added until decided; cap 11 rounds" in never.describe()
+    timed_out = interleave({"slow": lambda: time.sleep(0.01)}, repeats=5, warmup=0, until=lambda r: False, cap_s=0.0)
+    assert timed_out.count == 5  # no time for added rounds: the cap in seconds holds too
+    plain = interleave(fns, repeats=5, warmup=0)
+    assert plain.cap_rounds == 0 and plain.describe() == "5 rounds"
+
+
+@pytest.mark.parametrize("repeats", [1, 2, 3, 4])
+def test_interleave_runs_at_least_min_rounds_whatever_it_is_asked(repeats):
+    """A --quick lesson asking for 2 or 3 rounds still gets 5: fewer decide no timed check."""
+    calls = []
+    rounds = interleave({"a": lambda: calls.append(1)}, repeats=repeats, warmup=0)
+    assert rounds.count == len(calls) == MIN_ROUNDS and rounds.base == MIN_ROUNDS
+    capped = interleave({"a": lambda: None}, repeats=repeats, warmup=0, until=lambda r: False, max_repeats=repeats,
+                        cap_s=60)
+    assert capped.count == MIN_ROUNDS, "a cap below MIN_ROUNDS does not cut the rounds under it"
 
 
 # ---- a lesson that reaches an exercise still to be written ---------------------------------------------
@@ -248,8 +338,8 @@ def test_any_other_not_implemented_error_keeps_its_traceback():
 
 
 def test_a_check_the_run_cannot_decide_is_inconclusive_and_says_why_and_stops_adding_rounds():
-    decided = Check("ratio", [2.0, 2.1, 2.2], 1.0, ">=")
-    starved = Check("ratio", [2.0, 2.1, 2.2], 1.0, ">=", undecided="two cores were needed and one was free")
+    decided = Check("ratio", [2.0, 2.1, 2.2, 2.1, 2.0], 1.0, ">=")
+    starved = Check("ratio", [2.0, 2.1, 2.2, 2.1, 2.0], 1.0, ">=", undecided="two cores were needed and one was free")
     assert decided.outcome() == HOLDS and starved.outcome() == INCONCLUSIVE
     lines = judge("claim", [starved], MachineLoad(2, 1.0, None, None, 0.5)).lines()
     assert "INCONCLUSIVE on “ratio”: two cores were needed and one was free" in lines

@@ -5,17 +5,27 @@ timing them, and on a shared machine a burst of load slows whichever one it
 lands on. So every lesson measures and judges the same way:
 
     before = read_load()
-    checks = lambda r: [Check("naive time / cached time", r.ratio("naive", "cached"), line=1.0, holds_if=">=", why=...)]
-    rounds = interleave({"naive": f, "cached": g}, repeats=3, until=settled(checks))   # f g | g f | f g ...
-    print_verdict(judge("the KV cache makes decoding faster", checks(rounds), MachineLoad.between(before, read_load())))
+    checks = lambda r: [Check("naive time / cached time", r.ratio("naive", "cached"), line=1.0, holds_if=">=",
+                              predicted=model_ratio, key="speedup", why=...)]
+    rounds = interleave({"naive": f, "cached": g}, repeats=5, until=settled(checks))   # f g | g f | f g ...
+    print_verdict(judge("the KV cache makes decoding faster", checks(rounds), MachineLoad.between(before, read_load()),
+                        facts=[Fact("FLOPs naive ÷ cached", flops_ratio, why="the cost model's arithmetic")]))
 
-1. Measure in turns (`interleave`): each configuration once per round, the order
+0. Predict, then measure. A check carries `predicted`: the lesson's cost model evaluated on this
+   machine's measured ceilings before anything is timed, in the units of its values. It prints
+   measured ÷ predicted with its interval; a check whose point is the mechanism is judged on that
+   ratio against a band the cost model's uncertainty sets. A figure that cannot refute the claim (a
+   count equal to its formula by construction) is a `Fact`: printed and recorded, never judged.
+
+1. Measure in turns (`interleave`, in `rounds.py`): each configuration once per round, the order
    reversed every other round, and judge one value per round: a ratio of two of them,
    or a rate ÷ a ceiling kernel timed in that round, so a moment's load hits both sides.
 2. The interval is the run's own: sorted, x(k) .. x(n+1−k) holds the median with probability
    1 − 2·P(Binomial(n, ½) < k) whatever the distribution; k is the largest that keeps 90%
-   (`median_interval`; for n ≤ 4 none does, and it is the whole range: 50%, 75%, 88%).
-   The load (`read_load`, `MachineLoad`) is printed and widens nothing.
+   (`median_interval`; for n ≤ 4 none does, and it is the whole range: 50%, 75%, 88%). So
+   `interleave` runs at least MIN_ROUNDS = 5 rounds (the range of 5 holds the median 94% of the
+   time), and a timed check with fewer values is INCONCLUSIVE whatever they show.
+   The load (`read_load`, `MachineLoad`, in `load.py`) is printed and widens nothing.
 3. A check HOLDS if its whole interval lies on the claim's side of the line, is
    NOT SUPPORTED if on the other (its `why` says what the run's numbers show of
    the cause), INCONCLUSIVE if the line falls inside it (the message names the
@@ -26,162 +36,21 @@ lands on. So every lesson measures and judges the same way:
    `until=settled(checks)` adds rounds up to a printed cap: 2 × the rounds asked
    for + 1, or as long again as they took.
 5. One verdict (`judge`): NOT SUPPORTED if any check is, else INCONCLUSIVE if any is, else
-   HOLDS. A busy machine can make a lesson slower or INCONCLUSIVE; it cannot flip its verdict.
+   HOLDS; facts never enter it. A busy machine can make a lesson slower or INCONCLUSIVE; it cannot
+   flip its verdict.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
+import re
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-from tqdm import tqdm
-
-from ..device import synchronize
+from .load import LoadReading, MachineLoad, read_load  # noqa: F401  (re-exported: lessons import them from here)
+from .rounds import ADDED_ROUNDS, ADDED_TIME, MIN_ROUNDS, Rounds, interleave, progress  # noqa: F401  (the same)
 
 HOLDS, NOT_SUPPORTED, INCONCLUSIVE = "HOLDS", "NOT SUPPORTED", "INCONCLUSIVE"
-
-
-@dataclass
-class LoadReading:  # a snapshot; two of them make a `MachineLoad`
-    wall: float                   # time.perf_counter()
-    own_cpu_s: float              # CPU seconds this process (and its finished children) used so far
-    machine_busy_s: float | None  # CPU seconds all cores spent busy since boot (/proc/stat), None off Linux
-    loadavg: float | None         # 1-minute load average
-
-
-def read_load() -> LoadReading:
-    t, busy, loadavg = os.times(), None, None
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait; steal counts as busy: not ours
-        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    with contextlib.suppress(OSError):
-        loadavg = os.getloadavg()[0]
-    return LoadReading(time.perf_counter(), t.user + t.system + t.children_user + t.children_system, busy, loadavg)
-
-
-@dataclass
-class MachineLoad:
-    cores: int
-    seconds: float
-    loadavg_before: float | None
-    loadavg_after: float | None
-    share: float | None  # fraction of the machine's CPU time other processes took over the window; None: unknown
-    estimated: bool = False  # share estimated from the load average (no /proc/stat: macOS, Windows)
-
-    @classmethod
-    def between(cls, before: LoadReading, after: LoadReading) -> "MachineLoad":
-        cores, seconds = os.cpu_count() or 1, max(after.wall - before.wall, 1e-9)
-        own = after.own_cpu_s - before.own_cpu_s
-        if before.machine_busy_s is not None and after.machine_busy_s is not None:
-            others = after.machine_busy_s - before.machine_busy_s - own
-            return cls(cores, seconds, before.loadavg, after.loadavg, min(1.0, max(0.0, others / (seconds * cores))))
-        if after.loadavg is not None:  # runnable threads on average, less the cores this process kept busy
-            others = max(before.loadavg or 0.0, after.loadavg) - own / seconds
-            return cls(cores, seconds, before.loadavg, after.loadavg, min(1.0, max(0.0, others / cores)), True)
-        return cls(cores, seconds, before.loadavg, after.loadavg, None)
-
-    def describe(self) -> str:
-        avg = (f"load average {self.loadavg_before:.2f} → {self.loadavg_after:.2f} on {self.cores} cores"
-               if self.loadavg_before is not None else f"{self.cores} cores")
-        if self.share is None:
-            return f"{avg}; what other processes used is unknown on this system"
-        how = " (estimated from the load average)" if self.estimated else ""
-        return f"{avg}; other processes took {self.share:.0%} of the CPU{how} while this lesson measured"
-
-
-def progress(total: int, desc: str | None, unit: str) -> tqdm:
-    """A progress bar on the terminal (none when desc is None, or when stderr is not a terminal)."""
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=True if desc is None else None)
-
-
-@dataclass
-class Rounds:
-    """What `interleave` measured: for each name, one time (and one return value) per round."""
-    names: list[str]
-    seconds: dict[str, list[float]]
-    returned: dict[str, list]
-    base: int = 0          # rounds asked for
-    added: int = 0         # rounds added while a check was undecided, under a cap of
-    cap_rounds: int = 0    # this many rounds in all
-    cap_s: float = 0.0     # or this many seconds of added rounds, whichever came first
-
-    def times(self, name: str) -> list[float]:
-        return self.seconds[name]
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.seconds[name])
-
-    def ratio(self, a: str, b: str) -> list[float]:
-        """time(a) / time(b), round by round: paired, so a burst of load that hits one round cancels."""
-        return [x / y for x, y in zip(self.seconds[a], self.seconds[b])]
-
-    def results(self, name: str) -> list:
-        return self.returned[name]
-
-    @property
-    def count(self) -> int:
-        return len(next(iter(self.seconds.values()), []))
-
-    def describe(self) -> str:
-        """How many rounds ran and the cap on adding more."""
-        text = f"{self.count} round{'s' * (self.count != 1)}"
-        if self.cap_rounds > self.base:
-            text += (f" ({self.base} + {self.added} added until decided; cap {self.cap_rounds} rounds or "
-                     f"{self.cap_s:.2g} s of added rounds)")
-        return text
-
-
-ADDED_TIME = 1.0  # added rounds may take at most this many times what the asked-for rounds took
-ADDED_ROUNDS = 2  # and bring the rounds to at most this many times those asked for (+1, so 2 → 5)
-
-
-def interleave(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, device: torch.device | str = "cpu",
-               desc: str | None = None, until: Callable[[Rounds], bool] | None = None, max_repeats: int | None = None,
-               cap_s: float | None = None) -> Rounds:
-    """Call every function `warmup` times untimed, then once per round for `repeats` rounds, in turns:
-    a b c | c b a | a b c ..., so slow drift in the machine's load hits every configuration alike. With `until`,
-    add rounds while `until(rounds)` is false, up to `max_repeats` rounds in all (default ADDED_ROUNDS·repeats + 1)
-    or `cap_s` seconds of added rounds (default ADDED_TIME × the asked-for rounds' time)."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be at least 1")
-    names = list(fns)
-    bar = progress((warmup + repeats) * len(names), desc, "run")
-    for name in [n for n in names for _ in range(warmup)]:
-        fns[name]()
-        bar.update()
-    rounds = Rounds(names, {n: [] for n in names}, {n: [] for n in names}, base=repeats)
-
-    def one_round(r: int) -> None:
-        for name in names if r % 2 == 0 else names[::-1]:
-            synchronize(device)
-            t0 = time.perf_counter()
-            out = fns[name]()
-            synchronize(device)
-            rounds.seconds[name].append(time.perf_counter() - t0)
-            rounds.returned[name].append(out)
-            bar.update()
-
-    t0 = time.perf_counter()
-    for r in range(repeats):
-        one_round(r)
-    if until is not None:
-        t1 = time.perf_counter()
-        rounds.cap_rounds = max_repeats if max_repeats is not None else ADDED_ROUNDS * repeats + 1
-        rounds.cap_s = cap_s if cap_s is not None else ADDED_TIME * (t1 - t0)
-        while (rounds.count < rounds.cap_rounds and time.perf_counter() - t1 < rounds.cap_s
-               and not until(rounds)):
-            bar.total += len(names)
-            one_round(rounds.count)
-            rounds.added += 1
-    bar.close()
-    return rounds
 
 
 CONFIDENCE = 0.9  # the interval of a timed check holds the median of its rounds at least this often (n ≥ 5)
@@ -212,8 +81,15 @@ class Check:
     why: str = ""           # what the run's numbers say of a value on the wrong side; printed when NOT SUPPORTED
     of_ceiling: bool = False  # shares of a ceiling: one above 1 is flagged (*), never shown as a share
     undecided: str = ""     # why this run cannot decide it whatever its interval (lesson 12: too few free cores)
+    predicted: float | None = None  # the cost model's value of the same quantity on this machine, before measuring
+    key: str = ""           # a short identifier (`--predict key=value`); made from the name when empty
 
     def __post_init__(self):
+        self.key = self.key or re.sub(r"[^a-z0-9]+", "_", self.name.lower()).strip("_")
+        if self.predicted is not None:
+            self.predicted = float(self.predicted)
+            if not math.isfinite(self.predicted):
+                raise ValueError(f"check {self.name!r} needs a finite prediction, got {self.predicted}")
         if self.holds_if not in (">=", "<="):
             raise ValueError(f"holds_if={self.holds_if!r} must be '>=' or '<='")
         self.values = [float(v) for v in self.values]
@@ -235,13 +111,26 @@ class Check:
     def coverage(self) -> float:
         return median_interval(self.values)[2] if self.timed else 1.0
 
+    @property
+    def too_few_rounds(self) -> bool:
+        """A timed check from fewer than MIN_ROUNDS values: its interval holds the median under 90% of the time."""
+        return self.timed and len(self.values) < MIN_ROUNDS
+
+    def over_predicted(self) -> tuple[float, float, float] | None:
+        """measured ÷ predicted: (median, lo, hi) of the values and their interval over the prediction; None
+        without a prediction (or with a prediction of 0, where a ratio means nothing)."""
+        if not self.predicted:
+            return None
+        lo, hi = sorted(x / self.predicted for x in self.interval())
+        return self.median / self.predicted, lo, hi
+
     def _holds(self, x: float) -> bool:
         return x >= self.line if self.holds_if == ">=" else x <= self.line
 
     def outcome(self) -> str:
         """HOLDS, NOT SUPPORTED or INCONCLUSIVE: where the interval lies against the line."""
         lo, hi = (self._holds(x) for x in self.interval())
-        return INCONCLUSIVE if self.undecided or lo != hi else HOLDS if lo else NOT_SUPPORTED
+        return INCONCLUSIVE if self.undecided or self.too_few_rounds or lo != hi else HOLDS if lo else NOT_SUPPORTED
 
     def _f(self, x: float) -> str:
         return self.fmt.format(x) + ("*" if self.of_ceiling and x > 1 else "")
@@ -253,12 +142,45 @@ class Check:
         (lo, hi), n = self.interval(), len(self.values)
         text = f"{self.name} {self.relation()}: {self._f(self.median)}"
         if self.timed:
-            text += f" ({self._f(lo)}–{self._f(hi)}: the {self.coverage:.0%} interval of the median of {n} round" \
-                    f"{'s' * (n != 1)})"
+            text += f" (median of {n} round{'s' * (n != 1)}; the true median lies in {self._f(lo)}–{self._f(hi)}, " \
+                    f"{self.coverage:.0%} sure)"
+        if self.predicted is not None:
+            text += f"; predicted {self.fmt.format(self.predicted)}"
+            if (r := self.over_predicted()) is not None:
+                text += f", measured ÷ predicted {r[0]:.2f}" + (f" ({r[1]:.2f}–{r[2]:.2f})" if self.timed else "")
         text += f" → {self.outcome()}"
         if self.of_ceiling and max(self.values) > 1:
             text += " (* over 100%: faster than every kernel that measured the ceiling: a bug in the ceiling)"
         return text
+
+
+@dataclass
+class Fact:
+    """A figure the run reports that cannot refute the claim (a count equal to its formula by construction, a
+    quantity the lesson set itself): printed as "fact: ..." and recorded under "facts", never judged."""
+    name: str
+    value: float
+    predicted: float | None = None
+    fmt: str = "{:.3g}"
+    why: str = ""  # why it cannot refute the claim
+
+    def __post_init__(self):
+        self.value = float(self.value)
+        self.predicted = None if self.predicted is None else float(self.predicted)
+
+    def over_predicted(self) -> float | None:
+        return self.value / self.predicted if self.predicted else None
+
+    def describe(self) -> str:
+        text = f"fact: {self.name}: {self.fmt.format(self.value)}"
+        if self.predicted is not None:
+            text += f" (predicted {self.fmt.format(self.predicted)}" + (
+                f", measured ÷ predicted {r:.2f})" if (r := self.over_predicted()) is not None else ")")
+        return text + (f"; {self.why}" if self.why else "")
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "value": self.value, "predicted": self.predicted,
+                "measured_over_predicted": self.over_predicted(), "why": self.why}
 
 
 def settled(make_checks: Callable[[Rounds], list[Check]]) -> Callable[[Rounds], bool]:
@@ -274,20 +196,23 @@ class Verdict:
     load: MachineLoad
     notes: list[str] = field(default_factory=list)  # the lesson's reading of the numbers, after the checks
     rounds: list[Rounds] = field(default_factory=list)  # the timed rounds the checks came from (for their caps)
+    facts: list[Fact] = field(default_factory=list)  # figures reported beside the checks, never judged
 
     @property
     def holds(self) -> bool:
         return self.outcome == HOLDS
 
     def lines(self) -> list[str]:
-        """Every check, the `why` of each NOT SUPPORTED one, the notes, each INCONCLUSIVE one's reason, the load."""
-        lines = [c.describe() for c in self.checks]
+        """Every check, every fact, the `why` of each NOT SUPPORTED check, the notes, each INCONCLUSIVE one's
+        reason, the load."""
+        lines = [c.describe() for c in self.checks] + [f.describe() for f in self.facts]
         lines += [f"why ({c.name}): {c.why or 'this lesson gives no explanation for this check'}"
                   for c in self.checks if c.outcome() == NOT_SUPPORTED] + self.notes
         for c in (c for c in self.checks if c.outcome() == INCONCLUSIVE):
             (lo, hi), n = c.interval(), len(c.values)
             ran = next((r.describe() for r in self.rounds if r.count == n), f"{n} rounds")  # the check's rounds
             lines.append(f"INCONCLUSIVE on “{c.name}”: " + (c.undecided or (
+                f"only {n} rounds: a timed check is decided from at least {MIN_ROUNDS}" if c.too_few_rounds else
                 f"its interval {c._f(lo)}–{c._f(hi)} ({c.coverage:.0%} interval of the median) straddles the line "
                 f"{c.relation()} after {ran}; rerun, ideally on a quieter machine, for a verdict")))
         lines.append(self.load.describe())
@@ -300,16 +225,23 @@ class Verdict:
                                                     for r in self.rounds],
                 "checks": [{"name": c.name, "values": c.values, "median": c.median, "line": c.line,
                             "holds_if": c.holds_if, "timed": c.timed, "interval": list(c.interval()),
-                            "coverage": c.coverage, "outcome": c.outcome(), "why": c.why, "undecided": c.undecided}
-                           for c in self.checks]}
+                            "coverage": c.coverage, "outcome": c.outcome(), "why": c.why, "undecided": c.undecided,
+                            "key": c.key, "predicted": c.predicted,
+                            "measured_over_predicted": None if (r := c.over_predicted()) is None else list(r)}
+                           for c in self.checks],
+                "facts": [f.as_dict() for f in self.facts]}
 
 
-def judge(claim: str, checks: list[Check], load: MachineLoad, rounds: list[Rounds] | None = None) -> Verdict:
-    """The lesson's one verdict: NOT SUPPORTED if any check is, else INCONCLUSIVE if any is, else HOLDS."""
+def judge(claim: str, checks: list[Check], load: MachineLoad, rounds: list[Rounds] | None = None,
+          facts: list[Fact] | None = None) -> Verdict:
+    """The lesson's one verdict: NOT SUPPORTED if any check is, else INCONCLUSIVE if any is, else HOLDS; the facts
+    are reported beside it and decide nothing."""
     if not checks:
         raise ValueError("a verdict needs at least one check")
+    if dup := sorted({c.key for c in checks if [d.key for d in checks].count(c.key) > 1}):
+        raise ValueError(f"check keys {dup} repeat: give each check its own key=")
     outcome = next((o for o in (NOT_SUPPORTED, INCONCLUSIVE) if o in {c.outcome() for c in checks}), HOLDS)
-    return Verdict(claim, outcome, checks, load, rounds=list(rounds or []))
+    return Verdict(claim, outcome, checks, load, rounds=list(rounds or []), facts=list(facts or []))
 
 
 LABELS = {HOLDS: "CLAIM HOLDS", NOT_SUPPORTED: "CLAIM NOT SUPPORTED BY THIS RUN",
