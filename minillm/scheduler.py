@@ -237,6 +237,8 @@ class Scheduler:
 
     def _plan(self, out: SchedulerOutput) -> None:
         """Prefill-first: whole prompts, in a step of their own, before any decode resumes."""
+        # >>> exercise scheduler-admit (lesson 09, 2 pts): admit waiting prompts between steps, prefill-first
+        # hint: a seat a finished request left (update freed it at once) is taken at the very next step, whatever the others still have to do; waiting prompts join in arrival order, whole, while the token budget, max_num_seqs and the KV room (self.blocks.can_append) allow, and one that does not fit is not overtaken (self._start_first_waiting() is the next one, self._admit takes it); a step that admits runs only its prompts, and one that admits nothing runs the decodes (self._schedule_decodes)
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self._start_first_waiting()
@@ -246,6 +248,7 @@ class Scheduler:
             self._admit(seq, seq.num_remaining, out)
         if not out.chunks:
             self._schedule_decodes(out)
+        # <<< exercise
 
     # ---- shared mechanics ---------------------------------------------------
 

@@ -26,7 +26,7 @@ def test_quick_run_judges_each_claim_from_the_values_of_its_json(tmp_path, one_t
     assert [c.key for c in rebuilt] == [c["key"] for c in v["checks"]]
     assert [c.values for c in rebuilt] == [c["values"] for c in v["checks"]]
     assert [c.line for c in rebuilt] == [c["line"] for c in v["checks"]]
-    assert len(rebuilt) == (11 if f["transformers"] else 9)
+    assert len(rebuilt) == (12 if f["transformers"] else 10)
 
 
 def test_static_and_continuous_give_the_same_greedy_tokens_on_a_context_model(one_thread):

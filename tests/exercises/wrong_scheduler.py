@@ -55,6 +55,62 @@ if victim is seq:
     return True
 """,
     },
+    "scheduler-admit": {
+        'admits only when the batch is empty (static batching)': """
+budget = self.config.max_num_batched_tokens
+if not self.running:
+    while self.waiting and len(self.running) < self.config.max_num_seqs:
+        seq = self._start_first_waiting()
+        if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+            break
+        budget -= seq.num_remaining
+        self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'admits one past max_num_seqs': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) <= self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    budget -= seq.num_remaining
+    self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'never spends the budget': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) < self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'ignores the token budget': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) < self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    budget -= seq.num_remaining
+    self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'runs the decodes in the step that admits': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) < self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    budget -= seq.num_remaining
+    self._admit(seq, seq.num_remaining, out)
+self._schedule_decodes(out)
+""",
+    },
     "scheduler-budget-fill": {
         "plans prompt chunks before the decodes": """
 budget = self.config.max_num_batched_tokens
