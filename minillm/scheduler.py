@@ -177,11 +177,14 @@ class Scheduler:
     def finish_if_done(self, seq: Sequence, now: float) -> bool:
         """THE stop rule (`finish_reason`: a stop token, max_tokens, or the context full), applied to `seq`'s
         last sampled token: if it ends the request, it is finished at `now` and leaves the queues."""
+        # >>> exercise scheduler-finish (lesson 09, 1 pt): end a request that its last token ends, and free its seat now
+        # hint: seq.end_reason(...) is the stop rule; a request it ends leaves the queues and gives back its blocks in this very call (self.remove does both), not at some later one: a waiting request needs them at the next step; it is finished for that reason at `now`; the return value says whether it ended
         reason = seq.end_reason(self.eos_token_id, self.n_ctx)
         if reason:
             self.remove(seq)
             seq.finish(reason, now)
         return bool(reason)
+        # <<< exercise
 
     def update(self, sampled: list[tuple[Sequence, int, object]], now: float) -> None:
         """After a step: each (sequence, token, its TokenLogprobs or None) that sampled gets its token at `now`;

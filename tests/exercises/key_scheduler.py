@@ -275,3 +275,49 @@ def admit_steps(case: dict, empty_only=False, seat_limit=True, budget_limit=True
 def admit_key(case: dict) -> dict:
     """scheduler-admit's answer for one case: each step's plan, queues and finished requests, and its mistakes'."""
     return with_mistakes(admit_steps(case), lambda **switches: admit_steps(case, **switches), ADMIT_MISTAKES)
+
+
+# ------------------------------------------------------------------ scheduler-finish
+
+FINISH_MISTAKES = {
+    "a finished request kept its seat and blocks until a later call: free them in the call that ends it, so that a "
+    "waiting request can have them at the very next step": {"late": True},
+    "its blocks were never freed": {"frees": False},
+    "it left the queues but was never marked finished": {"marks": False},
+    "it was marked finished but stayed in the running queue, holding its blocks": {"leaves": False, "frees": False},
+    "it returned True for a request that goes on": {"returns": False},
+}
+
+
+def finish_steps_key(case: dict, late=False, frees=True, marks=True, leaves=True, returns=True) -> list[dict]:
+    """After each step's calls (each sampled token appended, then the stop rule): the queues, the tokens held, who
+    is finished (reason and time) and what each call returned."""
+    r, steps, finished = Replay(case), [], {}
+    for now, sampled in enumerate(case["steps"]):
+        returned = {}
+        for name, token in sampled:
+            if late:   # the wrong version's clean-up of those finished earlier
+                for done in [n for n in r.running if n in finished]:
+                    r.running.remove(done)
+                    r.held.pop(done, None)
+            s = r.seqs[name]
+            s["output"] += 1
+            reason = "stop" if token == case["eos"] else "length" if s["output"] >= s["max_tokens"] else None
+            if reason and not late:
+                if leaves:
+                    r.running.remove(name)
+                if frees:
+                    r.held.pop(name, None)
+            if reason and marks:
+                finished[name] = [reason, float(now)]
+            returned[name] = bool(reason) or not returns
+        queues = r.queues()
+        del queues["preempted"]
+        steps.append({**queues, "finished": dict(finished), "returned": returned})
+    return steps
+
+
+def finish_key(case: dict) -> dict:
+    """scheduler-finish's answer for one case, and its mistakes'."""
+    return with_mistakes(finish_steps_key(case), lambda **switches: finish_steps_key(case, **switches),
+                         FINISH_MISTAKES)

@@ -683,7 +683,174 @@ class Admit(Check):
                                  f"Look at {self.where}.")
 
 
-PREEMPT, ADMIT, BUDGET_FILL = Preempt(), Admit(), BudgetFill()
+# ------------------------------------------------------------------ the end of a request
+
+class Finish(Check):
+    exercise = "scheduler-finish"
+    where = "minillm/scheduler.py, Scheduler.finish_if_done"
+
+    @staticmethod
+    def case(running, steps, waiting=(), eos=0):
+        """`steps`: each step's sampled tokens as [request, token], in the order the step checks them."""
+        return {"eos": eos, "running": list(running), "waiting": list(waiting), "steps": [list(s) for s in steps],
+                "capacity": 10_000}
+
+    def visible(self):
+        return {
+            "max_tokens reached: it leaves the queue and frees its blocks in the same call":
+                self.case([ending("a", 4, 2, 3), ending("b", 5, 1, 9)], [[["b", 7], ["a", 5]]]),
+            "the end-of-text token ends it, whatever max_tokens says":
+                self.case([ending("a", 3, 1, 9), ending("b", 4, 1, 9)], [[["a", 0], ["b", 3]], [["b", 4]]]),
+            "a request that goes on stays, holding its blocks":
+                self.case([ending("a", 3, 1, 9)], [[["a", 5]], [["a", 6]]], waiting=[new("w", 4)]),
+            "several end in one step; a waiting request is untouched":
+                self.case([ending("a", 2, 1, 2), ending("b", 3, 2, 9), ending("c", 2, 1, 9)],
+                          [[["a", 4], ["b", 0], ["c", 8]]], waiting=[new("w", 2)]),
+        }
+
+    @staticmethod
+    def play(d, running, count):
+        """`count` steps in which every request not yet ended samples a token: the end-of-text token (0) now and
+        then, any other token otherwise; each step checks them in a drawn order."""
+        left, steps = {s["name"]: s["max_tokens"] - s["output"] for s in running}, []
+        for _ in range(count):
+            names = d.sample(sorted(left), len(left))
+            if not names:
+                break
+            step = [[n, 0 if d.int(0, 4) == 0 else d.int(1, 99)] for n in names]
+            for n, token in step:
+                left[n] -= 1
+                if token == 0 or left[n] == 0:
+                    del left[n]
+            steps.append(step)
+        return steps
+
+    def situations(self):
+        def running(d, count, names):
+            return [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + d.int(1, 4)) for _ in range(count)]
+
+        def steps_of(d):
+            names = drawn_names(d)
+            r = running(d, d.int(1, 4), names)
+            return self.case(r, self.play(d, r, d.int(1, 4)), waiting=[new(next(names), d.int(1, 6))])
+
+        def one_step(d):
+            names = drawn_names(d)
+            r = running(d, d.int(2, 5), names)
+            return self.case(r, self.play(d, r, 1))
+
+        def goes_on(d):
+            names = drawn_names(d)
+            r = [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 5) for _ in range(d.int(1, 3))]
+            return self.case(r, [[[s["name"], d.int(1, 99)] for s in r]], waiting=[new(next(names), d.int(1, 6))])
+
+        def eos(d):
+            names = drawn_names(d)
+            r = running(d, d.int(1, 3), names)
+            return self.case(r, [[[s["name"], 0] for s in r]])
+
+        return {"max_tokens reached": one_step, "the end-of-text token ends it": eos,
+                "a request that goes on stays": goes_on, "several steps, several ends": steps_of}
+
+    def edges(self):
+        """Each edge's situation is fixed (who ends, and that it is checked last in its step); the names, the
+        lengths and the tokens are drawn."""
+        def last_ends(d):
+            # the last request a step checks reaches max_tokens; the others go on: it must leave in that call.
+            names = drawn_names(d)
+            others = [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 5) for _ in range(d.int(1, 3))]
+            last = ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 1)
+            order = others + [last]
+            return self.case(d.sample(order, len(order)), [[[s["name"], d.int(1, 99)] for s in order]])
+
+        def eos_alone(d):
+            # the only running request draws the end-of-text token far from its max_tokens.
+            names = drawn_names(d)
+            name = next(names)
+            return self.case([ending(name, d.int(2, 6), d.int(1, 3), 20)], [[[name, 0]]],
+                             waiting=[new(next(names), d.int(1, 6))])
+
+        def goes_on(d):
+            # no token ends anyone: every call returns False and nothing moves.
+            names = drawn_names(d)
+            r = [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 5) for _ in range(d.int(1, 3))]
+            return self.case(r, [[[s["name"], d.int(1, 99)] for s in r]])
+        return {"the last request of a step ends": last_ends, "the end-of-text token, far from max_tokens": eos_alone,
+                "nobody ends": goes_on}
+
+    def run(self, case):
+        from minillm.sampling_params import SamplingParams
+        from minillm.scheduler import Scheduler, SchedulerConfig
+        from minillm.sequence import RequestMetrics, Sequence, SequenceStatus
+        sched = Scheduler(SchedulerConfig(enable_chunked_prefill=False), TokenCountingBlocks(case["capacity"]),
+                          eos_token_id=case["eos"])
+        by_name = {}
+        for queue in ("running", "waiting"):
+            for s in case[queue]:
+                made = Sequence(s["name"], list(range(s["prompt"])),
+                                SamplingParams(temperature=0.0, max_tokens=s["max_tokens"]), RequestMetrics(0.0))
+                made.output_token_ids = [1] * s["output"]
+                made.num_computed_tokens = s["computed"]
+                by_name[s["name"]] = made
+                if queue == "running":
+                    made.status = SequenceStatus.RUNNING
+                    sched.running.append(made)
+                    sched.blocks.held[made.seq_id] = s["computed"]
+                else:
+                    sched.add(made)
+        names = {x.seq_id: x.request_id for x in by_name.values()}
+        steps = []
+        for now, sampled in enumerate(case["steps"]):
+            returned = {}
+            for name, token in sampled:   # what update does for each sampled token, then the stop rule
+                seq = by_name[name]
+                seq.output_token_ids.append(token)
+                got = call_recording_errors(sched.finish_if_done, seq, float(now))
+                if raised(got):
+                    return steps + [got]
+                returned[name] = got
+            steps.append({"running": [x.request_id for x in sched.running],
+                          "waiting": [x.request_id for x in sched.waiting],
+                          "held": {names[k]: n for k, n in sched.blocks.held.items()},
+                          "finished": {x.request_id: [x.finish_reason, x.metrics.finished_time]
+                                       for x in by_name.values() if x.is_finished},
+                          "returned": returned})
+        return steps
+
+    def expect(self, case):
+        from key_scheduler import finish_key
+        return finish_key(case)
+
+    KEYS = ["running", "waiting", "held", "finished", "returned"]
+
+    def judge(self, case, output, expected):
+        situation = f"end-of-text token {case['eos']}, {describe(case)}, sampled {case['steps']}"
+        count = len(case["steps"])
+        if not isinstance(output, list) or not 0 < len(output) <= count:
+            raise AssertionError(f"{situation}: the check runs {count} step(s); it got back {kind(output)}. "
+                                 f"Look at {self.where}.")
+        for i, got in enumerate(output):
+            want = expected["want"][i]
+            if same(got, want, self.KEYS):
+                continue
+            named = naming([what for what, answer in expected["mistakes"].items()
+                            if all(same(g, a, self.KEYS) for g, a in zip(output[:i + 1], answer[:i + 1]))])
+            if raised(got):
+                problem = f"finish_if_done raised {got['raised']}: {got['message']}"
+            elif isinstance(got, dict):
+                problem = first_difference(got, want, self.KEYS)
+            else:
+                problem = f"got {kind(got)}"
+            raise AssertionError(f"{situation}; after step {i + 1} of {count}:{named}\n  {problem}\n(a request the "
+                                 f"stop rule ends leaves the queues, gives back its blocks and is finished, all in "
+                                 f"the call that ends it). Look at {self.where}.")
+        if len(output) < count:
+            raise AssertionError(f"{situation}: the check runs {count} steps; it got back {len(output)}. "
+                                 f"Look at {self.where}.")
+
+
+PREEMPT, ADMIT, FINISH, BUDGET_FILL = Preempt(), Admit(), Finish(), BudgetFill()
 test_preempt = PREEMPT.pytest_test()
 test_admit = ADMIT.pytest_test()
+test_finish = FINISH.pytest_test()
 test_budget_fill = BUDGET_FILL.pytest_test()

@@ -111,6 +111,42 @@ while self.waiting and len(self.running) < self.config.max_num_seqs:
 self._schedule_decodes(out)
 """,
     },
+    "scheduler-finish": {
+        "frees a finished request's blocks a step late (at the next call)": """
+for done in [s for s in self.running if s.is_finished]:
+    self.remove(done)
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    seq.finish(reason, now)
+return bool(reason)
+""",
+        'takes it off the running queue but never frees its blocks': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    self.running.remove(seq)
+    seq.finish(reason, now)
+return bool(reason)
+""",
+        'frees it but never marks it finished': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    self.remove(seq)
+return bool(reason)
+""",
+        'marks it finished and leaves it running': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    seq.finish(reason, now)
+return bool(reason)
+""",
+        'returns True whether or not it ended': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    self.remove(seq)
+    seq.finish(reason, now)
+return True
+""",
+    },
     "scheduler-budget-fill": {
         "plans prompt chunks before the decodes": """
 budget = self.config.max_num_batched_tokens
