@@ -52,19 +52,25 @@ partly filled last one only when each writes (copy-on-write). The first 8
 prompts of the trace are served with n = 4 samples each (`--quick`: outputs cut
 to 16 tokens), as one request of n samples and as n requests of one, in a pool
 that holds them all; block arithmetic predicts each request's most blocks and
-the copies exactly. (Greedy, so the samples are one text: blocks count tokens,
-whichever they are, and the replay stays cheap; tests/test_parallel_sampling.py
-shows seeded samples equal to their seeds run alone.) Then they are served in
-the lesson's budget, both ways:
-fewer blocks per sample means more samples running, so fewer steps for the
-same tokens (tokens per step is what a memory-bound decode step turns into
-tokens/s, lesson 04).
+the copies exactly (greedy: blocks count tokens, whichever they are). Then
+they are served in the lesson's budget, both ways: fewer blocks per sample,
+more samples running, fewer steps for the same tokens (lesson 04: tokens per
+step is what a memory-bound decode turns into tokens/s).
 
-The verdict (counts, so never inconclusive): paged waste under 4% of the
-allocated KV memory, paged sustains at least 2× the contiguous concurrent
-sequences (mean running sequences while requests still wait), and n samples
-sharing a prompt hold at least 6.1% fewer blocks than n separate requests (the
-low end of what vLLM's paper measured for parallel sampling).
+The prediction, from the trace's lengths before anything is served: over a
+sequence's life its length averages L̄ = Σ (p·o + o²/2) / Σ o, and its last
+block holds (bs − 1)/2 empty slots on average, so paged waste ≈ (bs − 1)/2 ÷
+(L̄ + (bs − 1)/2), a slab wastes 1 − L̄/M, and the budget holds B ÷ (L̄ +
+(bs − 1)/2) paged sequences against its 4 slabs.
+
+The verdict (counts, so never inconclusive), on the mechanism: paged waste
+≤ 2 × the formula's (the band: the formula averages the last block's fill and
+the lengths over few sequences at a time); paged
+sustains at least 2× the contiguous concurrent sequences (mean running while
+requests still wait); and n samples sharing a prompt hold no more blocks than
+block arithmetic gives for sharing its full blocks. vLLM's figures (under 4%
+waste, 60–80% for slabs, 6.1–9.8% saved by sharing) are printed beside them
+as context: how far this trace lands from them is the workload's doing.
 
 Predict before you run: with prompts around 170 tokens and outputs around 70,
 what share of a 1,024-token slab holds real tokens on average? With blocks of
@@ -72,7 +78,6 @@ what share of a 1,024-token slab holds real tokens on average? With blocks of
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 from matplotlib.ticker import MaxNLocator
@@ -80,7 +85,7 @@ from matplotlib.ticker import MaxNLocator
 from common import make_parser, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 from minillm.bench.kv_waste import narrow_model, paged_engine, serve_in_budget
 from minillm.bench.replay import replay_samples
-from minillm.bench.verdict import Check, judge, print_verdict
+from minillm.bench.verdict import Check, Fact, judge, print_verdict
 from minillm.bench.workloads import describe_trace, lognormal_trace
 from minillm.parallel_sampling import group_blocks
 
@@ -92,12 +97,12 @@ REQUESTS, RESERVATIONS, BLOCK_SIZE = 20, 4, 16
 POLICIES = {"contiguous": RESERVATIONS, "paged": None}  # policy: its contiguous slabs (None: paged blocks)
 SAMPLES, SHARED_PROMPTS = 4, 8        # n samples of each of the trace's first 8 prompts
 PAPER_SHARING_SAVING = 0.061          # vLLM paper: parallel sampling saves 6.1–9.8% of KV memory
+WASTE_BAND = 2.0                      # paged waste ≤ this × the formula's (averages over few sequences)
 
 
 def sharing(lesson, trace: list, budget_tokens: int, cap: int | None, real_model: bool) -> dict:
-    """Predict from block arithmetic, then count: the shared prompts in a pool that holds them all, both ways
-    (each request's peak); then in the lesson's budget, both ways (with `real_model`, through the lesson's model
-    too, timed). `cap`: the most tokens a sample generates."""
+    """Predict from block arithmetic, then count: the shared prompts in a pool that holds them all, both ways;
+    then in the lesson's budget (with `real_model`, through its model too, timed). `cap`: a sample's most tokens."""
     n, bs = SAMPLES, BLOCK_SIZE
     shared = [replace(r, max_tokens=min(r.max_tokens, cap or r.max_tokens)) for r in trace[:SHARED_PROMPTS]]
     alone = []
@@ -134,18 +139,23 @@ def sharing(lesson, trace: list, budget_tokens: int, cap: int | None, real_model
             "served_by_model": real}
 
 
-def sizes(quick: bool) -> dict:
-    return {"block_sizes": [1, 4, 16, 64] if quick else [1, 4, 8, 16, 32, 64, 128], "real_model": not quick}
+def paged_waste(block_size: int, life: float) -> float:  # the formula: (bs − 1)/2 empty slots per sequence
+    return (block_size - 1) / 2 / (life + (block_size - 1) / 2)
 
 
-def predict_waste(lesson, stats: dict) -> float:
-    """What a slab and a block each waste of a sequence of the trace's mean length; returns that length."""
-    M, mean_len = lesson.config.n_ctx, stats["prompt_mean"] + stats["output_mean"]
-    predict(lesson, f"a sequence holds {mean_len:.0f} tokens on average: a max_model_len={M} slab wastes about "
-            f"1 − {mean_len:.0f}/{M} = {1 - mean_len / M:.0%} of itself, and {BLOCK_SIZE}-token blocks waste half a "
-            f"block per sequence, about {BLOCK_SIZE / 2 / mean_len:.1%} (at the peak, where sequences are longest, "
-            "less)", f"so paging should fit about {M / mean_len:.1f}× the sequences while requests wait")
-    return mean_len
+def predict_waste(lesson, trace: list, budget_tokens: int) -> dict:
+    """The formula on the trace's lengths: a sequence's mean length over its life, what a slab and a block waste
+    of it, and how many paged sequences the budget holds against its slabs."""
+    M, half = lesson.config.n_ctx, (BLOCK_SIZE - 1) / 2
+    life = sum(len(r.prompt) * r.max_tokens + r.max_tokens ** 2 / 2 for r in trace) / sum(r.max_tokens for r in trace)
+    f = {"life_mean_len": life, "paged_waste": paged_waste(BLOCK_SIZE, life), "contiguous_waste": 1 - life / M,
+         "concurrency": min(budget_tokens / (life + half), len(trace)) / RESERVATIONS}
+    predict(lesson, f"a sequence holds {life:.0f} tokens on average over its life: a max_model_len={M} slab wastes "
+            f"1 − {life:.0f}/{M} = {f['contiguous_waste']:.0%} of itself, and {BLOCK_SIZE}-token blocks "
+            f"{half:g} slots per sequence, {f['paged_waste']:.1%}; paging should fit {f['concurrency']:.1f}× the "
+            "sequences while requests wait",
+            expect={"paged_waste": f["paged_waste"], "concurrency": f["concurrency"], "shared_blocks": 1.0})
+    return f
 
 
 def measure(lesson, s: dict, trace: list, budget_tokens: int, budget_bytes: int) -> dict:
@@ -175,32 +185,48 @@ def measure(lesson, s: dict, trace: list, budget_tokens: int, budget_bytes: int)
     return {"runs": runs, "sweep": sweep, "real": real, "shown": shown}
 
 
-def judge_claim(lesson, m: dict, mean_len: float, share: dict):
-    """Three counts: paged waste against its line, the sequences paging sustains against contiguous slabs, and
-    the blocks n samples of a prompt hold against n separate requests."""
-    M, runs, sweep, real = lesson.config.n_ctx, m["runs"], m["sweep"], m["real"]
+def checks(figures: dict) -> list[Check]:
+    """Three counts against the formula: paged waste within its band, the sequences paging sustains against
+    contiguous slabs, and the blocks n samples of a prompt hold against block arithmetic."""
+    c, p, pred, share, sweep = (figures[k] for k in ("contiguous", "paged", "predicted", "sharing", "block_sweep"))
+    got, want, M, life = share["measured"], share["predicted"], figures["reservation_tokens"], pred["life_mean_len"]
+    return [Check(f"paged waste, block {BLOCK_SIZE} (≤ {WASTE_BAND:g} × the formula's)", [p["waste"]],
+                  WASTE_BAND * pred["paged_waste"], "<=", timed=False, fmt="{:.1%}", predicted=pred["paged_waste"],
+                  key="paged_waste",
+                  why=f"{p['waste']:.1%} of allocated memory held no token against (bs − 1)/2 slots of a {life:.0f}-"
+                      f"token sequence, {pred['paged_waste']:.1%}: blocks stay allocated past their sequence's last "
+                      f"token (the sweep: block {sweep[0]['block_size']} wastes {sweep[0]['waste']:.1%})"),
+            Check("sustained concurrent sequences, paged ÷ contiguous",
+                  [p["sustained_running"] / c["sustained_running"]], CONCURRENCY_FACTOR, ">=", timed=False,
+                  fmt="{:.2f}", predicted=pred["concurrency"], key="concurrency",
+                  why=f"slabs ran {c['sustained_running']:.1f} sequences and paging {p['sustained_running']:.1f} while "
+                      f"requests waited ({p['preemptions']} preemptions): {life:.0f}-token sequences against {M}-token "
+                      f"slabs leave paging room for at most {pred['concurrency']:.1f}× the sequences"),
+            Check(f"KV blocks held by {share['samples']} samples sharing a prompt ÷ block arithmetic's",
+                  [got["grouped"] / want["grouped"]], 1.0, "<=", timed=False, fmt="{:.2f}", predicted=1.0,
+                  key="shared_blocks", why=f"{got['grouped']} blocks against the {want['grouped']} that sharing each "
+                                           f"prompt's full blocks leaves ({got['separate']} unshared): no sharing")]
+
+
+def facts(figures: dict) -> list[Fact]:
+    """Beside the checks, against vLLM's figures: what the workload, not the mechanism, sets."""
+    (lo, hi), share, pred = VLLM_CONTIGUOUS_WASTE, figures["sharing"], figures["predicted"]
+    return [Fact("contiguous waste", figures["contiguous"]["waste"], pred["contiguous_waste"], "{:.3f}",
+                 f"context: vLLM's paper measured {lo:.0%}–{hi:.0%} for earlier systems and under "
+                 f"{PAGED_WASTE_LIMIT:.0%} for paging; the trace's lengths against M and the block set both"),
+            Fact(f"KV blocks saved by {share['samples']} samples sharing a prompt", share["saving"],
+                 1 - share["predicted"]["grouped"] / share["predicted"]["separate"], "{:.3f}",
+                 f"context: vLLM's paper, {PAPER_SHARING_SAVING:.1%}–9.8%; the prompts' length against the outputs "
+                 "sets it")]
+
+
+def judge_claim(lesson, m: dict, figures: dict):
+    """The checks and the facts; what sharing bought in one budget."""
+    runs, real, share = m["runs"], m["real"], m["sharing"]
     got, want, t = share["measured"], share["predicted"], share["together"]
-    c, p = runs["contiguous"], runs["paged"]
-    checks = [Check(f"paged waste, block {BLOCK_SIZE}", [p["waste"]], PAGED_WASTE_LIMIT, "<=", timed=False,
-                    fmt="{:.1%}",
-                    why=f"{p['waste']:.1%} of allocated memory held no token against half a block per sequence, "
-                        f"{BLOCK_SIZE / 2 / mean_len:.1%} of a {mean_len:.0f}-token sequence: sequences here are short "
-                        f"against the {BLOCK_SIZE}-token block (the sweep: block {sweep[0]['block_size']} wastes "
-                        f"{sweep[0]['waste']:.1%})"),
-              Check("sustained concurrent sequences, paged ÷ contiguous",
-                    [p["sustained_running"] / c["sustained_running"]], CONCURRENCY_FACTOR, ">=", timed=False,
-                    fmt="{:.2f}",
-                    why=f"contiguous slabs ran {c['sustained_running']:.1f} sequences and paging "
-                        f"{p['sustained_running']:.1f} while requests waited, with {p['preemptions']} preemptions: "
-                        f"a {mean_len:.0f}-token average against {M}-token slabs leaves paging room for at most "
-                        f"{M / mean_len:.1f}× the sequences"),
-              Check(f"KV blocks saved by {share['samples']} samples sharing a prompt", [share["saving"]],
-                    PAPER_SHARING_SAVING, ">=", timed=False, fmt="{:.1%}",
-                    why=f"{got['grouped']} blocks against {got['separate']}: the prompts' full blocks are few "
-                        f"against the blocks the samples fill on their own")]
-    verdict = judge(f"paging cuts KV waste under {PAGED_WASTE_LIMIT:.0%}, at least doubles the sequences that run in "
-                    f"the same memory, and lets n samples of a prompt share its blocks (≥ {PAPER_SHARING_SAVING:.1%} "
-                    "fewer)", checks, lesson.load())
+    verdict = judge("paging wastes only what half a block per sequence predicts, runs at least twice the sequences in "
+                    "the same memory, and lets n samples of a prompt share its full blocks",
+                    checks(figures), lesson.load(), facts=facts(figures))
     agree = got["grouped"] == want["grouped"] and got["separate"] == want["separate"] \
         and got["copies"] == sum(a["predicted_copies"] for a in share["prompts"])
     g, s = t["grouped"], t["separate"]
@@ -214,10 +240,6 @@ def judge_claim(lesson, m: dict, mean_len: float, share: dict):
         verdict.notes.append(f"sharing, served by {lesson.args.model} in the same budget: {rg['throughput']:.1f} "
                              f"tokens/s against {rs['throughput']:.1f} ({rg['throughput'] / rs['throughput']:.2f}×, "
                              "one run each, not judged)")
-    lo, hi = VLLM_CONTIGUOUS_WASTE
-    where = "inside" if lo <= c["waste"] <= hi else ("below" if c["waste"] < lo else "above")
-    verdict.notes.append(f"contiguous reservations waste {c['waste']:.1%} of their memory: {where} the 60–80% vLLM's "
-                         f"paper measured")
     if real:
         agree = all(abs(real[k]["waste"] - runs[k]["waste"]) < 1e-9 for k in runs)
         rc, rp = real["contiguous"], real["paged"]
@@ -230,8 +252,8 @@ def judge_claim(lesson, m: dict, mean_len: float, share: dict):
     return verdict
 
 
-def plot(lesson, m: dict, verdict) -> None:
-    shown, sweep, c = m["shown"], m["sweep"], m["runs"]["contiguous"]
+def plot(lesson, m: dict, figures: dict, verdict) -> None:
+    shown, sweep, c = m["shown"], figures["block_sweep"], m["runs"]["contiguous"]
     fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     for policy, color in (("contiguous", "C1"), ("paged", "C0")):
         snaps = shown[policy]["snapshots"]
@@ -251,9 +273,10 @@ def plot(lesson, m: dict, verdict) -> None:
     axes[1].legend(fontsize=8, loc="upper right")
     labels = [str(r["block_size"]) for r in sweep]
     axes[2].bar(labels, [100 * r["waste"] for r in sweep], color="C0", label="paged, by block size")
+    axes[2].plot(labels, [100 * r["predicted_waste"] for r in sweep], "x", color="navy", ms=9,
+                 label="the formula: (bs − 1)/2 slots of a sequence")
     axes[2].axhline(100 * c["waste"], color="C1", ls="--", label=f"contiguous: {c['waste']:.0%}")
-    axes[2].axhline(100 * PAGED_WASTE_LIMIT, color="k", ls=":",
-                    label=f"the claim's line: {PAGED_WASTE_LIMIT:.0%} (vLLM)")
+    axes[2].axhline(100 * PAGED_WASTE_LIMIT, color="k", ls=":", label=f"vLLM's paper: under {PAGED_WASTE_LIMIT:.0%}")
     axes[2].set(xlabel="block size (tokens)", ylabel="waste (% of allocated KV memory)", ylim=(0, 100),
                 title="internal fragmentation by block size")
     axes[2].legend(fontsize=8, loc="upper left")
@@ -275,19 +298,20 @@ def main(argv=None) -> dict:
     stats, budget_tokens = describe_trace(trace), RESERVATIONS * M
     budget_bytes = budget_tokens * cfg.kv_bytes_per_token(lesson.dtype)
     print(f"trace: {stats['requests']} requests, prompt mean {stats['prompt_mean']:.0f} (max {stats['prompt_max']}), "
-          f"output mean {stats['output_mean']:.0f} (max {stats['output_max']}), all queued at t = 0")
-    print(f"KV budget: {RESERVATIONS} slabs of max_model_len={M} = {budget_tokens:,} tokens = "
-          f"{si(budget_bytes, 'B')} for {args.model}\n")
-    mean_len = predict_waste(lesson, stats)
-    m = measure(lesson, sizes(args.quick), trace, budget_tokens, budget_bytes)
+          f"output mean {stats['output_mean']:.0f} (max {stats['output_max']}), all queued at t = 0\nKV budget: "
+          f"{RESERVATIONS} slabs of max_model_len={M} = {budget_tokens:,} tokens = {si(budget_bytes, 'B')}\n")
+    predicted = predict_waste(lesson, trace, budget_tokens)
+    sizes = {"block_sizes": [1, 4, 16, 64] if args.quick else [1, 4, 8, 16, 32, 64, 128], "real_model": not args.quick}
+    m = measure(lesson, sizes, trace, budget_tokens, budget_bytes)
     m["sharing"] = sharing(lesson, trace, budget_tokens, 16 if args.quick else None, not args.quick)
-    verdict = judge_claim(lesson, m, mean_len, m["sharing"])
-    plot(lesson, m, verdict)
     figures = {"trace": stats, "budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "reservation_tokens": M,
-               "contiguous": m["runs"]["contiguous"], "paged": m["runs"]["paged"],
-               "block_sweep": [{k: r[k] for k in ("block_size", "waste", "peak_running", "sustained_running",
-                                                  "preemptions")} for r in m["sweep"]],
+               "predicted": predicted, "contiguous": m["runs"]["contiguous"], "paged": m["runs"]["paged"],
+               "block_sweep": [{"predicted_waste": paged_waste(r["block_size"], predicted["life_mean_len"]),
+                                **{k: r[k] for k in ("block_size", "waste", "peak_running", "sustained_running",
+                                                     "preemptions")}} for r in m["sweep"]],
                "served_by_model": m["real"], "sharing": m["sharing"]}
+    verdict = judge_claim(lesson, m, figures)
+    plot(lesson, m, figures, verdict)
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

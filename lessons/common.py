@@ -3,7 +3,7 @@
 Every lesson runs the same way:
 
     python lessons/NN_name.py [--model gpt2] [--device auto] [--dtype auto] [--quick] [--threads N]
-                              [--out lessons/results]
+                              [--predict NAME=VALUE ...] [--out lessons/results]
 
 and leaves two files in `--out`: `NN_name.json` (the environment, the machine's
 load, the thread count and why, every figure the lesson printed and its
@@ -11,9 +11,18 @@ verdict) and `NN_name.png` (its plot, the verdict in its title). Torch gets
 one thread per core that is free when the lesson starts (`minillm/bench/threads.py`):
 two threads that share one free core wait for each other at every barrier.
 `--quick` picks sizes that finish in seconds on a CPU and still judge
-the claim. The measuring wing holds the rest: `minillm/bench/verdict.py`
-(timing in turns, the machine's load, checks and the verdict), `workloads.py`
-(the traces) and `replay.py` (serving a trace through the engine).
+the claim.
+
+Predict, then measure: before it measures, a lesson prints its prediction,
+one line per check: the check's key and the value its cost model gives on
+this machine's measured ceilings (`predict`). `--predict KEY=VALUE` enters
+your own first; the results file keeps it (`student_predictions`) beside the
+lesson's, and the run prints both beside the measured value.
+
+The measuring wing holds the rest: `minillm/bench/verdict.py` (checks,
+facts and the verdict), `rounds.py` (timing in turns), `load.py` (the
+machine's load), `workloads.py` (the traces) and `replay.py` (serving a trace
+through the engine).
 
 A lesson that reaches an exercise still to be written (in a student copy)
 stops with one line that names it, says where it is and how to check it.
@@ -60,6 +69,18 @@ DEFAULT_OUT = REPO_ROOT / "lessons" / "results"
 STUB_EXIT = 3  # exit status of a lesson that stopped at an exercise still to be written
 
 
+def prediction_arg(text: str) -> tuple[str, float]:
+    """`--predict KEY=VALUE`: a student's prediction of one check, as (key, value)."""
+    key, sep, value = text.partition("=")
+    try:
+        if not (sep and key.strip()):
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with VALUE a number (e.g. --predict "
+                                         "speedup=3.5); the lesson's prediction lines name its keys") from None
+
+
 def make_parser(doc: str) -> argparse.ArgumentParser:
     """The flags every lesson takes; `--help` shows the lesson's whole docstring."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +88,9 @@ def make_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small sizes that finish in seconds on a CPU")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: the cores free when the lesson starts; see minillm/bench/threads.py)")
+    parser.add_argument("--predict", action="append", type=prediction_arg, default=[], metavar="KEY=VALUE",
+                        help="your own prediction of one check, entered before the lesson measures (repeatable; KEY: "
+                             "a check's key, as the lesson's prediction lines print it); kept in the results file")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"results folder (default {DEFAULT_OUT})")
     return parser
 
@@ -84,11 +108,17 @@ class Lesson:
     started: LoadReading  # the machine's load at the start
     threads: ThreadChoice | None = None
     predictions: list[str] = field(default_factory=list)  # what the lesson predicted before it measured
+    expected: dict[str, float] = field(default_factory=dict)  # check key → the cost model's value, before measuring
     plot_titles: list[str] = field(default_factory=list)  # the saved plot's titles, as drawn
 
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def student(self) -> dict[str, float]:
+        """The student's own predictions (`--predict KEY=VALUE`), check key → value."""
+        return dict(getattr(self.args, "predict", None) or [])
 
     def load(self) -> MachineLoad:
         """The machine's load from the start of the lesson until now."""
@@ -125,11 +155,10 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
     print(f"== {name} ==  model {args.model} ({model.weights_source}), {device}, {str(dtype).removeprefix('torch.')}"
           f"{', quick' if args.quick else ''}")
     print(f"threads: {threads.reason}")
-    print(f"kernels: {weights_layout(model)}")
     if ceil is not None:
-        line = (f"measured ceilings (the best repeat of the fastest kernel): peak {si(ceil.matmul_flops, 'FLOP/s')} "
-                f"({ceil.fastest('compute')}), bandwidth {si(ceil.bandwidth, 'B/s')} ({ceil.fastest('memory')}), "
-                f"ridge {ceil.ridge:.1f} FLOP/B")
+        line = (f"this machine's limits, measured now with the kernels the model runs (results file: \"ceilings\"): "
+                f"compute {si(ceil.matmul_flops, 'FLOP/s')}, memory {si(ceil.bandwidth, 'B/s')}; so a step that does "
+                f"fewer than {ceil.ridge:.1f} FLOPs per byte it reads waits on memory, more waits on arithmetic")
         if ceil.datasheet:
             d = ceil.datasheet
             line += f"   [{d['source']}: {si(d['matmul_flops'], 'FLOP/s')}, {si(d['bandwidth'], 'B/s')}]"
@@ -150,11 +179,27 @@ def one_thread():
         set_num_threads(before)
 
 
-def predict(lesson: Lesson, *lines: str) -> None:
-    """Print what the lesson expects, before it measures (from the ceilings and the cost model), and keep it."""
+def check_student_keys(student: dict[str, float], keys) -> None:
+    """Every `--predict` key must be one of the lesson's check keys: stop, naming them, where one is not."""
+    if unknown := sorted(set(student) - set(keys)):
+        raise SystemExit(f"--predict {', '.join(unknown)}: no check of this lesson has that key; its checks' keys are "
+                         f"{', '.join(sorted(keys)) or '(none)'}: use one of them, e.g. --predict {min(keys, default='KEY')}"
+                         f"=1.5")
+
+
+def predict(lesson: Lesson, *lines: str, expect: dict[str, float] | None = None) -> None:
+    """Print what the lesson expects, before it measures (from the ceilings and the cost model), and keep it:
+    `lines` in words, and `expect`, check key → the value the cost model gives that check, one line each with
+    the student's own (`--predict`) beside it."""
     for line in lines:
         print(f"prediction: {line}")
         lesson.predictions.append(line)
+    if expect is not None:
+        check_student_keys(lesson.student, expect)
+        lesson.expected.update(expect)
+    for key, value in (expect or {}).items():
+        yours = f"   (yours: {lesson.student[key]:.3g})" if key in lesson.student else ""
+        print(f"prediction: {key} = {value:.3g}{yours}")
     print()
 
 
@@ -175,15 +220,30 @@ def command_line(lesson: Lesson) -> str:
     parts = ["python", f"lessons/{lesson.name}.py"]
     for key, value in vars(lesson.args).items():
         flag = "--" + key.replace("_", "-")
-        if value is True:
+        if key == "predict":
+            parts += [x for k, v in value or [] for x in (flag, f"{k}={v:g}")]
+        elif value is True:
             parts.append(flag)
         elif value is not False and value is not None:
             parts += [flag, str(value)]
     return " ".join(parts)
 
 
+def print_predictions(lesson: Lesson, verdict: Verdict) -> None:
+    """Each check's prediction, the student's and the measured median, side by side."""
+    rows = [[c.key, "-" if c.predicted is None else c.fmt.format(c.predicted),
+             c.fmt.format(lesson.student[c.key]) if c.key in lesson.student else "-", c.fmt.format(c.median),
+             "-" if (r := c.over_predicted()) is None else f"{r[0]:.2f}"] for c in verdict.checks]
+    print_table(["check", "lesson predicted", "you predicted", "measured (median)", "measured ÷ lesson's"], rows,
+                "Predictions against the measurement" + ("" if lesson.student else
+                                                         " (enter your own first: --predict KEY=VALUE)") + ":")
+
+
 def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
-    """`<out>/<name>.json`: environment, model, ceilings, every figure, the verdict and the wall time."""
+    """`<out>/<name>.json`: environment, model, ceilings, every figure, the predictions (the lesson's and the
+    student's), the verdict and the wall time."""
+    check_student_keys(lesson.student, [c.key for c in verdict.checks])
+    print_predictions(lesson, verdict)
     doc = {
         "lesson": lesson.name,
         "command": command_line(lesson),
@@ -194,6 +254,8 @@ def write_results(lesson: Lesson, figures: dict, verdict: Verdict) -> Path:
         "environment": environment(lesson.device, lesson.dtype),
         "threads": lesson.threads.as_dict() if lesson.threads else None,
         "predictions": lesson.predictions,
+        "lesson_predictions": {c.key: c.predicted for c in verdict.checks},
+        "student_predictions": lesson.student,
         "ceilings": lesson.ceilings.as_dict() if lesson.ceilings else None,
         "figures": figures,
         "verdict": verdict.as_dict(),
@@ -244,5 +306,5 @@ def run(main) -> None:
         sys.exit(STUB_EXIT)
 
 
-__all__ = ["make_parser", "start", "Lesson", "predict", "plot_checks", "pct", "print_over_100_note", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
+__all__ = ["make_parser", "start", "Lesson", "predict", "check_student_keys", "plot_checks", "pct", "print_over_100_note", "si", "ms", "print_table", "write_results", "save_plot", "ticks_at",
            "plot_roofline", "run", "one_thread", "plt", "DEFAULT_OUT", "REPO_ROOT", "STUB_EXIT"]

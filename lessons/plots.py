@@ -38,8 +38,8 @@ def plot_roofline(ax, ceilings: Ceilings, groups: dict[str, tuple[list[float], l
 
 
 def plot_checks(ax, verdict: Verdict) -> None:
-    """Every check of the verdict on one axis: its rounds (dots), the median (bar) and its interval, each divided
-    by the claim's line, so that the line is 1 for all of them; the side the claim wants is shaded."""
+    """Every check of the verdict on one axis: its rounds (dots), the median (bar) and its interval, and the cost
+    model's prediction (×) where it has one, each divided by the claim's line, so that the line is 1 for all."""
     checks = [c for c in verdict.checks if c.line > 0]  # a count against 0 (tokens differing) has no ratio
     colors = {"HOLDS": "darkgreen", "NOT SUPPORTED": "firebrick", "INCONCLUSIVE": "darkorange"}
     for i, c in enumerate(checks):
@@ -50,13 +50,17 @@ def plot_checks(ax, verdict: Verdict) -> None:
         ax.plot([i] * len(vals), vals, ".", color="grey", alpha=0.7, label="one round" if i == 0 else None)
         ax.errorbar([i], [c.median / scale], yerr=[[c.median / scale - lo], [hi - c.median / scale]], fmt="_",
                     markersize=18, capsize=6, color=color, label="median, interval" if i == 0 else None)
+        if c.predicted is not None:
+            ax.plot([i + 0.25], [c.predicted / scale], "x", color="navy", markersize=8,
+                    label="predicted (the cost model)" if c is next(d for d in checks if d.predicted is not None)
+                    else None)
     ax.axhline(1.0, color="k", ls="--", lw=1, label="the claim's line")
     ax.set_xticks(range(len(checks)), [textwrap_fill(c.name, 22) for c in checks], fontsize=7)
     ax.set_xlim(-0.6, len(checks) - 0.4)
     ax.set_ylabel("value ÷ the claim's line")
     ax.set_title("the checks: rounds, median, interval\n(≥ checks hold above 1, ≤ checks below)", fontsize=9)
     ax.legend(fontsize=7, loc="best")
-    ys = [v / c.line for c in checks for v in c.values] + [1.0]
+    ys = [v / c.line for c in checks for v in c.values + ([c.predicted] if c.predicted else [])] + [1.0]
     if min(ys) > 0 and max(ys) / min(ys) > 20:
         ax.set_yscale("log")
 

@@ -7,6 +7,10 @@ here. The summary lists each lesson's wall time and its verdict (HOLDS, NOT
 SUPPORTED or INCONCLUSIVE, from its results file), and `<out>/run_all.json`
 keeps them with the machine's load over the whole run, so the syllabus's times
 can be measured again with one command.
+
+`--runs N` runs the course N times back to back and counts flips: a lesson, or
+one of its checks, that came out HOLDS in one run and NOT SUPPORTED in another
+(INCONCLUSIVE is no flip: it is the verdict a run that cannot tell must give).
 """
 from __future__ import annotations
 
@@ -31,6 +35,31 @@ def discover(lessons_dir: Path = LESSONS_DIR) -> list[Path]:
 
 def lesson_command(path: Path, flags: list[str]) -> list[str]:
     return [sys.executable, str(path), *flags]
+
+
+def check_outcomes(out: Path, lesson: Path, rc: int) -> dict[str, str]:
+    """Each check's outcome by its key (its name where it has none) from the lesson's results file."""
+    try:
+        checks = json.loads((out / f"{lesson.stem}.json").read_text())["verdict"]["checks"] if rc == 0 else []
+    except (OSError, KeyError, ValueError):
+        return {}
+    return {c.get("key") or c["name"]: c["outcome"] for c in checks}
+
+
+def flips(outcomes: list[str]) -> bool:
+    """Did a decisive outcome change between runs (HOLDS in one, NOT SUPPORTED in another)?"""
+    return {"HOLDS", "NOT SUPPORTED"} <= set(outcomes)
+
+
+def count_flips(summary: list[dict]) -> dict:
+    """Per lesson: whether its verdict flipped across the runs, and which of its checks did."""
+    result = {}
+    for lesson in dict.fromkeys(row["lesson"] for row in summary):
+        rows = [row for row in summary if row["lesson"] == lesson]
+        keys = dict.fromkeys(k for row in rows for k in row["checks"])
+        result[lesson] = {"verdicts": [row["verdict"] for row in rows], "verdict_flipped": flips([r["verdict"] for r in rows]),
+                          "checks_flipped": [k for k in keys if flips([row["checks"].get(k, "") for row in rows])]}
+    return result
 
 
 def verdict_of(out: Path, lesson: Path, rc: int) -> str:
@@ -70,8 +99,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every lesson (default: each counts the cores free as it starts)")
     parser.add_argument("--only", default=None, help="comma-separated lesson numbers, e.g. 01,03")
+    parser.add_argument("--runs", type=int, default=1, help="run the course this many times back to back and count "
+                                                             "the verdicts and checks that flip (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: run the course at least once (--runs 5 for the flip count)")
 
     lessons = discover()
     if args.only:
@@ -94,23 +127,31 @@ def main(argv=None) -> int:
         load_before = os.getloadavg()[0]
     except OSError:
         load_before = None
-    for path in lessons:
-        cmd = lesson_command(path, flags)
-        print("$ " + " ".join(cmd), flush=True)
-        t0 = time.perf_counter()
-        rc = subprocess.run(cmd).returncode
-        summary.append({"lesson": path.stem, "rc": rc, "wall_s": time.perf_counter() - t0,
-                        "verdict": verdict_of(out, path, rc)})
+    for run in range(1, args.runs + 1):
+        for path in lessons:
+            cmd = lesson_command(path, flags)
+            print("$ " + " ".join(cmd) + (f"   (run {run} of {args.runs})" if args.runs > 1 else ""), flush=True)
+            t0 = time.perf_counter()
+            rc = subprocess.run(cmd).returncode
+            summary.append({"lesson": path.stem, "run": run, "rc": rc, "wall_s": time.perf_counter() - t0,
+                            "verdict": verdict_of(out, path, rc), "checks": check_outcomes(out, path, rc)})
     total = time.perf_counter() - started
     print(f"\n{'lesson':<26} {'seconds':>8}   verdict")
     for row in summary:
-        print(f"{row['lesson']:<26} {row['wall_s']:>8.1f}   {row['verdict']}")
+        print(f"{row['lesson']:<26} {row['wall_s']:>8.1f}   {row['verdict']}" + (f"   (run {row['run']})" * (args.runs > 1)))
     print(f"{'total':<26} {total:>8.1f}")
+    flipped = count_flips(summary)
+    if args.runs > 1:
+        print(f"flips over {args.runs} runs: {sum(f['verdict_flipped'] for f in flipped.values())} lesson verdicts, "
+              f"{sum(len(f['checks_flipped']) for f in flipped.values())} checks"
+              + "".join(f"\n  {name}: {', '.join(f['checks_flipped']) or 'no check'} flipped ({' / '.join(f['verdicts'])})"
+                        for name, f in flipped.items() if f["verdict_flipped"] or f["checks_flipped"]))
     decisive = sum(row["verdict"] in ("HOLDS", "NOT SUPPORTED") for row in summary)
     print(f"decisive verdicts (HOLDS or NOT SUPPORTED): {decisive} of {len(summary)}")
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": " ".join(["python", "lessons/run_all.py", *(argv if argv is not None else sys.argv[1:])]),
            "quick": args.quick, "model": args.model, "lessons": summary, "total_s": total, "decisive": decisive,
+           "runs": args.runs, "flips": flipped,
            "load_average_before": load_before, "load_average_after": os.getloadavg()[0] if load_before else None,
            "cpu_count": os.cpu_count()}
     (out / "run_all.json").write_text(json.dumps(doc, indent=2) + "\n")

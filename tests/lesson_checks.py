@@ -5,6 +5,9 @@
   as the same value);
 - a NOT SUPPORTED is explained: every check carries a `why` computed from the run (it holds a number), and
   every check that is NOT SUPPORTED prints it;
+- predict, then measure: every check carries the cost model's `predicted` value and its measured ÷ predicted
+  (median and interval, each the check's own over the prediction); a figure with no prediction is a fact
+  (`verdict.facts`), never a check; the student's predictions (`--predict`) name checks;
 - the prediction, the thread count and its reason are in the results file.
 """
 import math
@@ -77,6 +80,29 @@ def assert_explained(doc: dict) -> None:
     assert t["threads"] >= 1 and t["reason"] and t["cpus"] >= 1
 
 
+def assert_predicted(doc: dict) -> None:
+    """Every check has a prediction, and measured ÷ predicted is its median and interval over it (null for a
+    prediction of 0: a count that must be 0); the lesson's and the student's predictions are recorded by key."""
+    v, lesson = doc["verdict"], doc["lesson"]
+    keys = [c["key"] for c in v["checks"]]
+    assert len(set(keys)) == len(keys), f"{lesson}: check keys repeat: {keys}"
+    for c in v["checks"]:
+        p, ratio = c["predicted"], c["measured_over_predicted"]
+        assert p is not None, (f"{lesson}: check {c['name']!r} has no prediction: give it predicted= (the cost model's "
+                               "value on this machine) or, if it cannot refute the claim, report it as a Fact")
+        if p == 0:
+            assert ratio is None, f"{lesson}: {c['name']!r}: no ratio over a prediction of 0"
+            continue
+        lo, hi = sorted(x / p for x in c["interval"])
+        assert ratio is not None and [round(x, 9) for x in ratio] == [round(x, 9) for x in (c["median"] / p, lo, hi)], \
+            f"{lesson}: {c['name']!r}: measured ÷ predicted {ratio} is not (median, lo, hi) ÷ {p}"
+    assert doc["lesson_predictions"] == {c["key"]: c["predicted"] for c in v["checks"]}
+    assert set(doc["student_predictions"]) <= set(keys), f"{lesson}: a student prediction names no check"
+    for f in v["facts"]:
+        assert f["measured_over_predicted"] == (f["value"] / f["predicted"] if f["predicted"] else None), f
+
+
 def assert_lesson_results(doc: dict) -> None:
     assert_explained(doc)
     assert_one_number_per_quantity(doc)
+    assert_predicted(doc)

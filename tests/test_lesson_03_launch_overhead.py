@@ -26,11 +26,13 @@ def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_
     v, points = doc["verdict"], doc["figures"]["points"]
     assert v["outcome"] in ("HOLDS", "NOT SUPPORTED", "INCONCLUSIVE")
     assert [p["name"] for p in points] == ["tiny", "mini"]
-    assert [c["holds_if"] for c in v["checks"]] == [">=", "<="] and all(c["timed"] for c in v["checks"])
+    assert [c["holds_if"] for c in v["checks"]] == [">=", "<=", "<="] and all(c["timed"] for c in v["checks"])
+    assert [c["key"] for c in v["checks"]] == ["small_share", "large_share", "large_step_over_model"]
+    assert [f["value"] for f in v["facts"][:2]] == [p["ops"]["eager"] for p in points]  # the twins' ops, a fact
     for p in points:
         assert set(p["step_s"]) == {"eager", "static", "twin"}  # no graph off CUDA
         assert p["ops"]["twin"] == p["ops"]["eager"] > 0 and p["ops"]["static"] > 0
-        assert len(p["share"]) == doc["figures"]["rounds"] and all(s > 0 for s in p["share"])
+        assert len(p["share"]) == p["rounds"] >= doc["figures"]["rounds"] and all(s > 0 for s in p["share"])
         assert p["overhead_s"] == pytest.approx(p["host_per_op_s"] * p["ops"]["eager"])
     assert points[1]["ops"]["eager"] > points[0]["ops"]["eager"]  # mini is deeper: more ops per step
     assert points[1]["weight_bytes"] > points[0]["weight_bytes"]
@@ -76,3 +78,49 @@ def test_even_bytes_is_the_weight_size_read_in_the_ops_host_time():
     assert lesson.even_bytes(1e-3, 3e-3, 100e6) == pytest.approx(50e6)
     assert lesson.even_bytes(1e-3, 1.5e-3, 100e6) == pytest.approx(200e6)
     assert lesson.even_bytes(1e-3, 1e-3, 100e6) is None and lesson.even_bytes(2e-3, 1e-3, 100e6) is None
+
+
+def shape(name, share, eager_s, twin_s, floor_s=1e-4, weight_bytes=1e6):
+    return {"name": name, "share": share, "weight_bytes": weight_bytes, "floor_s": floor_s, "ops": {"eager": 300},
+            "times_s": {"eager": eager_s, "twin": twin_s},
+            "step_s": {"eager": eager_s[2], "twin": twin_s[2], "static": eager_s[2]}}
+
+
+def figures(small_share=(0.9, 0.95, 0.92, 0.9, 0.93), large_share=(0.1, 0.12, 0.09, 0.1, 0.11),
+            large_eager=(1.2e-3, 1.3e-3, 1.25e-3, 1.2e-3, 1.22e-3), predicted_large=0.2) -> dict:
+    """Every check holds: tiny overhead-bound, gpt2 memory-bound, its step 1.2× twin + floor (0.1 + 1 ms)."""
+    twin = [1e-4] * 5
+    return {"on_cuda": False,
+            "points": [shape("tiny", list(small_share), [1e-3] * 5, [9e-4] * 5),
+                       shape("gpt2", list(large_share), list(large_eager), twin, floor_s=1e-3)],
+            "predicted": {"share": {"tiny": 0.9, "gpt2": predicted_large}, "step_s": {"tiny": 1e-3, "gpt2": 1.1e-3}}}
+
+
+def test_each_check_can_fail():
+    """For each check in turn, a measurement on its wrong side: that check, and only it, is NOT SUPPORTED."""
+    assert {c.key: c.outcome() for c in lesson.checks(figures())} == {
+        "small_share": "HOLDS", "large_share": "HOLDS", "large_step_over_model": "HOLDS"}
+    wrong = {"small_share": figures(small_share=(0.3, 0.35, 0.32, 0.3, 0.33)),
+             "large_share": figures(large_share=(0.7, 0.75, 0.72, 0.7, 0.71)),
+             "large_step_over_model": figures(large_eager=(3e-3, 3.2e-3, 3.1e-3, 3e-3, 3.3e-3))}  # 3× twin + floor
+    for key, figs in wrong.items():
+        outcomes = {c.key: c.outcome() for c in lesson.checks(figs)}
+        assert outcomes.pop(key) == "NOT SUPPORTED", key
+        assert set(outcomes.values()) == {"HOLDS"}, (key, outcomes)
+
+
+def test_a_ladder_the_formula_calls_overhead_bound_throughout_cannot_judge_the_large_shape():
+    c = next(c for c in lesson.checks(figures(predicted_large=0.8)) if c.key == "large_share")
+    assert c.outcome() == "INCONCLUSIVE" and "no memory-bound shape" in c.undecided and "--model" in c.undecided
+    assert all(c.predicted is not None for c in lesson.checks(figures()))
+
+
+def test_the_twins_op_counts_and_a_graphs_saving_off_cuda_are_facts():
+    figs = figures()
+    for p in figs["points"]:
+        p["ops"]["twin"], p["graph_removes_s"], p["step_s"]["static"] = 300, 1e-3, 2e-3
+    names = [f.name for f in lesson.facts(figs)]
+    assert names == ["ops per step of tiny and of its twin", "ops per step of gpt2 and of its twin",
+                     "what a CUDA graph would save tiny's step (static ops × µs/op)",
+                     "what a CUDA graph would save gpt2's step (static ops × µs/op)"]
+    assert len(lesson.facts({**figs, "on_cuda": True})) == 2  # on CUDA the graph is measured, not a fact

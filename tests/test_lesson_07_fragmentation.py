@@ -53,3 +53,41 @@ def test_05_waste_of_a_replay_follows_the_formula(one_thread):
     contiguous = frag.serve_in_budget(model, trace, 4 * 128, 8, slabs=frag.RESERVATIONS)
     assert wastes[0] == 0 < wastes[1] < wastes[2] < contiguous["waste"]
     assert contiguous["peak_running"] == frag.RESERVATIONS
+
+
+def figures(paged_waste=0.21, paged_running=16.0, grouped=53) -> dict:
+    """A run's figures where every check holds: the formula's 19.9% paged waste measured 21%, paging running 4× the
+    slabs' sequences, 53 blocks held by samples sharing their prompts as block arithmetic gives."""
+    return {"reservation_tokens": 128,
+            "predicted": {"life_mean_len": 30.0, "paged_waste": 0.199, "contiguous_waste": 0.76, "concurrency": 3.4},
+            "contiguous": {"waste": 0.77, "sustained_running": 4.0, "preemptions": 0},
+            "paged": {"waste": paged_waste, "sustained_running": paged_running, "preemptions": 2},
+            "block_sweep": [{"block_size": 1, "waste": 0.0}],
+            "sharing": {"samples": 4, "measured": {"grouped": grouped, "separate": 80},
+                        "predicted": {"grouped": 53, "separate": 80}}}
+
+
+def test_each_check_can_fail():
+    """For each check in turn, a count on its wrong side: that check, and only it, is NOT SUPPORTED."""
+    assert {c.key: c.outcome() for c in frag.checks(figures())} == {
+        "paged_waste": "HOLDS", "concurrency": "HOLDS", "shared_blocks": "HOLDS"}
+    wrong = {"paged_waste": figures(paged_waste=0.45),      # over 2 × the formula's 19.9%: blocks held past their use
+             "concurrency": figures(paged_running=6.0),     # 1.5× the slabs' sequences
+             "shared_blocks": figures(grouped=80)}          # the samples held as many blocks as separate requests
+    for key, figs in wrong.items():
+        outcomes = {c.key: c.outcome() for c in frag.checks(figs)}
+        assert outcomes.pop(key) == "NOT SUPPORTED", key
+        assert set(outcomes.values()) == {"HOLDS"}, (key, outcomes)
+
+
+def test_the_formula_predicts_paged_waste_from_the_lengths_over_a_life():
+    assert frag.paged_waste(1, 30.0) == 0 and frag.paged_waste(16, 30.0) == pytest.approx(7.5 / 37.5)
+    assert frag.paged_waste(64, 30.0) > frag.paged_waste(16, 30.0)
+
+
+def test_vllms_figures_are_facts_beside_the_checks_never_lines():
+    fs = frag.facts({**figures(), "sharing": {**figures()["sharing"], "saving": 0.3375}})
+    assert [f.name for f in fs] == ["contiguous waste", "KV blocks saved by 4 samples sharing a prompt"]
+    assert fs[0].predicted == 0.76 and "60%–80%" in fs[0].why and "under 4%" in fs[0].why
+    assert fs[1].predicted == pytest.approx(1 - 53 / 80) and "6.1%" in fs[1].why
+    assert all(c.line not in (frag.PAGED_WASTE_LIMIT, frag.PAPER_SHARING_SAVING) for c in frag.checks(figures()))

@@ -64,3 +64,26 @@ def test_gpu_check_plans_every_lesson_and_fails_fast_without_cuda(capsys):
     if not torch.cuda.is_available():
         assert gpu_check.main([]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_run_all_counts_decisive_verdicts_and_checks_that_flip_between_runs(tmp_path):
+    import pytest
+    import run_all
+    row = lambda lesson, run, verdict, **checks: {"lesson": lesson, "run": run, "verdict": verdict,  # noqa: E731
+                                                   "checks": checks}
+    summary = [row("01_a", 1, "HOLDS", speedup="HOLDS", growth="HOLDS"),
+               row("01_a", 2, "NOT SUPPORTED", speedup="HOLDS", growth="NOT SUPPORTED"),
+               row("02_b", 1, "HOLDS", x="HOLDS"), row("02_b", 2, "INCONCLUSIVE", x="INCONCLUSIVE"),
+               row("03_c", 1, "failed (see its output above)"), row("03_c", 2, "HOLDS", y="HOLDS")]
+    flips = run_all.count_flips(summary)
+    assert flips["01_a"] == {"verdicts": ["HOLDS", "NOT SUPPORTED"], "verdict_flipped": True,
+                             "checks_flipped": ["growth"]}
+    assert not flips["02_b"]["verdict_flipped"] and flips["02_b"]["checks_flipped"] == []  # INCONCLUSIVE: no flip
+    assert not flips["03_c"]["verdict_flipped"]
+    lesson = Path("04_d.py")
+    (tmp_path / "04_d.json").write_text(json.dumps({"verdict": {"checks": [
+        {"name": "a ratio", "key": "ratio", "outcome": "HOLDS"}, {"name": "old", "outcome": "INCONCLUSIVE"}]}}))
+    assert run_all.check_outcomes(tmp_path, lesson, 0) == {"ratio": "HOLDS", "old": "INCONCLUSIVE"}
+    assert run_all.check_outcomes(tmp_path, lesson, 1) == {} == run_all.check_outcomes(tmp_path, Path("05_e.py"), 0)
+    with pytest.raises(SystemExit):
+        run_all.main(["--runs", "0", "--dry-run"])

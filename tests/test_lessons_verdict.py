@@ -186,7 +186,7 @@ def test_an_inconclusive_verdict_names_the_check_its_interval_the_line_and_the_c
               [rounds])
     assert v.outcome == INCONCLUSIVE and not v.holds
     text = "\n".join(v.lines())
-    assert "INCONCLUSIVE on “paged ÷ contiguous”: its interval 1.2–1.7 (94% interval of the median)" in text
+    assert "INCONCLUSIVE on “paged ÷ contiguous”: 1.2–1.7, where the true median lies (94% sure)," in text
     assert "straddles the line ≤ 1.5" in text and "3 + 2 added until decided; cap 7 rounds or 4 s" in text
     assert "25% of the CPU" in text
     doc = v.as_dict()
@@ -354,3 +354,54 @@ def test_lesson_12_is_undecided_when_the_client_and_the_server_cannot_have_a_cor
     assert "left 1.0 of the 2 cores free" in reason and "ITL target 4 ms" in reason
     assert lesson.starved(MachineLoad(8, 10.0, None, None, 0.5), 0.004) == "", "4 free cores of 8 are enough"
     assert lesson.starved(MachineLoad(2, 10.0, None, None, None), 0.004) == "", "an unknown load decides nothing"
+
+
+# ---- the student's own prediction (--predict KEY=VALUE) --------------------------------------------------------
+
+
+def test_predict_flag_parses_key_value_pairs_and_rejects_the_rest(capsys):
+    parser = common.make_parser("doc")
+    args = parser.parse_args(["--predict", "speedup=3.5", "--predict", " step_growth = 2 "])
+    assert args.predict == [("speedup", 3.5), ("step_growth", 2.0)]
+    assert parser.parse_args([]).predict == []
+    for bad in ("speedup", "speedup=fast", "=3"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--predict", bad])
+        assert "is not KEY=VALUE with VALUE a number" in capsys.readouterr().err
+
+
+def tiny_lesson(tmp_path, predictions):
+    import torch
+    from minillm import PRESETS
+    from minillm.checkpoints.load import random_model
+    args = common.make_parser("doc").parse_args(["--model", "tiny", "--out", str(tmp_path)]
+                                                + [x for k, v in predictions for x in ("--predict", f"{k}={v}")])
+    return common.Lesson("99_example", args, random_model(PRESETS["tiny"], "cpu", torch.float32), torch.device("cpu"),
+                         torch.float32, None, tmp_path, measure.read_load())
+
+
+def test_the_students_prediction_is_printed_beside_the_lessons_and_the_measurement_and_kept(tmp_path, capsys):
+    import json
+    lesson = tiny_lesson(tmp_path, [("speedup", 3.0)])
+    common.predict(lesson, "the cache is faster", expect={"speedup": 2.0, "tokens": 0})
+    out = capsys.readouterr().out
+    assert "prediction: speedup = 2   (yours: 3)" in out and "prediction: tokens = 0\n" in out
+    checks = [Check("speedup", [2.4, 2.5, 2.6, 2.5, 2.4], 1.0, ">=", predicted=2.0, key="speedup"),
+              Check("tokens", [0], 0, "<=", timed=False, predicted=0, key="tokens")]
+    path = common.write_results(lesson, {}, judge("claim", checks, load(0.0)))
+    doc = json.loads(path.read_text())
+    assert doc["student_predictions"] == {"speedup": 3.0}
+    assert doc["lesson_predictions"] == {"speedup": 2.0, "tokens": 0.0}
+    assert "--predict speedup=3" in doc["command"]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("speedup"))
+    assert row.split() == ["speedup", "2", "3", "2.5", "1.25"]  # lesson's, yours, measured median, ÷ lesson's
+
+
+def test_a_prediction_for_no_check_stops_before_measuring_and_names_the_keys(tmp_path):
+    lesson = tiny_lesson(tmp_path, [("speedup", 3.0), ("nonsense", 1.0)])
+    with pytest.raises(SystemExit, match=r"--predict nonsense: no check of this lesson has that key; its checks' keys "
+                                         r"are speedup, tokens"):
+        common.predict(lesson, expect={"speedup": 2.0, "tokens": 0})
+    late = tiny_lesson(tmp_path, [("nonsense", 1.0)])  # a lesson that names no keys before measuring: caught at the end
+    with pytest.raises(SystemExit, match="nonsense"):
+        common.write_results(late, {}, judge("claim", [Check("x", [1.0], 1, ">=", timed=False, key="x")], load(0)))

@@ -213,7 +213,7 @@ class Verdict:
             ran = next((r.describe() for r in self.rounds if r.count == n), f"{n} rounds")  # the check's rounds
             lines.append(f"INCONCLUSIVE on “{c.name}”: " + (c.undecided or (
                 f"only {n} rounds: a timed check is decided from at least {MIN_ROUNDS}" if c.too_few_rounds else
-                f"its interval {c._f(lo)}–{c._f(hi)} ({c.coverage:.0%} interval of the median) straddles the line "
+                f"{c._f(lo)}–{c._f(hi)}, where the true median lies ({c.coverage:.0%} sure), straddles the line "
                 f"{c.relation()} after {ran}; rerun, ideally on a quieter machine, for a verdict")))
         lines.append(self.load.describe())
         return lines
