@@ -19,9 +19,8 @@ The cost model, in steps (a step costs about the same whatever its batch):
     continuous steps = the same requests, each seat refilled at the step after it frees
     predicted speedup = static steps ÷ continuous steps       (`bench/batching.py` counts both)
 
-So the win grows with the spread of the output lengths and vanishes when all are
-equal (the control). The mixed workload: one request in `max_num_seqs` is long,
-the rest short, the mean fixed; the spread is long ÷ short.
+So the win grows with the spread of output lengths, none when all are equal (the control). The
+workload: one request in `max_num_seqs` long, the rest short, the mean fixed; spread = long ÷ short.
 
 And the memory wall: a KV pool of `pool_blocks` blocks holds at most
 pool_blocks ÷ blocks per sequence sequences at their longest (the knee,
@@ -173,6 +172,7 @@ def measure_knee(lesson, s: dict) -> dict:
 
     def figures(r) -> dict:
         return {"pool_blocks": pool, "blocks_per_sequence": per_seq, "predicted_knee": pool // per_seq,
+                "prompt_blocks": -(-k["prompt"] // BLOCK_SIZE),
                 "max_num_seqs": k["max_num_seqs"], "rounds": r.count,
                 "throughput": [[tokens / t for t in r.times(str(b))] for b in k["max_num_seqs"]],
                 "preemptions": [r.results(str(b))[-1]["preemptions"] for b in k["max_num_seqs"]],
@@ -181,9 +181,9 @@ def measure_knee(lesson, s: dict) -> dict:
                               until=settled(lambda r: knee_checks(figures(r)))))
 
 
-def checks(f: dict) -> list[Check]:
+def checks(figures: dict) -> list[Check]:
     """The verdict's checks, from the figures the lesson writes (pure: a test may pass any figures)."""
-    return spread_checks(f) + knee_checks(f["knee"])
+    return spread_checks(figures) + knee_checks(figures["knee"])
 
 
 def spread_checks(f: dict) -> list[Check]:
@@ -234,7 +234,8 @@ def knee_checks(kn: dict) -> list[Check]:
         Check(f"preemptions at max_num_seqs ≤ {knee}", [sum(p for b, p in preempted.items() if b <= knee)], 0, "<=",
               timed=False, fmt="{:.0f}", predicted=0, key="knee_no_preemption", why=f"preemptions by max_num_seqs: {preempted}"),
         Check(f"preemptions at max_num_seqs {far}", [preempted[far]], 1, ">=", timed=False, fmt="{:.0f}",
-              key="knee_preemption", why=f"preemptions by max_num_seqs: {preempted}")]
+              predicted=min(far, kn["pool_blocks"] // kn["prompt_blocks"]) - knee, key="knee_preemption",
+              why=f"preemptions by max_num_seqs: {preempted}")]
 
 
 def facts(f: dict) -> list[Fact]:

@@ -49,7 +49,7 @@ def figures() -> dict:
         "short_latency_ratio": [8.0] * 5, "requests_differing": 0}
     return {"spreads": [row(12, 12, 1.0, 1.0), row(33, 9, 1.3, 1.5), row(82, 2, 2.2, 3.1)],
             "transformers": {"s": [1.0] * 5, "speedup": [3.0] * 5, "requests_differing": 0},
-            "knee": {"max_num_seqs": [1, 2, 4, 8, 16], "predicted_knee": 4, "pool_blocks": 8,
+            "knee": {"max_num_seqs": [1, 2, 4, 8, 16], "predicted_knee": 4, "pool_blocks": 8, "prompt_blocks": 1,
                      "throughput": [[400.0] * 5, [700.0] * 5, [1000.0] * 5, [1020.0] * 5, [1050.0] * 5],
                      "preemptions": [0, 0, 0, 8, 8], "predicted_steps": [256, 128, 64, 32, 16]}}
 
