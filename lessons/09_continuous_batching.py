@@ -70,7 +70,7 @@ BLOCK_SIZE = 16
 def sizes(n_ctx: int, quick: bool) -> dict:
     seats, mean = 8, 12 if quick else 16
     widest = min(mean - 2, (n_ctx - 16 - mean) // (seats - 1))  # long + a prompt of ≤ 16 stays in the context
-    return {"requests": 64 if quick else 48, "max_num_seqs": seats, "mean": mean, "spreads": [0, widest // 3, widest],
+    return {"requests": 48, "max_num_seqs": seats, "mean": mean, "spreads": [0, widest // 3, widest],
             "knee": {"requests": 16, "prompt": 16, "output": 16, "pool_seqs": 4,
                      "max_num_seqs": [1, 2, 4, 8, 16]}}
 
