@@ -642,13 +642,16 @@ class Admit(Check):
                              for c in out.chunks], "running": [x.request_id for x in sched.running],
                     "waiting": [x.request_id for x in sched.waiting],
                     "held": {names.get(k, str(k)): n for k, n in sched.blocks.held.items()}}
-            sampled = []
-            for c in out.chunks:   # what the engine does after the forward pass
+            finished = []
+            for c in out.chunks:   # the engine's forward pass and update (the stop rule: max_tokens, here)
                 c.seq.num_computed_tokens += c.num_tokens
                 if c.seq.num_remaining == 0:
-                    sampled.append((c.seq, 1, None))
-            sched.update(sampled, now=float(i))
-            steps.append({**step, "finished": [x.request_id for x, _, _ in sampled if x.is_finished]})
+                    c.seq.output_token_ids.append(1)
+                    if len(c.seq.output_token_ids) >= c.seq.params.max_tokens:
+                        sched.remove(c.seq)   # its seat and blocks back at once (exercise scheduler-finish's part)
+                        c.seq.finish("length", float(i))
+                        finished.append(c.seq.request_id)
+            steps.append({**step, "finished": finished})
         return steps
 
     def expect(self, case):
