@@ -47,7 +47,7 @@ of preemption may find its own blocks still cached when it returns.
 
 The scheduler owns its queues
 -----------------------------
-Only this class (and its policy subclass) changes `waiting` and `running`;
+Only this class (and its policy subclasses) changes `waiting` and `running`;
 everyone else asks it with a verb, as vLLM's `update_from_output` does:
 
     add, remove          a request arrives; one finishes or is aborted (its blocks freed)
