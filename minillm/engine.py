@@ -15,7 +15,7 @@ schedule → copy → execute → update → record, data flowing one way:
               the one stop rule applied, the finished out of the queues with their blocks freed
     record    `last_step` (a StepStats: its rows, prefill chunk or decode) and the timeline, if asked
 
-The pieces, one file each: the policy (`scheduler.py`, or `chunked_prefill.py`), the pool
+The pieces, one file each: the policy (`scheduler.py`, `chunked_prefill.py`, `static_batching.py`), the pool
 (`block_manager.py`, `paged_attention.py`, sized by `kv_pool.py`; `prefix_caching.py`), the
 forward pass of a plan (`model_runner.py`; `cuda_graphs.py` for decode-only steps unless
 `enforce_eager=True`), `sampling.py`, and the n samples of one request (`parallel_sampling.py`).
@@ -57,7 +57,6 @@ from typing import Callable
 import torch
 
 from .block_manager import BlockManager
-from .chunked_prefill import ChunkedPrefillScheduler
 from .cuda_graphs import DecodeRunner
 from .kv_pool import CacheConfig, size_pool
 from .model import GPT2
@@ -70,8 +69,9 @@ from .request_checks import check_fits, check_request, check_samples, one_thread
 from .rollback import recover
 from .sampling import NonFiniteLogitsError, make_generator, sample_sequences
 from .sampling_params import FINISH_ABORT, SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import SchedulerConfig, SchedulerOutput
 from .sequence import EngineStats, RequestMetrics, RequestOutput, Sequence, StepStats
+from .static_batching import policy_for
 
 
 class LLMEngine(RemotePrefill):
@@ -102,8 +102,8 @@ class LLMEngine(RemotePrefill):
         self.cache = PagedKVCache(self.config, self.block_manager, model.device, model.dtype)
         self.decoder = DecodeRunner(model, self.cache, self.scheduler_config.max_num_seqs,
                                     "graph" if use_graphs else "eager")
-        policy = ChunkedPrefillScheduler if self.scheduler_config.enable_chunked_prefill else Scheduler
-        self.scheduler = policy(self.scheduler_config, self.block_manager, self.config.eos_token_id, self.config.n_ctx)
+        self.scheduler = policy_for(self.scheduler_config)(self.scheduler_config, self.block_manager,
+                                                           self.config.eos_token_id, self.config.n_ctx)
         self.requests: dict[str, Sequence] = {}  # sample 0 of each request unfinished, or finished and unreported
         self.timeline: list[StepStats] = []  # one row per step; record_timeline=False keeps a long run's memory flat
         self.record_timeline = record_timeline

@@ -17,7 +17,8 @@ member. This file's policy is the one engines used before chunked prefill:
                     `max_num_batched_tokens` and `max_num_seqs` allow, in a step
                     of their own; only a step that admits nothing runs the decodes
 
-`chunked_prefill.py` (lessons 10 and 11) replaces that one policy and keeps the rest.
+`chunked_prefill.py` (lessons 10 and 11) replaces that one policy and keeps the rest;
+`static_batching.py` (lesson 09) replaces it with the batching continuous batching replaced.
 
 Memory, and preemption by recompute
 -----------------------------------
@@ -46,7 +47,7 @@ of preemption may find its own blocks still cached when it returns.
 
 The scheduler owns its queues
 -----------------------------
-Only this class (and its policy subclass) changes `waiting` and `running`;
+Only this class (and its policy subclasses) changes `waiting` and `running`;
 everyone else asks it with a verb, as vLLM's `update_from_output` does:
 
     add, remove          a request arrives; one finishes or is aborted (its blocks freed)
@@ -85,6 +86,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 256             # the most sequences running at once
     enable_chunked_prefill: bool = True  # decode-first chunks (chunked_prefill.py); False: prefill-first (here)
+    batching_type: str = "continuous"   # or "static" (static_batching.py), TensorRT-LLM's knob (STATIC, INFLIGHT)
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -93,6 +95,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name}={value!r} must be an integer ≥ 1")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill={self.enable_chunked_prefill!r} must be True or False")
+        if self.batching_type not in ("continuous", "static"):
+            raise ValueError(f"batching_type={self.batching_type!r} must be 'continuous' or 'static'")
+        if self.batching_type == "static" and self.enable_chunked_prefill:
+            raise ValueError("batching_type='static' admits whole prompts, prefill-first: it needs "
+                             "enable_chunked_prefill=False (chunks feed a batch that is always open)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
@@ -136,6 +143,7 @@ class Scheduler:
     """Queues, admission and preemption, with the prefill-first policy."""
 
     chunked_prefill = False  # which value of SchedulerConfig.enable_chunked_prefill this class implements
+    batching_type = "continuous"  # and of SchedulerConfig.batching_type
 
     def __init__(self, config: SchedulerConfig, blocks: BlockSpace, eos_token_id: int | None = None,
                  n_ctx: int = sys.maxsize):
@@ -143,6 +151,9 @@ class Scheduler:
             raise ValueError(f"{type(self).__name__} implements enable_chunked_prefill={self.chunked_prefill}, but "
                              f"the config asks for {config.enable_chunked_prefill}; use "
                              f"{'ChunkedPrefillScheduler (minillm/chunked_prefill.py)' if config.enable_chunked_prefill else 'Scheduler (minillm/scheduler.py)'}")
+        if config.batching_type != self.batching_type:
+            raise ValueError(f"{type(self).__name__} implements batching_type={self.batching_type!r}, but the config "
+                             f"asks for {config.batching_type!r}; use static_batching.policy_for(config)")
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences rejoin at the front
@@ -166,11 +177,14 @@ class Scheduler:
     def finish_if_done(self, seq: Sequence, now: float) -> bool:
         """THE stop rule (`finish_reason`: a stop token, max_tokens, or the context full), applied to `seq`'s
         last sampled token: if it ends the request, it is finished at `now` and leaves the queues."""
+        # >>> exercise scheduler-finish (lesson 07, 1 pt): end a request that its last token ends, and free its seat now
+        # hint: seq.end_reason(...) is the stop rule; a request it ends leaves the queues and gives back its blocks in this very call (self.remove does both), not at some later one: a waiting request needs them at the next step; it is finished for that reason at `now`; the return value says whether it ended
         reason = seq.end_reason(self.eos_token_id, self.n_ctx)
         if reason:
             self.remove(seq)
             seq.finish(reason, now)
         return bool(reason)
+        # <<< exercise
 
     def update(self, sampled: list[tuple[Sequence, int, object]], now: float) -> None:
         """After a step: each (sequence, token, its TokenLogprobs or None) that sampled gets its token at `now`;
@@ -226,6 +240,8 @@ class Scheduler:
 
     def _plan(self, out: SchedulerOutput) -> None:
         """Prefill-first: whole prompts, in a step of their own, before any decode resumes."""
+        # >>> exercise scheduler-admit (lesson 07, 2 pts): admit waiting prompts between steps, prefill-first
+        # hint: a seat a finished request left (update freed it at once) is taken at the very next step, whatever the others still have to do; waiting prompts join in arrival order, whole, while the token budget, max_num_seqs and the KV room (self.blocks.can_append) allow, and one that does not fit is not overtaken (self._start_first_waiting() is the next one, self._admit takes it); a step that admits runs only its prompts, and one that admits nothing runs the decodes (self._schedule_decodes)
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self._start_first_waiting()
@@ -235,6 +251,7 @@ class Scheduler:
             self._admit(seq, seq.num_remaining, out)
         if not out.chunks:
             self._schedule_decodes(out)
+        # <<< exercise
 
     # ---- shared mechanics ---------------------------------------------------
 

@@ -93,8 +93,8 @@ raise NotImplementedError("the leaver")
 STOPPER = ["import os, signal", "os.kill(os.getppid(), signal.SIGSTOP)   # the starter: no later run could start",
            "raise NotImplementedError('the stopper')"]
 DOOR = ["return decode_attention(q, k, v, mask)   # attention written out already, for any number of queries"]
-HONEST = {"paged-allocate", "paged-free", "paged-slot-mapping", "scheduler-preempt", "scheduler-budget-fill",
-          "prefix-match", "speculative-accept", "quantize-per-channel"}
+HONEST = {"paged-allocate", "paged-free", "paged-slot-mapping", "scheduler-preempt", "scheduler-admit",
+          "scheduler-finish", "scheduler-budget-fill", "prefix-match", "speculative-accept", "quantize-per-channel"}
 
 
 def leftovers() -> list[str]:

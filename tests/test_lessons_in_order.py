@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif((ROOT / MANIFEST).exists(),
                                 reason="a student copy: the course's lesson order is checked in the reference project")
 # The course's exercise → lesson map; an exercise not listed here is placed by its marker's lesson number.
 LESSON_OF = {"model-heads": 1, "model-causal-attention": 1, "sampling-top-k": 1, "sampling-top-p": 1,
-             "kv-cache-write": 1, "kv-cache-read": 1, "quantize-per-channel": 6, "paged-allocate": 7, "paged-free": 7, "paged-slot-mapping": 7,
-             "paged-gather": 7, "scheduler-preempt": 7, "scheduler-budget-fill": 10, "prefix-match": 13,
-             "speculative-accept": 14}
+             "kv-cache-write": 1, "kv-cache-read": 1, "quantize-per-channel": 6, "paged-allocate": 7, "paged-free": 7,
+             "paged-slot-mapping": 7, "paged-gather": 7, "scheduler-preempt": 7, "scheduler-admit": 7,
+             "scheduler-finish": 7, "scheduler-budget-fill": 10, "prefix-match": 13, "speculative-accept": 14}
 
 
 def lesson_of(ex) -> int:

@@ -213,3 +213,111 @@ def step(case, r: Replay, decodes_first, decodes_counted, partials_first, seat_l
 def budget_fill_key(case: dict) -> dict:
     """scheduler-budget-fill's answer for one case: each step's plan and queues, and its mistakes'."""
     return with_mistakes(plan_steps(case), lambda **switches: plan_steps(case, **switches), BUDGET_FILL_MISTAKES)
+
+
+# ------------------------------------------------------------------ scheduler-admit
+
+ADMIT_MISTAKES = {
+    "it admitted only into an empty batch (static batching): a seat a finished request leaves is taken at the very "
+    "next step, while the others still run": {"empty_only": True},
+    "it admitted past max_num_seqs": {"seat_limit": False},
+    "a prompt longer than the token budget left was admitted": {"budget_limit": False},
+    "the budget was not spent by the prompts admitted: together they may not pass max_num_batched_tokens":
+        {"budget_spent": False},
+    "the running decodes ran in the step that admitted prompts: prefill-first gives new prompts a step of their own":
+        {"decodes_too": True},
+    "a later prompt overtook one that did not fit": {"in_order": False},
+}
+
+
+def admit_steps(case: dict, empty_only=False, seat_limit=True, budget_limit=True, budget_spent=True,
+                decodes_too=False, in_order=True) -> list[dict]:
+    """Each step's plan and queues under the prefill-first policy, then the engine's update: every sequence whose
+    tokens are all computed samples one, and one that reaches its max_tokens finishes, its blocks freed at once."""
+    r, steps = Replay(case), []
+    for _ in range(case["steps"]):
+        plan, budget, i = [], case["budget"], 0
+        while not (empty_only and r.running) and i < len(r.waiting) and \
+                (len(r.running) < case["max_num_seqs"] or not seat_limit):
+            name = r.waiting[i]
+            n = r.remaining(name)
+            if (budget_limit and n > budget) or not r.room(n):
+                if in_order:
+                    break
+                i += 1
+                continue
+            r.waiting.pop(i)
+            r.running.append(name)
+            r.take(name, n)
+            plan.append([name, n, "prefill"])
+            budget -= n if budget_spent else 0
+        if not plan or decodes_too:
+            for name in list(r.running):
+                if r.decoding(name) and r.room(1):
+                    r.take(name, 1)
+                    plan.append([name, 1, "decode"])
+        queues = r.queues()
+        del queues["preempted"]
+        finished = []
+        for name, n, _ in plan:   # the engine's forward pass and update
+            s = r.seqs[name]
+            s["computed"] += n
+            if r.remaining(name) == 0:
+                s["output"] += 1
+                if s["output"] >= s["max_tokens"]:
+                    r.running.remove(name)
+                    r.held.pop(name, None)
+                    finished.append(name)
+        steps.append({"plan": plan, **queues, "finished": finished})
+    return steps
+
+
+def admit_key(case: dict) -> dict:
+    """scheduler-admit's answer for one case: each step's plan, queues and finished requests, and its mistakes'."""
+    return with_mistakes(admit_steps(case), lambda **switches: admit_steps(case, **switches), ADMIT_MISTAKES)
+
+
+# ------------------------------------------------------------------ scheduler-finish
+
+FINISH_MISTAKES = {
+    "a finished request kept its seat and blocks until a later call: free them in the call that ends it, so that a "
+    "waiting request can have them at the very next step": {"late": True},
+    "its blocks were never freed": {"frees": False},
+    "it left the queues but was never marked finished": {"marks": False},
+    "it was marked finished but stayed in the running queue, holding its blocks": {"leaves": False, "frees": False},
+    "it returned True for a request that goes on": {"returns": False},
+}
+
+
+def finish_steps_key(case: dict, late=False, frees=True, marks=True, leaves=True, returns=True) -> list[dict]:
+    """After each step's calls (each sampled token appended, then the stop rule): the queues, the tokens held, who
+    is finished (reason and time) and what each call returned."""
+    r, steps, finished = Replay(case), [], {}
+    for now, sampled in enumerate(case["steps"]):
+        returned = {}
+        for name, token in sampled:
+            if late:   # the wrong version's clean-up of those finished earlier
+                for done in [n for n in r.running if n in finished]:
+                    r.running.remove(done)
+                    r.held.pop(done, None)
+            s = r.seqs[name]
+            s["output"] += 1
+            reason = "stop" if token == case["eos"] else "length" if s["output"] >= s["max_tokens"] else None
+            if reason and not late:
+                if leaves:
+                    r.running.remove(name)
+                if frees:
+                    r.held.pop(name, None)
+            if reason and marks:
+                finished[name] = [reason, float(now)]
+            returned[name] = bool(reason) or not returns
+        queues = r.queues()
+        del queues["preempted"]
+        steps.append({**queues, "finished": dict(finished), "returned": returned})
+    return steps
+
+
+def finish_key(case: dict) -> dict:
+    """scheduler-finish's answer for one case, and its mistakes'."""
+    return with_mistakes(finish_steps_key(case), lambda **switches: finish_steps_key(case, **switches),
+                         FINISH_MISTAKES)

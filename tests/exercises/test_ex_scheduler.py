@@ -1,5 +1,5 @@
-"""Exercises in the scheduler: preemption (lesson 07, minillm/scheduler.py) and the decode-first budget fill
-(lesson 10, minillm/chunked_prefill.py).
+"""Exercises in the scheduler: preemption (lesson 07, minillm/scheduler.py), admission between steps (lesson 09,
+minillm/scheduler.py) and the decode-first budget fill (lesson 10, minillm/chunked_prefill.py).
 
 No model and no real cache: the scheduler gets a fake block space that only
 counts tokens, and the queues are set up by hand. A case lists its sequences
@@ -486,6 +486,374 @@ class BudgetFill(Check):
                                  f"Look at {self.where}.")
 
 
-PREEMPT, BUDGET_FILL = Preempt(), BudgetFill()
+# ------------------------------------------------------------------ admission between steps
+
+def ending(name: str, prompt: int, output: int, max_tokens: int) -> dict:
+    """Running and decoding, `output` tokens sampled of its `max_tokens`: it finishes when it samples the last."""
+    return {**seq(name, prompt, computed=prompt + output - 1, output=output), "max_tokens": max_tokens}
+
+
+def new(name: str, prompt: int, max_tokens: int = 32) -> dict:
+    """Waiting, holding no KV yet."""
+    return {**seq(name, prompt), "max_tokens": max_tokens}
+
+
+class Admit(Check):
+    exercise = "scheduler-admit"
+    where = "minillm/scheduler.py, Scheduler._plan"
+
+    @staticmethod
+    def case(budget, running=(), waiting=(), max_num_seqs=None, capacity=10_000, steps=1):
+        return {"budget": budget, "max_num_seqs": max_num_seqs or min(8, budget), "capacity": capacity,
+                "running": list(running),
+                "waiting": list(waiting), "steps": steps}
+
+    def visible(self):
+        return {
+            "a seat a finished request leaves is taken at the next step":
+                self.case(16, [ending("a", 4, 2, 3), ending("b", 5, 1, 9)], [new("w", 3)], max_num_seqs=2, steps=2),
+            "waiting prompts join whole, in arrival order, while the budget lasts":
+                self.case(8, waiting=[new("x", 3), new("y", 4), new("z", 3)]),
+            "max_num_seqs caps the batch": self.case(16, [ending("a", 4, 1, 9)], [new("b", 2), new("c", 2)],
+                                                    max_num_seqs=2),
+            "a step that admits runs no decode; the next runs them all":
+                self.case(16, [ending("a", 4, 1, 9), ending("b", 3, 2, 9)], [new("w", 2)], steps=2),
+            # a holds 5 tokens of a 9-token pool: big (6) has no room, small (2) would, but may not overtake it.
+            "a prompt without KV room is not overtaken; the decodes run":
+                self.case(16, [ending("a", 4, 2, 9)], [new("big", 6), new("small", 2)], capacity=9),
+            "a prompt longer than the budget waits; the decodes run":
+                self.case(4, [ending("a", 3, 1, 9)], [new("long", 6)]),
+        }
+
+    def situations(self):
+        def decodes(d, count, names, finish=False):
+            return [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + (1 if finish else d.int(3, 9)))
+                    for _ in range(count)]
+
+        def prompts(d, count, names, lo=1, hi=6):
+            return [new(next(names), d.int(lo, hi), d.int(2, 6)) for _ in range(count)]
+
+        def seat_freed(d):
+            names, k = drawn_names(d), d.int(1, 3)
+            running = decodes(d, k, names)
+            running.insert(d.int(0, k), decodes(d, 1, names, finish=True)[0])
+            return self.case(16, running, prompts(d, d.int(1, 2), names), max_num_seqs=k + 1, steps=d.int(2, 3))
+
+        def arrival_order(d):
+            waiting = prompts(d, d.int(3, 5), drawn_names(d))
+            return self.case(d.int(3, sum(s["prompt"] for s in waiting) - 1), waiting=waiting)
+
+        def seats(d):
+            names, k = drawn_names(d), d.int(1, 3)
+            return self.case(20, decodes(d, k, names), prompts(d, d.int(2, 3), names), max_num_seqs=k + d.int(0, 1))
+
+        def no_decode(d):
+            names = drawn_names(d)
+            return self.case(20, decodes(d, d.int(1, 3), names), prompts(d, 1, names), steps=2)
+
+        def no_room(d):
+            names = drawn_names(d)
+            running = decodes(d, d.int(1, 2), names)
+            held, room = sum(s["computed"] for s in running), d.int(2, 4)
+            waiting = [new(next(names), room + d.int(1, 4)), new(next(names), d.int(1, room - 1))]
+            return self.case(20, running, waiting, capacity=held + room)
+
+        def over_budget(d):
+            names, budget = drawn_names(d), d.int(2, 6)
+            return self.case(budget, decodes(d, d.int(1, 2), names), [new(next(names), budget + d.int(1, 4))])
+
+        return {"a seat a finished request leaves is taken at the next step": seat_freed,
+                "waiting prompts join in arrival order": arrival_order, "max_num_seqs caps the batch": seats,
+                "a step that admits runs no decode": no_decode, "a prompt without room is not overtaken": no_room,
+                "a prompt over the budget waits": over_budget}
+
+    def edges(self):
+        """Each edge's situation is fixed (a seat freed while others run, the seats full, the budget spent by two
+        prompts, a prompt over the budget, one without room before one with); names and lengths are drawn."""
+        def decodes(d, count, names):
+            return [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + d.int(4, 9)) for _ in range(count)]
+
+        def seat_freed(d):
+            # one of the batch finishes at step 1; the others run on: the waiting prompt joins at step 2.
+            names, k = drawn_names(d), d.int(1, 3)
+            running = decodes(d, k, names)
+            running.insert(d.int(0, k), ending(next(names), d.int(2, 6), 1, 2))
+            return self.case(16, running, [new(next(names), d.int(1, 6))], max_num_seqs=k + 1, steps=2)
+
+        def seats_full(d):
+            # every seat taken: the prompt waits, though budget and room are there.
+            names, k = drawn_names(d), d.int(1, 4)
+            return self.case(16, decodes(d, k, names), [new(next(names), d.int(1, 6))], max_num_seqs=k)
+
+        def budget_spent(d):
+            # each prompt fits the budget alone, not both together: only the first joins.
+            names, budget = drawn_names(d), d.int(4, 8)
+            first = d.int(1, budget - 1)
+            return self.case(budget, [], [new(next(names), first), new(next(names), d.int(budget - first + 1, budget))])
+
+        def over_budget(d):
+            # a prompt over the budget waits, and the decodes run.
+            names, budget = drawn_names(d), d.int(2, 6)
+            return self.case(budget, decodes(d, d.int(1, 2), names), [new(next(names), budget + d.int(1, 3))])
+
+        def admits_alone(d):
+            # a prompt joins: its step runs it alone, the decodes wait a step.
+            names = drawn_names(d)
+            return self.case(16, decodes(d, d.int(1, 3), names), [new(next(names), d.int(1, 6))])
+
+        def not_overtaken(d):
+            # the first prompt has no room, the second would: neither joins, the decodes run.
+            names = drawn_names(d)
+            running = decodes(d, 1, names)
+            room = d.int(2, 4)
+            return self.case(16, running, [new(next(names), room + d.int(1, 3)), new(next(names), d.int(1, room - 1))],
+                             capacity=running[0]["computed"] + room)
+
+        return {"a seat freed while the others run": seat_freed, "every seat taken": seats_full,
+                "the budget spent by the first prompt": budget_spent, "a prompt over the budget": over_budget,
+                "a step of its own for an admitted prompt": admits_alone, "no overtaking": not_overtaken}
+
+    def run(self, case):
+        from minillm.sampling_params import SamplingParams
+        from minillm.scheduler import Scheduler, SchedulerConfig
+        from minillm.sequence import RequestMetrics, Sequence, SequenceStatus
+        config = SchedulerConfig(max_num_batched_tokens=case["budget"], max_num_seqs=case["max_num_seqs"],
+                                 enable_chunked_prefill=False)
+        sched = Scheduler(config, TokenCountingBlocks(case["capacity"]))
+        for queue in ("running", "waiting"):
+            for s in case[queue]:
+                made = Sequence(s["name"], list(range(s["prompt"])),
+                                SamplingParams(temperature=0.0, max_tokens=s["max_tokens"]), RequestMetrics(0.0))
+                made.output_token_ids = [1] * s["output"]
+                made.num_computed_tokens = s["computed"]
+                if queue == "running":
+                    made.status = SequenceStatus.RUNNING
+                    sched.running.append(made)
+                    sched.blocks.held[made.seq_id] = s["computed"]
+                else:
+                    sched.add(made)
+        steps = []
+        for i in range(case["steps"]):
+            out = call_recording_errors(sched.schedule)
+            if raised(out):
+                return steps + [out]
+            names = {x.seq_id: x.request_id for x in [*sched.running, *sched.waiting]}
+            step = {"plan": [[c.seq.request_id, c.num_tokens, "decode" if c.is_decode else "prefill"]
+                             for c in out.chunks], "running": [x.request_id for x in sched.running],
+                    "waiting": [x.request_id for x in sched.waiting],
+                    "held": {names.get(k, str(k)): n for k, n in sched.blocks.held.items()}}
+            finished = []
+            for c in out.chunks:   # the engine's forward pass and update (the stop rule: max_tokens, here)
+                c.seq.num_computed_tokens += c.num_tokens
+                if c.seq.num_remaining == 0:
+                    c.seq.output_token_ids.append(1)
+                    if len(c.seq.output_token_ids) >= c.seq.params.max_tokens:
+                        sched.remove(c.seq)   # its seat and blocks back at once (exercise scheduler-finish's part)
+                        c.seq.finish("length", float(i))
+                        finished.append(c.seq.request_id)
+            steps.append({**step, "finished": finished})
+        return steps
+
+    def expect(self, case):
+        from key_scheduler import admit_key
+        return admit_key(case)
+
+    KEYS = ["plan", "running", "waiting", "held", "finished"]
+
+    def judge(self, case, output, expected):
+        situation = f"budget {case['budget']}, max_num_seqs {case['max_num_seqs']}, {describe(case)}"
+        if not isinstance(output, list) or not 0 < len(output) <= case["steps"]:
+            raise AssertionError(f"{situation}: the check runs {case['steps']} step(s); it got back {kind(output)}. "
+                                 f"Look at {self.where}.")
+        for i, got in enumerate(output):
+            want = expected["want"][i]
+            if same(got, want, self.KEYS):
+                continue
+            named = naming([what for what, answer in expected["mistakes"].items()
+                            if all(same(g, a, self.KEYS) for g, a in zip(output[:i + 1], answer[:i + 1]))])
+            if raised(got):
+                problem = f"schedule() raised {got['raised']}: {got['message']}"
+            elif isinstance(got, dict):
+                problem = first_difference(got, want, self.KEYS)
+            else:
+                problem = f"got {kind(got)}"
+            step = f"; at step {i + 1} of {case['steps']}" if case["steps"] > 1 else ""
+            raise AssertionError(f"{situation}{step}:{named}\n  {problem}\n(a plan is [request, tokens, kind]: a "
+                                 f"step admits waiting prompts whole, in arrival order, into the seats free now; a "
+                                 f"step that admits none runs every decode). Look at {self.where}.")
+        if len(output) < case["steps"]:
+            raise AssertionError(f"{situation}: the check runs {case['steps']} steps; it got back {len(output)}. "
+                                 f"Look at {self.where}.")
+
+
+# ------------------------------------------------------------------ the end of a request
+
+class Finish(Check):
+    exercise = "scheduler-finish"
+    where = "minillm/scheduler.py, Scheduler.finish_if_done"
+
+    @staticmethod
+    def case(running, steps, waiting=(), eos=0):
+        """`steps`: each step's sampled tokens as [request, token], in the order the step checks them."""
+        return {"eos": eos, "running": list(running), "waiting": list(waiting), "steps": [list(s) for s in steps],
+                "capacity": 10_000}
+
+    def visible(self):
+        return {
+            "max_tokens reached: it leaves the queue and frees its blocks in the same call":
+                self.case([ending("a", 4, 2, 3), ending("b", 5, 1, 9)], [[["b", 7], ["a", 5]]]),
+            "the end-of-text token ends it, whatever max_tokens says":
+                self.case([ending("a", 3, 1, 9), ending("b", 4, 1, 9)], [[["a", 0], ["b", 3]], [["b", 4]]]),
+            "a request that goes on stays, holding its blocks":
+                self.case([ending("a", 3, 1, 9)], [[["a", 5]], [["a", 6]]], waiting=[new("w", 4)]),
+            "several end in one step; a waiting request is untouched":
+                self.case([ending("a", 2, 1, 2), ending("b", 3, 2, 9), ending("c", 2, 1, 9)],
+                          [[["a", 4], ["b", 0], ["c", 8]]], waiting=[new("w", 2)]),
+        }
+
+    @staticmethod
+    def play(d, running, count):
+        """`count` steps in which every request not yet ended samples a token: the end-of-text token (0) now and
+        then, any other token otherwise; each step checks them in a drawn order."""
+        left, steps = {s["name"]: s["max_tokens"] - s["output"] for s in running}, []
+        for _ in range(count):
+            names = d.sample(sorted(left), len(left))
+            if not names:
+                break
+            step = [[n, 0 if d.int(0, 4) == 0 else d.int(1, 99)] for n in names]
+            for n, token in step:
+                left[n] -= 1
+                if token == 0 or left[n] == 0:
+                    del left[n]
+            steps.append(step)
+        return steps
+
+    def situations(self):
+        def running(d, count, names):
+            return [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + d.int(1, 4)) for _ in range(count)]
+
+        def steps_of(d):
+            names = drawn_names(d)
+            r = running(d, d.int(1, 4), names)
+            return self.case(r, self.play(d, r, d.int(1, 4)), waiting=[new(next(names), d.int(1, 6))])
+
+        def one_step(d):
+            names = drawn_names(d)
+            r = running(d, d.int(2, 5), names)
+            return self.case(r, self.play(d, r, 1))
+
+        def goes_on(d):
+            names = drawn_names(d)
+            r = [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 5) for _ in range(d.int(1, 3))]
+            return self.case(r, [[[s["name"], d.int(1, 99)] for s in r]], waiting=[new(next(names), d.int(1, 6))])
+
+        def eos(d):
+            names = drawn_names(d)
+            r = running(d, d.int(1, 3), names)
+            return self.case(r, [[[s["name"], 0] for s in r]])
+
+        return {"max_tokens reached": one_step, "the end-of-text token ends it": eos,
+                "a request that goes on stays": goes_on, "several steps, several ends": steps_of}
+
+    def edges(self):
+        """Each edge's situation is fixed (who ends, and that it is checked last in its step); the names, the
+        lengths and the tokens are drawn."""
+        def last_ends(d):
+            # the last request a step checks reaches max_tokens; the others go on: it must leave in that call.
+            names = drawn_names(d)
+            others = [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 5) for _ in range(d.int(1, 3))]
+            last = ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 1)
+            order = others + [last]
+            return self.case(d.sample(order, len(order)), [[[s["name"], d.int(1, 99)] for s in order]])
+
+        def eos_alone(d):
+            # the only running request draws the end-of-text token far from its max_tokens.
+            names = drawn_names(d)
+            name = next(names)
+            return self.case([ending(name, d.int(2, 6), d.int(1, 3), 20)], [[[name, 0]]],
+                             waiting=[new(next(names), d.int(1, 6))])
+
+        def goes_on(d):
+            # no token ends anyone: every call returns False and nothing moves.
+            names = drawn_names(d)
+            r = [ending(next(names), d.int(2, 6), out := d.int(1, 3), out + 5) for _ in range(d.int(1, 3))]
+            return self.case(r, [[[s["name"], d.int(1, 99)] for s in r]])
+        return {"the last request of a step ends": last_ends, "the end-of-text token, far from max_tokens": eos_alone,
+                "nobody ends": goes_on}
+
+    def run(self, case):
+        from minillm.sampling_params import SamplingParams
+        from minillm.scheduler import Scheduler, SchedulerConfig
+        from minillm.sequence import RequestMetrics, Sequence, SequenceStatus
+        sched = Scheduler(SchedulerConfig(enable_chunked_prefill=False), TokenCountingBlocks(case["capacity"]),
+                          eos_token_id=case["eos"])
+        by_name = {}
+        for queue in ("running", "waiting"):
+            for s in case[queue]:
+                made = Sequence(s["name"], list(range(s["prompt"])),
+                                SamplingParams(temperature=0.0, max_tokens=s["max_tokens"]), RequestMetrics(0.0))
+                made.output_token_ids = [1] * s["output"]
+                made.num_computed_tokens = s["computed"]
+                by_name[s["name"]] = made
+                if queue == "running":
+                    made.status = SequenceStatus.RUNNING
+                    sched.running.append(made)
+                    sched.blocks.held[made.seq_id] = s["computed"]
+                else:
+                    sched.add(made)
+        names = {x.seq_id: x.request_id for x in by_name.values()}
+        steps = []
+        for now, sampled in enumerate(case["steps"]):
+            returned = {}
+            for name, token in sampled:   # what update does for each sampled token, then the stop rule
+                seq = by_name[name]
+                seq.output_token_ids.append(token)
+                got = call_recording_errors(sched.finish_if_done, seq, float(now))
+                if raised(got):
+                    return steps + [got]
+                returned[name] = got
+            steps.append({"running": [x.request_id for x in sched.running],
+                          "waiting": [x.request_id for x in sched.waiting],
+                          "held": {names[k]: n for k, n in sched.blocks.held.items()},
+                          "finished": {x.request_id: [x.finish_reason, x.metrics.finished_time]
+                                       for x in by_name.values() if x.is_finished},
+                          "returned": returned})
+        return steps
+
+    def expect(self, case):
+        from key_scheduler import finish_key
+        return finish_key(case)
+
+    KEYS = ["running", "waiting", "held", "finished", "returned"]
+
+    def judge(self, case, output, expected):
+        situation = f"end-of-text token {case['eos']}, {describe(case)}, sampled {case['steps']}"
+        count = len(case["steps"])
+        if not isinstance(output, list) or not 0 < len(output) <= count:
+            raise AssertionError(f"{situation}: the check runs {count} step(s); it got back {kind(output)}. "
+                                 f"Look at {self.where}.")
+        for i, got in enumerate(output):
+            want = expected["want"][i]
+            if same(got, want, self.KEYS):
+                continue
+            named = naming([what for what, answer in expected["mistakes"].items()
+                            if all(same(g, a, self.KEYS) for g, a in zip(output[:i + 1], answer[:i + 1]))])
+            if raised(got):
+                problem = f"finish_if_done raised {got['raised']}: {got['message']}"
+            elif isinstance(got, dict):
+                problem = first_difference(got, want, self.KEYS)
+            else:
+                problem = f"got {kind(got)}"
+            raise AssertionError(f"{situation}; after step {i + 1} of {count}:{named}\n  {problem}\n(a request the "
+                                 f"stop rule ends leaves the queues, gives back its blocks and is finished, all in "
+                                 f"the call that ends it). Look at {self.where}.")
+        if len(output) < count:
+            raise AssertionError(f"{situation}: the check runs {count} steps; it got back {len(output)}. "
+                                 f"Look at {self.where}.")
+
+
+PREEMPT, ADMIT, FINISH, BUDGET_FILL = Preempt(), Admit(), Finish(), BudgetFill()
 test_preempt = PREEMPT.pytest_test()
+test_admit = ADMIT.pytest_test()
+test_finish = FINISH.pytest_test()
 test_budget_fill = BUDGET_FILL.pytest_test()

@@ -55,6 +55,98 @@ if victim is seq:
     return True
 """,
     },
+    "scheduler-admit": {
+        'admits only when the batch is empty (static batching)': """
+budget = self.config.max_num_batched_tokens
+if not self.running:
+    while self.waiting and len(self.running) < self.config.max_num_seqs:
+        seq = self._start_first_waiting()
+        if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+            break
+        budget -= seq.num_remaining
+        self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'admits one past max_num_seqs': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) <= self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    budget -= seq.num_remaining
+    self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'never spends the budget': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) < self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'ignores the token budget': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) < self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    budget -= seq.num_remaining
+    self._admit(seq, seq.num_remaining, out)
+if not out.chunks:
+    self._schedule_decodes(out)
+""",
+        'runs the decodes in the step that admits': """
+budget = self.config.max_num_batched_tokens
+while self.waiting and len(self.running) < self.config.max_num_seqs:
+    seq = self._start_first_waiting()
+    if seq.num_remaining > budget or not self.blocks.can_append(seq, seq.num_remaining):
+        break
+    budget -= seq.num_remaining
+    self._admit(seq, seq.num_remaining, out)
+self._schedule_decodes(out)
+""",
+    },
+    "scheduler-finish": {
+        "frees a finished request's blocks a step late (at the next call)": """
+for done in [s for s in self.running if s.is_finished]:
+    self.remove(done)
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    seq.finish(reason, now)
+return bool(reason)
+""",
+        'takes it off the running queue but never frees its blocks': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    self.running.remove(seq)
+    seq.finish(reason, now)
+return bool(reason)
+""",
+        'frees it but never marks it finished': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    self.remove(seq)
+return bool(reason)
+""",
+        'marks it finished and leaves it running': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    seq.finish(reason, now)
+return bool(reason)
+""",
+        'returns True whether or not it ended': """
+reason = seq.end_reason(self.eos_token_id, self.n_ctx)
+if reason:
+    self.remove(seq)
+    seq.finish(reason, now)
+return True
+""",
+    },
     "scheduler-budget-fill": {
         "plans prompt chunks before the decodes": """
 budget = self.config.max_num_batched_tokens
