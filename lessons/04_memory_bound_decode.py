@@ -290,7 +290,7 @@ def main(argv=None) -> dict:
     m = measure(lesson, s, p, probes)
     capacity = capacity_of(lesson, s, p)
     figures = {"context_len": s["context"], **m["figures"], "capacity": capacity, "kv_bytes_per_token": p["per_token"],
-               "weight_bytes": p["weight_bytes"]}
+               "weight_bytes": p["weight_bytes"], "band": BAND}
     verdict = judge_claim(lesson, figures, m["rounds"])
     plot(lesson, figures, m["rounds"].count, verdict)
     write_results(lesson, figures, verdict)

@@ -330,7 +330,8 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
     put("scheduler-budget-fill", region_lines(honest, "import statistics  # a lazy import of the standard library",
                                               "assert statistics.mean([1, 3]) == 2") + list(ref[honest.id].body))
     put("model-causal-attention", list(ref["model-causal-attention"].body))
-    put("quantize-per-channel", list(ref["quantize-per-channel"].body))
+    for honest_id in ("quantize-per-channel", "scheduler-admit", "scheduler-finish"):
+        put(honest_id, list(ref[honest_id].body))
     return {"model-heads": "a forged results file from the package's __init__ (the -m form, as root), and a "
                            "process that leaves its session and outlives the grade",
             "sampling-top-k": "the student's own tests/exercises changed to pass anything, and the reference's body "
@@ -346,7 +347,8 @@ def cheat(student: Path, reference: list[regions.Exercise], source: Path, result
             "speculative-accept": "the acceptance rule spliced from tests/test_speculative.py"}
 
 
-HONEST = {"model-causal-attention", "scheduler-budget-fill", "quantize-per-channel"}
+HONEST = {"model-causal-attention", "scheduler-budget-fill", "quantize-per-channel", "scheduler-admit",
+          "scheduler-finish"}
 
 
 def visible_and_seeded_slots(seed: int) -> dict:

@@ -317,7 +317,8 @@ class BudgetFill(Check):
 
         def arrival_order(d):
             waiting = prompts(d, d.int(3, 5), drawn_names(d))
-            return self.case(d.int(3, sum(s["prompt"] for s in waiting) - 1), waiting=waiting)
+            total = sum(s["prompt"] for s in waiting)
+            return self.case(d.int(min(3, total - 1), total - 1), waiting=waiting)  # a budget below them all
 
         def max_num_seqs(d):
             names, k = drawn_names(d), d.int(1, 3)
@@ -540,7 +541,7 @@ class Admit(Check):
             return self.case(16, running, prompts(d, d.int(1, 2), names), max_num_seqs=k + 1, steps=d.int(2, 3))
 
         def arrival_order(d):
-            waiting = prompts(d, d.int(3, 5), drawn_names(d))
+            waiting = prompts(d, d.int(3, 5), drawn_names(d), lo=2)  # at least 6 tokens: a budget below them all
             return self.case(d.int(3, sum(s["prompt"] for s in waiting) - 1), waiting=waiting)
 
         def seats(d):
