@@ -49,7 +49,8 @@ def holding_figures() -> dict:
                 "bf16": {**error, "first_divergence_median": 30}, "int8": {**error, "first_divergence_median": 20}}
     return {"decode": decode, "prefill": prefill, "accuracy": accuracy, "ridge_batch": 10,
             "perplexity": {"fp32": 30.0, "bf16": 30.1, "int8": 30.4, "tokens": 512, "text": "docs/design.md"},
-            "weight_bytes": {"fp32": 4e8, "bf16": 2e8, "int8": 1e8}}
+            "weight_bytes": {"fp32": 4e8, "bf16": 2e8, "int8": 1e8}, "bandwidth": 4e10,
+            "one_row_stream": {"fp32": 3.5e10, "bf16": 1.2e10, "int8": 1.1e10}}
 
 
 def scale_times(entry: dict, by: float) -> None:
@@ -81,6 +82,15 @@ def test_each_check_can_fail():
         change(figures)
         outcome = {c.key: c.outcome() for c in L06.checks(figures)}
         assert outcome[key] == NOT_SUPPORTED, f"{key}: {outcome}"
+
+
+def test_a_slow_decode_names_the_kernel_that_set_its_pace():
+    """A decode step far from its bytes' time is the one-row kernel's doing when that kernel streams slowly: the why
+    says how fast it streamed against the bandwidth, so a student can tell a kernel from the memory."""
+    figures = copy.deepcopy(holding_figures())
+    scale_times(figures["decode"]["int8"][0], 2.0)
+    why = next(c.why for c in L06.checks(figures) if c.key == "decode_bf16_over_int8")
+    assert "int8's one-row product" in why and "11 GB/s of the 40 GB/s" in why, why
 
 
 def test_the_prefill_check_is_undecided_where_the_roofline_cannot_tell_bytes_from_arithmetic():
