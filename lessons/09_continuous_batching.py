@@ -68,10 +68,10 @@ BLOCK_SIZE = 16
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
-    seats, mean = 8, 12 if quick else 16
+    seats, mean, n = (8, 6, 48) if quick else (8, 16, 48)  # decode steps a round, both modes: quick 365, full 1,099
     widest = min(mean - 2, (n_ctx - 16 - mean) // (seats - 1))  # long + a prompt of ≤ 16 stays in the context
-    return {"requests": 48, "max_num_seqs": seats, "mean": mean, "spreads": [0, widest // 3, widest],
-            "knee": {"requests": 16, "prompt": 16, "output": 16, "pool_seqs": 4,
+    return {"requests": n, "max_num_seqs": seats, "mean": mean, "spreads": [0, widest // 3, widest],
+            "knee": {"requests": 8 if quick else 16, "prompt": 16, "output": 8 if quick else 16, "pool_seqs": 4,
                      "max_num_seqs": [1, 2, 4, 8, 16]}}
 
 
