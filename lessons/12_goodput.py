@@ -82,7 +82,7 @@ from pathlib import Path
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, write_results
 from servers import NEEDED_CORES, free_cores, http_cost, read_records, servers, starved, step_costs
-from minillm.bench.verdict import Check, interleave, judge, print_verdict, settled
+from minillm.bench.verdict import MIN_ROUNDS, Check, interleave, judge, print_verdict, settled
 from minillm.bench.goodput import goodput
 
 import numpy as np
@@ -125,14 +125,15 @@ def plan(lesson, urls: dict, logs: Path, work: Workload, s: dict) -> dict:
     cost, budget = step_costs(urls["unchunked"], logs / "unchunked.jsonl", work, s, STREAMS), chunked_budget(s)
     targets = {"ttft": M_TTFT * cost["prefill_long"], "itl": K_ITL * cost["decode"]}
     rates = [round(share * cost["capacity"], 2) for share in s["shares"]]
-    print(f"as the served engine records them: a decode step of {STREAMS} sequences {ms(cost['decode'])}, the "
-          f"prefill of {s['long']} tokens {ms(cost['prefill_long'])}; the whole trace at once: "
-          f"{cost['capacity']:.1f} requests/s")
+    print(f"as the served engine records them: a decode step of {STREAMS} sequences {ms(cost['decode'])}, the prefill "
+          f"of {s['long']} tokens {ms(cost['prefill_long'])}; the whole trace at once: {cost['capacity']:.1f} requests/s")
     print(f"targets: ITL ≤ k · decode = {K_ITL:g} · {ms(cost['decode'])} = {ms(targets['itl'])} (every gap); "
           f"TTFT ≤ m · long prefill = {M_TTFT:g} · {ms(cost['prefill_long'])} = {ms(targets['ttft'])}")
     print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s (shares {s['shares']} of that "
           f"capacity); chunked budget {budget} tokens; {s['requests']} requests per point, "
-          f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\n")
+          f"{LONG_SHARE:.0%} with {s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out; the "
+          f"arrivals alone take {len(MODES) * sum(s['requests'] / r for r in rates):.0f} s a sweep of both servers, "
+          f"and at least {max(s['sweeps'], MIN_ROUNDS)} sweeps run\n")
     p = {"s": s, "budget": budget, "cost": cost, "targets": targets, "rates": rates,
          "stall": cost["prefill_long"] + cost["decode"]}
     p["predicted"] = predict_rates(p)
