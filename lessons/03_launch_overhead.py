@@ -6,8 +6,8 @@ Before a decode step moves any data, the host pays for every op it dispatches:
 Python, the module call, PyTorch's dispatcher and, on a GPU, a kernel launch,
 a few µs each (c). And every weight must be read once. So a step costs about
 
-    CPU:  t(step) ≈ ops · c + weight bytes / bandwidth       (the same cores do both: the terms add)
-    GPU:  t(step) ≈ max(ops · c, weight bytes / bandwidth)   (the host queues kernels while the GPU runs)
+    CPU:  t(step) ≈ ops · c + weight bytes / read rate       (the same cores do both: the terms add)
+    GPU:  t(step) ≈ max(ops · c, weight bytes / read rate)   (the host queues kernels while the GPU runs)
 
 The ops grow with the depth only (about 32 per layer, `metrics.count_ops`),
 the bytes with depth × width² and the vocabulary. So decode of a small model
@@ -27,17 +27,18 @@ matrices of a few hundred bytes: the host's cost of the ops (÷ ops: c). In
 turns of ≥ 10 ms of steps (30 ms full), 5 rounds (9 full), one torch thread.
 
 The prediction, before the ladder is timed: c from the smallest shape's twin,
-each shape's ops counted on its twin, its weights at the measured bandwidth:
-the formula gives each step's time and overhead share.
+each shape's ops counted on its twin, its weights at the read rate of the
+engine's one-row product (timed with the ceilings, on a CPU on one thread, as
+the steps run): the formula gives each step's time and overhead share.
 
 The verdict, round by round: the overhead share (twin ÷ eager step) is ≥ 1/2
 for the smallest shape and ≤ 1/2 for the largest (undecided where the formula
 predicts that one overhead-bound too), so the crossover lies inside the
 ladder, and the lesson names where; and the mechanism: the largest shape's
-step ÷ the formula's time (its twin's + weight bytes ÷ bandwidth) is ≤ 2.
-That band is the formula's own uncertainty: it reads the weights at the
-bandwidth ceiling, and matrix-vector kernels read at ½–1 of it, so a step the
-formula explains takes 1–2× its time; more is a cost it leaves out. On CUDA,
+step ÷ the formula's time (its twin's + weight bytes ÷ read rate) is ≤ 2,
+the formula's own uncertainty: the model's products have other shapes than
+the one timed and read at ½–1 of its rate, so a step the formula explains
+takes 1–2× its time; more is a cost it leaves out. On CUDA,
 where the engine decodes with graphs, the shares judged are the graph step's
 (twin replayed ÷ shape replayed), and the smallest shape's graph step takes
 ≤ 1/2 of its eager step; on the CPU what a replay would remove (static ops ×
@@ -55,9 +56,9 @@ import statistics
 from common import make_parser, ms, one_thread, plt, predict, print_table, run, save_plot, si, start, write_results
 import torch  # after common, which imports minillm: OpenMP's wait policy is set before torch loads it
 from minillm.bench.verdict import Check, Fact, interleave, judge, print_verdict, settled
-
 from minillm.config import PRESETS
 from minillm.bench.cost import weight_read_floor
+from minillm.bench.roofline import measure_ceilings
 from minillm.bench.steps import count_ops, decode_step
 from minillm.bench.timing import time_fn
 from minillm.checkpoints.load import random_model
@@ -65,7 +66,7 @@ from minillm.checkpoints.load import random_model
 NAME = "03_launch_overhead"
 OVERHEAD_BOUND = 0.5  # overhead share ≥ this: the host's cost of the ops is at least half the step
 GRAPH_GAIN = 0.5      # on CUDA: the smallest shape's graph step ≤ this × its eager step
-MODEL_BAND = 2.0      # the largest shape's step ≤ this × the formula's: kernels read at ½–1 of the ceiling
+MODEL_BAND = 2.0      # the largest shape's step ≤ this × the formula's: its products read at ½–1 of the rate
 SIZES = {True: {"context": 16, "rounds": 5, "turn_s": 0.01}, False: {"context": 64, "rounds": 9, "turn_s": 0.03}}
 
 
@@ -73,9 +74,12 @@ def ladder(model_name: str, params: int) -> list[str]:
     """The presets smaller than the lesson's model, then the model itself (at least two shapes, in size order)."""
     by_size = sorted((n for n in PRESETS if n != "distilgpt2"), key=lambda n: PRESETS[n].num_params())  # half a gpt2
     names = [n for n in by_size if PRESETS[n].num_params() < params and n != model_name] + [model_name]
-    if len(names) < 2:
-        names.append(next(n for n in by_size if PRESETS[n].num_params() > params))
-    return names
+    return names if len(names) > 1 else names + [next(n for n in by_size if PRESETS[n].num_params() > params)]
+
+
+def read_rate(lesson) -> float:
+    """Bytes/s the engine's one-row product (a batch-1 step's kernel) read, timed with the ceilings."""
+    return lesson.ceilings.kernels["one-row product"]["rate"]
 
 
 def twin_of(config):
@@ -96,14 +100,12 @@ def crossover(points: list[dict]) -> str:
     if "overhead" not in kinds:
         return f"every shape from {label(points[0])} on is memory-bound: the crossover lies below it"
     if not (turns := [i for i in range(1, len(points)) if kinds[i - 1] == "overhead" and kinds[i] == "memory"]):
-        return "the shapes do not turn from overhead-bound to memory-bound as they grow: " + ", ".join(
-            map(label, points))
+        return "the shapes do not turn from overhead- to memory-bound as they grow: " + ", ".join(map(label, points))
     return f"the crossover lies between {label(points[turns[0] - 1])} and {label(points[turns[0]])}"
 
 
 def even_bytes(overhead_s: float, step_s: float, weight_bytes: float) -> float | None:
-    """The weight bytes whose reading takes as long as the ops' host time, at the rate this shape read its
-    own weights ((step − overhead) / bytes); None where the step is all overhead."""
+    """The weight bytes read in the ops' host time at this shape's own read rate; None if all overhead."""
     return None if step_s <= overhead_s else overhead_s * weight_bytes / (step_s - overhead_s)
 
 
@@ -146,18 +148,16 @@ def measure(model, name: str, s: dict, bandwidth: float, side: str | None = None
 
 
 def predict_ladder(lesson, names: list[str], s: dict, bare: float) -> dict:
-    """Before the ladder is timed: c from the smallest shape's twin, each shape's ops counted on its twin, and
-    from the formula each step's time and overhead share."""
-    bandwidth, on_cuda, dtype = lesson.ceilings.bandwidth, lesson.device.type == "cuda", lesson.dtype
+    """Before the ladder is timed: c from the smallest shape's twin; each shape's ops, and by the formula its share."""
+    bandwidth, on_cuda, dtype = read_rate(lesson), lesson.device.type == "cuda", lesson.dtype
     cfgs = {n: PRESETS[n] if n in PRESETS else lesson.config for n in names}
-    twins = {n: decode_step(random_model(twin_of(cfg), lesson.device, dtype), s["context"], 1)
-             for n, cfg in cfgs.items()}
+    twins = {n: decode_step(random_model(twin_of(cfg), lesson.device, dtype), s["context"], 1) for n, cfg in cfgs.items()}
     ops = {n: count_ops(t).total for n, t in twins.items()}
     c = time_fn(twins[names[0]], lesson.device, warmup=2, repeats=7).median_s / ops[names[0]]
     step = {n: step_model(ops[n], c, cfgs[n].weight_bytes(dtype), bandwidth, on_cuda) for n in names}
     share = {n: ops[n] * c / step[n] for n in names}
     predict(lesson, f"one op costs the host {c * 1e6:.1f} µs ({names[0]}'s twin; a bare add {bare * 1e6:.1f} µs), a "
-            f"step's weights their bytes ÷ {si(bandwidth, 'B/s')}: " + ", ".join(
+            f"step's weights their bytes ÷ the one-row product's read rate, {si(bandwidth, 'B/s')}: " + ", ".join(
                 f"{n} {ops[n]} ops + {ms(cfgs[n].weight_bytes(dtype) / bandwidth)}" for n in names),
             expect={"small_share": share[names[0]], "large_share": share[names[-1]], "large_step_over_model": 1.0,
                     **({"graph_gain": cfgs[names[0]].weight_bytes(dtype) / bandwidth / step[names[0]]}
@@ -186,7 +186,7 @@ def checks(figures: dict) -> list[Check]:
     def why(p) -> str:
         return (f"{p['name']}'s twin (its {p['ops']['eager']} ops at width 8, almost no bytes) took "
                 f"{ms(p['step_s']['twin'])} of its {ms(p['step_s']['eager'])} eager step, while reading its "
-                f"{si(p['weight_bytes'], 'B')} of weights at the measured bandwidth takes {ms(p['floor_s'])}")
+                f"{si(p['weight_bytes'], 'B')} of weights at the one-row product's rate takes {ms(p['floor_s'])}")
 
     share, step = ("graph_share", "graph step, as the engine runs it on CUDA") if on_cuda else ("share", "step")
     out = [Check(f"overhead share of {small['name']}'s {step}", small[share], OVERHEAD_BOUND, ">=", fmt="{:.2f}",
@@ -199,12 +199,12 @@ def checks(figures: dict) -> list[Check]:
                      f"the formula predicted {large['name']} overhead-bound too (share "
                      f"{pred['share'][large['name']]:.2f}): this ladder has no memory-bound shape to judge; "
                      "pass a larger --model (gpt2)")),
-           Check(f"{large['name']}'s eager step ÷ {'max' if on_cuda else 'sum'}(its twin, weight bytes ÷ bandwidth)",
+           Check(f"{large['name']}'s eager step ÷ {'max' if on_cuda else 'sum'}(its twin, weight bytes ÷ read rate)",
                  [t / step_model(1, tw, large["floor_s"], 1.0, on_cuda)  # the formula, c · ops measured as its twin
                   for t, tw in zip(large["times_s"]["eager"], large["times_s"]["twin"])],
                  MODEL_BAND, "<=", fmt="{:.2f}", predicted=1.0, key="large_step_over_model",
                  why=f"{large['name']}'s step took {ms(large['step_s']['eager'])} where its ops' host time (its twin, "
-                     f"{ms(large['step_s']['twin'])}) and its weights at the bandwidth ({ms(large['floor_s'])}) "
+                     f"{ms(large['step_s']['twin'])}) and its weights at the one-row product's rate ({ms(large['floor_s'])}) "
                      "give less than half of it: a cost the formula leaves out")]
     if on_cuda:
         out.append(Check(f"{small['name']}: graph step ÷ eager step", small["graph_over_eager"], GRAPH_GAIN, "<=",
@@ -226,8 +226,7 @@ def facts(figures: dict) -> list[Fact]:
 
 def judge_claim(lesson, figures: dict, bare: float):
     """The checks and the facts; notes on where host time and bytes cross; returns the verdict, the bytes at evens."""
-    points, on_cuda, bandwidth = figures["points"], figures["on_cuda"], lesson.ceilings.bandwidth
-    large = points[-1]
+    points, on_cuda, bandwidth, large = figures["points"], figures["on_cuda"], read_rate(lesson), figures["points"][-1]
     verdict = judge("decode of a small model is bound by per-op host overhead, a large model's by memory",
                     checks(figures), lesson.load(), facts=facts(figures))
     verdict.notes.append(crossover(points) + f"; one op costs the host {large['host_per_op_s'] * 1e6:.1f} µs in a "
@@ -239,7 +238,7 @@ def judge_claim(lesson, figures: dict, bare: float):
                              f"its weights ({si(large['weight_bytes'] / (large['step_s']['eager'] - large['overhead_s']), 'B/s')}) "
                              f"that is the time to read {si(even, 'B')}: a model of its depth with fewer weight "
                              f"bytes waits more on its host than on memory")
-    verdict.notes[-1] += (f"; at the measured bandwidth ({si(bandwidth, 'B/s')}) its host time equals the floor of a "
+    verdict.notes[-1] += (f"; at the one-row product's rate ({si(bandwidth, 'B/s')}) its host time equals the floor of a "
                           f"model of {si(large['overhead_s'] * bandwidth, 'B')}")
     if on_cuda:
         verdict.notes.append(", ".join(f"{p['name']}: graph {ms(p['step_s']['graph'])} against eager "
@@ -250,24 +249,24 @@ def judge_claim(lesson, figures: dict, bare: float):
 
 
 def plot(lesson, s: dict, points: list[dict], predicted: dict, even, verdict) -> None:
-    large, bandwidth = points[-1], lesson.ceilings.bandwidth
+    large, bandwidth = points[-1], read_rate(lesson)
     modes = [m for m in points[0]["step_s"] if m != "twin graph"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
     wb = [p["weight_bytes"] for p in points]
     styles = {"eager": "o-", "static": "s--", "graph": "^-", "twin": "x:"}
     for m in modes:
-        label = "twin: the same ops at width 8 (host cost)" if m == "twin" else f"{m} step"
-        axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], styles[m], label=label)
+        axes[0].loglog(wb, [p["step_s"][m] * 1e3 for p in points], styles[m],
+                       label="twin: the same ops at width 8 (host cost)" if m == "twin" else f"{m} step")
     hi = 2 * max(wb + [even or 0])
     grid = [min(wb) / 2 * (hi / (min(wb) / 2)) ** (i / 50) for i in range(51)]
-    axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weight-read floor (measured bandwidth)")
+    axes[0].loglog(grid, [b / bandwidth * 1e3 for b in grid], "k-", lw=1, label="weights at the one-row product's rate")
     for p in points:  # names above the highest marker of each shape, clear of every marker
         axes[0].annotate(p["name"], (p["weight_bytes"], max(p["step_s"].values()) * 1e3), textcoords="offset points",
                          xytext=(0, 8), ha="center", va="bottom", fontsize=8, bbox={"fc": "white", "ec": "none"})
     if even is not None:
         axes[0].axvline(even, color="grey", ls=":", label=f"weights read as long as {large['name']}'s ops take")
-    top = max(p["step_s"][m] for p in points for m in modes) * 1e3
-    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)", ylim=(None, top * 6),
+    axes[0].set(xlabel="weight bytes", ylabel="step time (ms)",
+                ylim=(None, 6e3 * max(p["step_s"][m] for p in points for m in modes)),
                 title="step time against weight bytes (medians of each shape's rounds)")
     axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     xs = range(len(points))
@@ -281,8 +280,7 @@ def plot(lesson, s: dict, points: list[dict], predicted: dict, even, verdict) ->
                 title="share of the step that is host overhead (bars: range)",
                 ylim=(0, 1.4 * max(1.0, *(max(p["share"]) for p in points), *predicted["share"].values())))
     axes[1].legend(fontsize=8, loc="upper right")
-    op_modes = [m for m in modes if m != "twin"]
-    width = 0.8 / len(op_modes)
+    op_modes, width = [m for m in modes if m != "twin"], 0.8 / (len(modes) - 1)
     for j, m in enumerate(op_modes):
         axes[2].bar([x + (j - (len(op_modes) - 1) / 2) * width for x in xs], [p["ops"][m] for p in points], width,
                     label=f"{m}" + (" (host ops around one replay)" if m == "graph" else ""))
@@ -297,6 +295,8 @@ def main(argv=None) -> dict:
     lesson = start(NAME, args)
     s, names = SIZES[args.quick], ladder(args.model, lesson.config.num_params())
     with contextlib.nullcontext() if lesson.device.type == "cuda" else one_thread():
+        if lesson.device.type == "cpu":  # the roof of a step on one thread: the kernels on one thread
+            lesson.ceilings = measure_ceilings(lesson.device, lesson.dtype, quick=args.quick)
         x = torch.zeros(1, device=lesson.device)
         bare = time_fn(lambda: [x.add_(1) for _ in range(1000)], lesson.device, 1, 5).median_s / 1000  # one bare op
         predicted = predict_ladder(lesson, names, s, bare)
@@ -304,14 +304,14 @@ def main(argv=None) -> dict:
         for name in names:
             model = lesson.model if name == args.model else random_model(PRESETS[name], lesson.device, lesson.dtype)
             side = {names[0]: ">=", names[-1]: "<=" if predicted["share"][names[-1]] < OVERHEAD_BOUND else None}.get(name)
-            points.append(measure(model, name, s, lesson.ceilings.bandwidth, side))
+            points.append(measure(model, name, s, read_rate(lesson), side))
             del model
     print_ladder(lesson, s, points)
     figures = {"context_len": s["context"], "rounds": s["rounds"], "bare_op_s": bare, "points": points,
                "on_cuda": lesson.device.type == "cuda", "predicted": predicted, "crossover": crossover(points)}
     verdict, even = judge_claim(lesson, figures, bare)
     plot(lesson, s, points, predicted, even, verdict)
-    figures.update(even_bytes=even, host_time_equals_floor_of_bytes=points[-1]["overhead_s"] * lesson.ceilings.bandwidth)
+    figures.update(even_bytes=even, host_time_equals_floor_of_bytes=points[-1]["overhead_s"] * read_rate(lesson))
     write_results(lesson, figures, verdict)
     return {"figures": figures, "verdict": verdict}
 

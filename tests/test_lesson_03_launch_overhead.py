@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minillm import PRESETS
+from minillm.bench.cost import weight_read_floor
 from minillm.bench.steps import count_ops, decode_step
 from minillm.checkpoints.load import random_model
 
@@ -36,6 +37,10 @@ def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_
         assert p["overhead_s"] == pytest.approx(p["host_per_op_s"] * p["ops"]["eager"])
     assert points[1]["ops"]["eager"] > points[0]["ops"]["eager"]  # mini is deeper: more ops per step
     assert points[1]["weight_bytes"] > points[0]["weight_bytes"]
+    rate = doc["ceilings"]["kernels"]["one-row product"]["rate"]  # the formula reads at the batch-1 kernel's rate,
+    assert rate < doc["ceilings"]["bandwidth"] or rate == doc["ceilings"]["bandwidth"]  # under its ceiling
+    for p in points:
+        assert p["floor_s"] == pytest.approx(weight_read_floor(PRESETS[p["name"]], torch.float32, rate))
     assert_lesson_results(doc)
 
 
