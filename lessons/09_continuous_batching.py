@@ -43,10 +43,9 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 
 from common import make_parser, ms, plt, predict, print_table, run, save_plot, start, ticks_at, write_results
-from minillm.bench.batching import finish_steps, long_and_short
+from minillm.bench.batching import finish_steps, long_and_short, padded_generate
 from minillm.bench.gpu_targets import reference_model
 from minillm.bench.replay import replay
 from minillm.bench.verdict import Check, Fact, interleave, judge, print_verdict, settled
@@ -54,8 +53,6 @@ from minillm.bench.workloads import Request
 from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
 from minillm.scheduler import SchedulerConfig
-
-import torch
 
 NAME = "09_continuous_batching"
 SPEEDUP_LINE = 1.5   # continuous ÷ static output tokens/s on the mixed workload, at the same max_num_seqs
@@ -88,21 +85,6 @@ def serve(eng: LLMEngine, trace: list[Request]) -> dict:
             "latency": [r.outputs[str(i)].metrics.finished_time - r.start for i in range(len(trace))],
             "per_step": [(x.start - r.start, x.num_sampled) for x in eng.timeline[first:]],
             "preemptions": r.preemptions, "steps": r.steps}
-
-
-def padded_generate(hf, trace: list[Request], seats: int) -> dict:
-    """transformers' static batching: batches of `seats` prompts, left-padded, generated to the batch's longest."""
-    tokens, latency, t0 = [], [], time.perf_counter()
-    for batch in (trace[b:b + seats] for b in range(0, len(trace), seats)):
-        width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch], device=hf.device)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=hf.device)
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in batch),
-                              do_sample=False, pad_token_id=0)
-        tokens += [out[i, width:width + r.max_tokens].tolist() for i, r in enumerate(batch)]
-        latency += [time.perf_counter() - t0] * len(batch)
-    return {"tokens": tokens, "latency": latency}
 
 
 def reference(model):
