@@ -88,3 +88,22 @@ def test_without_transformers_the_lesson_judges_the_engines_static_mode_alone():
     f["transformers"] = None
     assert "speedup_transformers" not in {c.key for c in L09.checks(f)}
     assert all(c.outcome() == "HOLDS" for c in L09.checks(f))
+
+
+def test_quick_on_a_cpu_serves_the_mini_shape_in_place_of_a_larger_one(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert L09.quick_shape("gpt2", True, cpu) == L09.QUICK_CPU_MODEL == "mini"
+    assert L09.quick_shape("tiny", True, cpu) == "tiny"  # the tests' shape is smaller still
+    assert L09.quick_shape("gpt2", False, cpu) == "gpt2" and L09.quick_shape("gpt2", True, cuda) == "gpt2"
+    served = []
+
+    def stop(name, args, ceilings):  # main's start: the shape it was handed, and nothing run
+        served.append(args.model)
+        raise SystemExit
+    monkeypatch.setattr(L09, "start", stop)
+    for argv in (["--quick", "--device", "cpu"], ["--device", "cpu"], ["--quick", "--device", "cpu", "--model", "tiny"]):
+        try:
+            L09.main(argv)
+        except SystemExit:
+            pass
+    assert served == ["mini", "gpt2", "tiny"]

@@ -10,7 +10,8 @@ Static batching (`static_batching.py`) admits only into an empty batch.
 
 If a step costs the same whatever its batch (lesson 04: decode is memory-bound),
 the speedup of continuous batching is static steps ÷ continuous steps, and a
-request's latency is the step at which it finishes.
+request's latency is the step at which it finishes. `padded_generate` is the
+same static batching done by transformers' `generate`, left-padded, the reference.
 
 Invariant held by the tests: the engine, on a pool that never preempts, takes exactly
 the steps `finish_steps` counts, in both modes.
@@ -18,7 +19,10 @@ the steps `finish_steps` counts, in both modes.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
+
+import torch
 
 from .workloads import Request
 
@@ -47,3 +51,18 @@ def long_and_short(n: int, seats: int, mean: int, spread: int, vocab_size: int, 
     rng.shuffle(outputs)
     prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 16))] for _ in outputs]
     return [Request(p, o) for p, o in zip(prompts, outputs)]
+
+
+def padded_generate(hf, trace: list[Request], seats: int) -> dict:
+    """transformers' static batching: batches of `seats` prompts, left-padded, generated to the batch's longest."""
+    tokens, latency, t0 = [], [], time.perf_counter()
+    for batch in (trace[b:b + seats] for b in range(0, len(trace), seats)):
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=hf.device)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in batch),
+                              do_sample=False, pad_token_id=0)
+        tokens += [out[i, width:width + r.max_tokens].tolist() for i, r in enumerate(batch)]
+        latency += [time.perf_counter() - t0] * len(batch)
+    return {"tokens": tokens, "latency": latency}
