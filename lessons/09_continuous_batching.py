@@ -51,7 +51,7 @@ from common import make_parser, ms, plt, predict, print_table, run, save_plot, s
 from minillm.bench.batching import finish_steps, long_and_short, padded_generate
 from minillm.bench.gpu_targets import reference_model
 from minillm.bench.replay import replay
-from minillm.bench.verdict import Check, Fact, interleave, judge, print_verdict, settled
+from minillm.bench.verdict import MIN_ROUNDS, Check, Fact, interleave, judge, print_verdict, settled
 from minillm.bench.workloads import Request
 from minillm.device import resolve_device
 from minillm.engine import LLMEngine
@@ -298,6 +298,10 @@ def main(argv=None) -> dict:
             f"{cont}: {static / cont:.2f}× the tokens/s if a step costs the same whatever its batch; none on the control",
             f"a pool of {kn['pool_seqs'] * per_seq} blocks at {per_seq} blocks a sequence: throughput stops rising "
             f"at max_num_seqs {kn['pool_seqs']}, and preemptions start past it")
+    steps = sum(max(finish_steps([r.max_tokens for r in long_and_short(s["requests"], seats, s["mean"], d, 1)], seats, m))
+                for d in s["spreads"] for m in (True, False))
+    print(f"this run: {steps} engine steps a round over the spreads (both modes), at least {MIN_ROUNDS} rounds, then the "
+          "knee and transformers' generate, each with a progress bar (in full, on gpt2's shape on a CPU: minutes)\n")
     hf = reference(lesson.model)
     figures = measure_spreads(lesson, s, hf)
     figures["knee"], figures["model_asked"] = measure_knee(lesson, s), asked
