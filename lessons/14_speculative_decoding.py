@@ -68,8 +68,7 @@ SIZES = {"quick": dict(gammas=[LOOKUP_GAMMA], passage=16, quoted=10, max_tokens=
 
 
 def priced(per_pass: float, guesses: float, c: float, ratio: dict) -> float:
-    """Tokens per pass ÷ what a pass costs in steps: ḡ draft steps of c and a pass over ḡ + 1 tokens (v, read off
-    the measured pass lengths between their points)."""
+    """Tokens per pass ÷ a pass's cost in steps: ḡ draft steps of c, and v(ḡ + 1) read between the measured k."""
     ks = sorted(ratio)
     return per_pass / (guesses * c + float(np.interp(guesses + 1, ks, [ratio[k] for k in ks])))
 
@@ -95,8 +94,8 @@ def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], own: dict
 def checks(figures: dict) -> list[Check]:
     """The premise on the --model's shape, inside the pass model's band; on the pair, measured ÷ S at its own
     costs: the model draft's lowest and highest over γ, and prompt lookup's at γ = 4, inside FIT_BAND."""
-    f = figures
-    sh, rows, notes = f["shape"], f["sweep"], explain(f["shape"], f["sweep"])
+    f, sh, rows = figures, figures["shape"], figures["sweep"]
+    notes = explain(sh, rows)
     fits = list(zip(*(r["fit"] for r in rows if r["draft"] == "model draft")))
     lookup = next(r for r in rows if r["draft"] == "prompt lookup" and r["gamma"] == LOOKUP_GAMMA)
     why = {"premise": notes[0], "fit": notes[1], "lookup": next(n for n in notes if n.startswith("prompt l"))}
@@ -117,8 +116,7 @@ def checks(figures: dict) -> list[Check]:
 def facts(figures: dict) -> list[Fact]:
     """Figures that cannot refute the claim: c at the shape; the pair's own pass cost (which its S is priced at);
     S at the shape for each draft and γ, a prediction no run here can time end to end without its checkpoint."""
-    f, sh = figures, figures["shape"]
-    shape = f"{f['model']}'s shape"
+    f, sh, shape = figures, figures["shape"], f"{figures['model']}'s shape"
     return [Fact(f"c at {shape}: a step of its first {sh['blocks']} blocks ÷ a step", sh["c"]["model draft"],
                  predicted=sh["c_predicted"]["model draft"], fmt="{:.2f}",
                  why="predicted as the share of the weights it reads; the S at this shape uses the measured one"),
@@ -243,8 +241,7 @@ def predict_costs(lesson, target: GPT2, s: dict) -> dict:
 
 
 def measure_costs(lesson, model: GPT2, draft: GPT2, p: dict, s: dict, ks: list[int], desc: str):
-    """A pass over each k, its matrix products, a draft step and a lookup, in turns; rounds are added while the
-    premise straddles an end of its band. The summary and the rounds."""
+    """Each pass, its matrix products, a draft step, a lookup, in turns till the premise clears its band's ends."""
     in_band = lambda r: [Check(end, summarise_costs(r, ks)["rounds"][PREMISE_K], b, op)  # noqa: E731
                          for end, b, op in zip(("low", "high"), p["premise_band"], (">=", "<="))]
     costs = interleave(cost_fns(model, draft, ks, p["context"], LOOKUP_GAMMA), s["cost_repeats"],
@@ -309,9 +306,9 @@ def main(argv=None) -> dict:
                                         p["shape"], s, p["ks"], f"{args.model}'s shape: verification cost, in turns")
     own, own_rounds = measure_costs(lesson, target, draft, p["verification"], s, p["ks"],
                                     "the pair: verification cost, in turns")
-    figures = {"model": args.model, "shape": shape, "verification": own, "target": target.weights_source,
-               "draft": draft.weights_source, "pair": pair, "prompt_len": len(prompt), "max_tokens": s["max_tokens"],
-               "alpha_sampled": alpha_sampled, "fit_band": FIT_BAND}
+    figures = {"model": args.model, "shape": shape, "verification": own, "target": target.weights_source, "pair": pair,
+               "draft": draft.weights_source, "prompt_len": len(prompt), "alpha_sampled": alpha_sampled,
+               "max_tokens": s["max_tokens"], "fit_band": FIT_BAND}
     figures["sweep"], rounds = measure_speculation(lesson, target, draft, prompt, figures, s)
     verdict = judge_claim(lesson, figures, [shape_rounds, own_rounds, rounds])
     plot(lesson, figures, s["gammas"], verdict)
