@@ -62,9 +62,9 @@ FIT_BAND = (1 / ((1 + LOOP) * (1 + FIT)), 1 + FIT)  # the pair's measured speedu
 LOOKUP_GAMMA, LOOKUP_CONTEXT = 4, 1.5  # prompt lookup at γ = 4 (fixed beforehand); the ≥ 1.5× it is said to give
 PAYS = {HOLDS: "pays", NOT_SUPPORTED: "does not pay", INCONCLUSIVE: "may or may not pay (its interval straddles 1×)"}
 SIZES = {"quick": dict(gammas=[LOOKUP_GAMMA], passage=16, quoted=10, max_tokens=10, repeats=5, cost_repeats=5, ks=[],
-                       train_steps=300, train_length=64),
+                       train_steps=300, train_length=64, generations=8),
          "full": dict(gammas=[1, 2, 4, 8], passage=40, quoted=16, max_tokens=24, repeats=5, cost_repeats=7, ks=[16],
-                      train_steps=1000, train_length=128)}
+                      train_steps=1000, train_length=128, generations=4)}
 
 
 def priced(per_pass: float, guesses: float, c: float, ratio: dict) -> float:
@@ -94,8 +94,7 @@ def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], own: dict
 def checks(figures: dict) -> list[Check]:
     """The premise on the --model's shape, inside the pass model's band; on the pair, measured ÷ S at its own
     costs: the model draft's lowest and highest over γ, and prompt lookup's at γ = 4, inside FIT_BAND."""
-    f, sh, rows = figures, figures["shape"], figures["sweep"]
-    notes = explain(sh, rows)
+    f, sh, rows, notes = figures, figures["shape"], figures["sweep"], explain(figures["shape"], figures["sweep"])
     fits = list(zip(*(r["fit"] for r in rows if r["draft"] == "model draft")))
     lookup = next(r for r in rows if r["draft"] == "prompt lookup" and r["gamma"] == LOOKUP_GAMMA)
     why = {"premise": notes[0], "fit": notes[1], "lookup": next(n for n in notes if n.startswith("prompt l"))}
@@ -253,8 +252,9 @@ def measure_speculation(lesson, target: GPT2, draft: GPT2, prompt: list[int], f:
     """The target alone against each draft at each γ, greedy, in turns: (one row per draft and γ, rounds)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"], ignore_eos=True)
     drafts = {"model draft": draft, "prompt lookup": NgramProposer()}
-    fns = {"target alone": timed(target, None, prompt, greedy),
-           **{f"{n} γ={g}": timed(target, d, prompt, greedy, g) for n, d in drafts.items() for g in s["gammas"]}}
+    fns = {"target alone": timed(target, None, prompt, greedy, 0, s["generations"]),
+           **{f"{n} γ={g}": timed(target, d, prompt, greedy, g, s["generations"]) for n, d in drafts.items()
+              for g in s["gammas"]}}
     rows_of = lambda r: [sweep_row(n, g, r.results("target alone"), r.results(f"{n} γ={g}"),  # noqa: E731
                                    f["verification"], f["shape"]) for n in drafts for g in s["gammas"]]
     on_pair = lambda r: [c for c in checks({**f, "sweep": rows_of(r)}) if not c.key.startswith("premise")]  # noqa

@@ -177,9 +177,10 @@ class Run(NamedTuple):
     stats: object         # SpecDecodingStats; None for the target alone
 
 
-def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0):
-    """One generation with its decode phase timed, not the prefill: the target alone if draft is None."""
-    def once() -> Run:
+def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0, generations: int = 1):
+    """`generations` generations in a row, their decode phases timed (not the prefills) and summed, so that a round
+    lasts long enough for a moment's load to be a small share of it: the target alone if draft is None."""
+    def one() -> Run:
         if draft is None:
             marks = []   # on_step fires after the prefill, then after every decode step
             out = generate(target, [prompt], params, on_step=lambda *_: marks.append(time.perf_counter()))[0]
@@ -189,4 +190,9 @@ def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma:
         while decoder.finish_reason is None:
             decoder.step()
         return Run(decoder.output, time.perf_counter() - t0, len(decoder.output) - first, decoder.stats)
+
+    def once() -> Run:   # greedy: every generation makes the same tokens and counts; the last one's are kept
+        runs = [one() for _ in range(generations)]
+        return runs[-1]._replace(decode_s=sum(r.decode_s for r in runs),
+                                 decode_tokens=sum(r.decode_tokens for r in runs))
     return once

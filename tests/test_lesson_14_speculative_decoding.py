@@ -93,6 +93,9 @@ def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, on
     assert same.stats.num_target_passes == 3   # then two rounds of 4 tokens
     lookup = drafts.timed(target, NgramProposer(), prompt, GREEDY, 4)()
     assert lookup.tokens == want and lookup.stats.num_draft_passes == 0
+    three = drafts.timed(target, target, prompt, GREEDY, 3, generations=3)()   # three in a row, summed
+    assert three.tokens == want and three.decode_tokens == 3 * (GREEDY.max_tokens - 4) and three.decode_s > 0
+    assert three.stats.num_target_passes == 3   # one generation's counts
 
 
 def run(seconds: float, tokens: int, stats=None):
