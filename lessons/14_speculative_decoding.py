@@ -77,9 +77,9 @@ def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], own: dict
     """One draft at one γ on the pair: α, tokens and guesses per pass (ḡ: lookup may propose fewer than γ), the
     speedup per round (per-token time ratio); S at v = 1 (Leviathan's, beside its value at γ), S priced at the
     pair's own measured costs (`modelled`, which the speedup is judged against: `fit`), and at the shape's."""
-    stats = runs[0].stats   # greedy: every round made the same tokens, so the same counts
+    stats = runs[0].stats   # of the timed rounds; greedy: every round made the same tokens, so the same counts
     speedups = [(b.decode_s / b.decode_tokens) / (r.decode_s / r.decode_tokens) for b, r in zip(base, runs)]
-    per_pass, guesses = len(runs[0].tokens) / stats.num_target_passes, stats.num_draft_tokens / stats.num_target_passes
+    per_pass, guesses = runs[0].decode_tokens / stats.num_target_passes, stats.num_draft_tokens / stats.num_target_passes
     modelled, c_predicted = priced(per_pass, guesses, own["c"][name], own["ratio"]), shape["c_predicted"][name]
     return {"draft": name, "gamma": gamma, "alpha": stats.alpha, "c": own["c"][name], "speedups": speedups,
             "speedup": statistics.median(speedups), "low": min(speedups), "high": max(speedups),

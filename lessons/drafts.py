@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import statistics
 import sysconfig
 import time
@@ -32,7 +33,7 @@ from minillm.cpu_layout import choose_layout  # as the loader lays out every mod
 from minillm.kv_cache import KVCache, Segment, generate
 from minillm.model import GPT2, Conv1D
 from minillm.sampling_params import SamplingParams
-from minillm.speculative import NgramProposer, SpeculativeDecoder
+from minillm.speculative import NgramProposer, SpecDecodingStats, SpeculativeDecoder
 
 TEXT_MODULES = ("argparse", "textwrap", "statistics", "difflib", "fractions", "calendar", "string", "shlex")
 SMALL = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_ctx=128, vocab_size=256, eos_token_id=None)  # bytes in, bytes out
@@ -174,12 +175,13 @@ class Run(NamedTuple):
     tokens: list[int]
     decode_s: float       # the decode phase: from the first token (the prefill's) to the last
     decode_tokens: int    # tokens made in it
-    stats: object         # SpecDecodingStats; None for the target alone
+    stats: object         # SpecDecodingStats of the same rounds (the prefill's left out); None for the target alone
 
 
 def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0, generations: int = 1):
-    """`generations` generations in a row, their decode phases timed (not the prefills) and summed, so that a round
-    lasts long enough for a moment's load to be a small share of it: the target alone if draft is None."""
+    """`generations` generations in a row, their decode phases timed and counted (not the prefill's round) and
+    summed, so that a round lasts long enough for a moment's load to be a small share of it: the target alone if
+    draft is None."""
     def one() -> Run:
         if draft is None:
             marks = []   # on_step fires after the prefill, then after every decode step
@@ -187,12 +189,17 @@ def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma:
             return Run(out, marks[-1] - marks[0], len(out) - 1, None)
         decoder = SpeculativeDecoder(target, draft, prompt, params, gamma)
         first, t0 = len(decoder.step()), time.perf_counter()   # the first round is the prefill pass
+        before = dataclasses.astuple(decoder.stats)
         while decoder.finish_reason is None:
             decoder.step()
-        return Run(decoder.output, time.perf_counter() - t0, len(decoder.output) - first, decoder.stats)
+        seconds, after = time.perf_counter() - t0, dataclasses.astuple(decoder.stats)
+        return Run(decoder.output, seconds, len(decoder.output) - first,
+                   SpecDecodingStats(*(a - b for a, b in zip(after, before))))
 
-    def once() -> Run:   # greedy: every generation makes the same tokens and counts; the last one's are kept
+    def once() -> Run:   # greedy: every generation makes the same tokens; times and counts are summed
         runs = [one() for _ in range(generations)]
-        return runs[-1]._replace(decode_s=sum(r.decode_s for r in runs),
+        stats = None if draft is None else SpecDecodingStats(*map(sum, zip(*(dataclasses.astuple(r.stats)
+                                                                             for r in runs))))
+        return runs[-1]._replace(decode_s=sum(r.decode_s for r in runs), stats=stats,
                                  decode_tokens=sum(r.decode_tokens for r in runs))
     return once

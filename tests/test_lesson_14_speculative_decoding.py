@@ -90,12 +90,12 @@ def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, on
     same = drafts.timed(target, target, prompt, GREEDY, 3)()   # the target as its own draft: every guess accepted
     assert same.tokens == want and same.stats.alpha == 1.0
     assert same.decode_tokens == GREEDY.max_tokens - 4   # the first round, untimed, made γ + 1 = 4 tokens
-    assert same.stats.num_target_passes == 3   # then two rounds of 4 tokens
+    assert same.stats.num_target_passes == 2   # then two rounds of 4 tokens, counted as they are timed
     lookup = drafts.timed(target, NgramProposer(), prompt, GREEDY, 4)()
     assert lookup.tokens == want and lookup.stats.num_draft_passes == 0
     three = drafts.timed(target, target, prompt, GREEDY, 3, generations=3)()   # three in a row, summed
     assert three.tokens == want and three.decode_tokens == 3 * (GREEDY.max_tokens - 4) and three.decode_s > 0
-    assert three.stats.num_target_passes == 3   # one generation's counts
+    assert three.stats.num_target_passes == 6 and three.stats.num_accepted_tokens == 3 * 2 * 3   # summed
 
 
 def run(seconds: float, tokens: int, stats=None):
@@ -114,17 +114,17 @@ def test_a_sweep_row_feeds_the_formula_the_guesses_made_the_measured_alpha_and_c
              "predicted_ratio": {1: 1.0, 5: 1.1}}
     row = lesson.sweep_row("model draft", 3, base, spec, own, shape)
     assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75 and row["c"] == 0.25
-    assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
+    assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.0   # the timed rounds' tokens ÷ passes
     per_pass = expected_tokens_per_pass(0.75, 2.0)   # (1 − α³) / (1 − α)
     assert row["formula_tokens_per_pass"] == pytest.approx(per_pass) == pytest.approx((1 - 0.75 ** 3) / 0.25)
     assert row["predicted"] == pytest.approx(per_pass / 1.5)   # ḡc + 1 = 1.5
     assert row["leviathan_at_gamma"] == pytest.approx(expected_tokens_per_pass(0.75, 3) / 1.75)
-    # its own counts and costs: 1.1 tokens per pass ÷ (2 guesses at c + a pass over 3 tokens: 1.5×); judged on it
-    assert row["modelled"] == pytest.approx(1.1 / (2 * 0.25 + 1.5))
+    # its own counts and costs: 1 token per pass ÷ (2 guesses at c + a pass over 3 tokens: 1.5×); judged on it
+    assert row["modelled"] == pytest.approx(1.0 / (2 * 0.25 + 1.5))
     assert row["fit"] == pytest.approx([2.0 / row["modelled"]] * 2)
     # at the shape's: 2 guesses at 0.5 + a pass over 3, halfway from 1.0 to 1.2 (measured) or to 1.1 (predicted)
-    assert row["at_shape"] == pytest.approx(1.1 / (2 * 0.5 + 1.1)) and row["c_shape"] == 0.5
-    assert row["at_shape_predicted"] == pytest.approx(1.1 / (2 * 0.4 + 1.05))
+    assert row["at_shape"] == pytest.approx(1.0 / (2 * 0.5 + 1.1)) and row["c_shape"] == 0.5
+    assert row["at_shape_predicted"] == pytest.approx(1.0 / (2 * 0.4 + 1.05))
     other = lesson.sweep_row("model draft", 3, base, spec, {**own, "ratio": {1: 1.0, 5: 2.0}}, shape)  # 3: 1.5
     assert other["modelled"] == pytest.approx(row["modelled"])
 
