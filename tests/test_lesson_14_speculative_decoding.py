@@ -143,11 +143,11 @@ def test_each_check_can_fail():
     that check; the predictions ride along (the fits' is 1: they are ratios to S)."""
     checks = lesson.checks(figures())
     assert [c.outcome() for c in checks] == [HOLDS] * 5
-    low, high = 1 / (1.3 * 1.15), 1.15
+    low, high = 1 / (1.5 * 1.15), 1.15
     assert [c.line for c in checks] == [0.7, 1.575, pytest.approx(low), high, pytest.approx(low)]
     assert [c.predicted for c in checks] == [1.05, 1.05, 1.0, 1.0, 1.0]
     assert [c.key for c in checks] == ["premise_low", "premise_high", "fit_low", "fit_high", "lookup"]
-    for i, bad in enumerate([{"premise": [0.6] * 5}, {"premise": [2.2] * 5}, {"fit": [0.6] * 5}, {"fit": [1.3] * 5},
+    for i, bad in enumerate([{"premise": [0.6] * 5}, {"premise": [2.2] * 5}, {"fit": [0.5] * 5}, {"fit": [1.3] * 5},
                              {"lookup": [0.5] * 5}]):
         outcomes = [c.outcome() for c in lesson.checks(figures(**bad))]
         assert {j for j, o in enumerate(outcomes) if o == NOT_SUPPORTED} == {i}, (bad, outcomes)
