@@ -1,4 +1,5 @@
-"""Lesson 14's models: the pair it speculates with (a target with trained weights and its draft), and why.
+"""Lesson 14's models: the pair it speculates with (a target with trained weights and its draft), and why; and
+what their passes cost and their generations take, timed (`cost_fns`, `summarise_costs`, `timed`).
 
 Acceptance rates need trained weights: a random init's next token barely depends
 on its context, so its α says nothing about speculation. With a checkpoint on disk
@@ -16,17 +17,23 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
+import statistics
 import sysconfig
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from minillm.bench.steps import decode_step
 from minillm.checkpoints.load import load_model, locate
 from minillm.config import GPT2Config
 from minillm.cpu_layout import choose_layout  # as the loader lays out every model it loads
-from minillm.kv_cache import generate
-from minillm.model import GPT2
+from minillm.kv_cache import KVCache, Segment, generate
+from minillm.model import GPT2, Conv1D
 from minillm.sampling_params import SamplingParams
+from minillm.speculative import NgramProposer, SpecDecodingStats, SpeculativeDecoder
 
 TEXT_MODULES = ("argparse", "textwrap", "statistics", "difflib", "fractions", "calendar", "string", "shlex")
 SMALL = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_ctx=128, vocab_size=256, eos_token_id=None)  # bytes in, bytes out
@@ -128,3 +135,71 @@ def speculation_pair(lesson, args, s: dict) -> tuple[GPT2, GPT2, list[int], str]
         f"random init's α says nothing about speculation. So this run speculates with a {SMALL.n_layer}-block, "
         f"{SMALL.n_embd}-wide model over bytes, {target.weights_source}, and its first block as the draft "
         f"(`python weights_download.py {args.model}` to speculate with the real one)")
+
+
+def cost_fns(target: GPT2, draft: GPT2, ks: list[int], context: int, lookup_gamma: int = 4) -> dict:
+    """Target passes over k new tokens after `context` cached ones (caches declared filled: time does not depend on
+    the values), logits at all k; their matrix products alone (projections, LM head); a draft step; a lookup."""
+    cfg, device, g = target.config, target.device, torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (context + max(ks),), generator=g).tolist()
+    ids = torch.tensor([tokens[context:]], device=device)
+    layers = [m for m in target.modules() if isinstance(m, Conv1D)]
+    xs = {n: torch.randn(max(ks), n, generator=g).to(device, target.dtype) for n in {m.weight.shape[0] for m in layers}}
+
+    def verify(k: int):
+        cache, rows = KVCache(cfg, 1, context + k, device, target.dtype), torch.arange(k, device=device)
+        return torch.inference_mode()(lambda: target(ids[:, :k], cache.prepare([Segment(0, context, k)]).positions,
+                                                     cache=cache, logits_indices=rows))
+
+    def matmuls(k: int):
+        return torch.inference_mode()(lambda: [m(xs[m.weight.shape[0]][:k]) for m in layers]
+                                      + [torch.nn.functional.linear(xs[cfg.n_embd][:k], target.wte.weight)])
+
+    lookup, greedy = NgramProposer(), SamplingParams(temperature=0.0)   # random tokens: no match, all scanned
+    return {**{f"pass {k}": verify(k) for k in ks}, **{f"matmuls {k}": matmuls(k) for k in ks},
+            "draft step": decode_step(draft, context),
+            "lookup": lambda: lookup.propose(tokens[:context], lookup_gamma, greedy, None)}
+
+
+def summarise_costs(costs, ks: list[int]) -> dict:
+    """Each pass (and its matrix products) ÷ k = 1's, round by round and median; their times; c for each draft."""
+    rounds = {k: costs.ratio(f"pass {k}", "pass 1") for k in ks}
+    return {"rounds": rounds, "ratio": {k: statistics.median(r) for k, r in rounds.items()},
+            "matmul_ratio": {k: statistics.median(costs.ratio(f"matmuls {k}", "matmuls 1")) for k in ks},
+            "seconds": {what: {k: costs.median(f"{what} {k}") for k in ks} for what in ("pass", "matmuls")},
+            "c": {"model draft": statistics.median(costs.ratio("draft step", "pass 1")),
+                  "prompt lookup": statistics.median(costs.ratio("lookup", "pass 1"))}}
+
+
+class Run(NamedTuple):
+    tokens: list[int]
+    decode_s: float       # the decode phase: from the first token (the prefill's) to the last
+    decode_tokens: int    # tokens made in it
+    stats: object         # SpecDecodingStats of the same rounds (the prefill's left out); None for the target alone
+
+
+def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0, generations: int = 1):
+    """`generations` generations in a row, their decode phases timed and counted (not the prefill's round) and
+    summed, so that a round lasts long enough for a moment's load to be a small share of it: the target alone if
+    draft is None."""
+    def one() -> Run:
+        if draft is None:
+            marks = []   # on_step fires after the prefill, then after every decode step
+            out = generate(target, [prompt], params, on_step=lambda *_: marks.append(time.perf_counter()))[0]
+            return Run(out, marks[-1] - marks[0], len(out) - 1, None)
+        decoder = SpeculativeDecoder(target, draft, prompt, params, gamma)
+        first, t0 = len(decoder.step()), time.perf_counter()   # the first round is the prefill pass
+        before = dataclasses.astuple(decoder.stats)
+        while decoder.finish_reason is None:
+            decoder.step()
+        seconds, after = time.perf_counter() - t0, dataclasses.astuple(decoder.stats)
+        return Run(decoder.output, seconds, len(decoder.output) - first,
+                   SpecDecodingStats(*(a - b for a, b in zip(after, before))))
+
+    def once() -> Run:   # greedy: every generation makes the same tokens; times and counts are summed
+        runs = [one() for _ in range(generations)]
+        stats = None if draft is None else SpecDecodingStats(*map(sum, zip(*(dataclasses.astuple(r.stats)
+                                                                             for r in runs))))
+        return runs[-1]._replace(decode_s=sum(r.decode_s for r in runs), stats=stats,
+                                 decode_tokens=sum(r.decode_tokens for r in runs))
+    return once

@@ -35,13 +35,18 @@ def test_quick_run_on_tiny_writes_one_verdict(tmp_path, one_thread):
     doc = json.loads((tmp_path / f"{lesson.NAME}.json").read_text())
     assert doc["lesson"] == lesson.NAME and doc["quick"] is True
     assert (tmp_path / f"{lesson.NAME}.png").stat().st_size > 1000
-    assert doc["verdict"]["outcome"] in (HOLDS, NOT_SUPPORTED, INCONCLUSIVE) and len(doc["verdict"]["checks"]) == 4
+    assert doc["verdict"]["outcome"] in (HOLDS, NOT_SUPPORTED, INCONCLUSIVE) and len(doc["verdict"]["checks"]) == 5
     rows = doc["figures"]["sweep"]
     assert [(r["draft"], r["gamma"]) for r in rows] == [(d, g) for d in ("model draft", "prompt lookup") for g in [4]]
     for r in rows:
-        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) >= 2
-    cost = doc["figures"]["verification"]
-    assert cost["ratio"]["1"] == 1.0 and set(cost["ratio"]) == {"1", "5"} and cost["context"] <= 128 - 5
+        assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) >= 5
+        assert r["fit"] == pytest.approx([x / r["modelled"] for x in r["speedups"]]) and r["at_shape"] > 0
+    for who, blocks in (("verification", None), ("shape", 1)):   # the pair, and tiny's shape (2 blocks: a draft of 1)
+        cost = doc["figures"][who]
+        assert cost["ratio"]["1"] == 1.0 and set(cost["ratio"]) == {"1", "5"} and cost["context"] <= 128 - 5
+        assert cost["premise_band"][0] < cost["predicted_ratio"]["5"] < cost["premise_band"][1]
+    assert doc["figures"]["shape"]["blocks"] == 1 and doc["figures"]["shape"]["c_predicted"]["prompt lookup"] == 0
+    assert [f["name"].split(",")[0] for f in doc["verdict"]["facts"][2:]] == ["S at tiny's shape"] * 2
     assert_lesson_results(doc)
 
 
@@ -79,60 +84,87 @@ def test_the_prompt_quotes_the_targets_own_continuation(target, one_thread):
 def test_timed_runs_time_the_decode_phase_and_give_the_targets_tokens(target, one_thread):
     prompt = random_prompts(1, [15], seed=6)[0]
     want = kv_cache.generate(target, [prompt], GREEDY)[0]
-    base = lesson.timed(target, None, prompt, GREEDY)()
+    base = drafts.timed(target, None, prompt, GREEDY)()
     assert base.tokens == want and base.decode_tokens == GREEDY.max_tokens - 1
     assert base.stats is None and base.decode_s > 0
-    same = lesson.timed(target, target, prompt, GREEDY, 3)()   # the target as its own draft: every guess accepted
+    same = drafts.timed(target, target, prompt, GREEDY, 3)()   # the target as its own draft: every guess accepted
     assert same.tokens == want and same.stats.alpha == 1.0
     assert same.decode_tokens == GREEDY.max_tokens - 4   # the first round, untimed, made γ + 1 = 4 tokens
-    assert same.stats.num_target_passes == 3   # then two rounds of 4 tokens
-    lookup = lesson.timed(target, NgramProposer(), prompt, GREEDY, 4)()
+    assert same.stats.num_target_passes == 2   # then two rounds of 4 tokens, counted as they are timed
+    lookup = drafts.timed(target, NgramProposer(), prompt, GREEDY, 4)()
     assert lookup.tokens == want and lookup.stats.num_draft_passes == 0
+    three = drafts.timed(target, target, prompt, GREEDY, 3, generations=3)()   # three in a row, summed
+    assert three.tokens == want and three.decode_tokens == 3 * (GREEDY.max_tokens - 4) and three.decode_s > 0
+    assert three.stats.num_target_passes == 6 and three.stats.num_accepted_tokens == 3 * 2 * 3   # summed
 
 
 def run(seconds: float, tokens: int, stats=None):
-    return lesson.Run([0] * (tokens + 1), seconds, tokens, stats)
+    return drafts.Run([0] * (tokens + 1), seconds, tokens, stats)
 
 
 def test_a_sweep_row_feeds_the_formula_the_guesses_made_the_measured_alpha_and_c():
     """2 guesses per pass at γ = 3 (lookup proposes fewer when it finds nothing): S is Leviathan's formula with
-    ḡ = 2 in γ's place; its value at γ = 3 is kept beside it."""
+    ḡ = 2 in γ's place; its value at γ = 3 is kept beside it; S priced at the pair's own costs (what the speedup is
+    judged against) and at the shape's, each a pass over ḡ + 1 = 3 tokens read off the measured pass lengths."""
     stats = SpecDecodingStats(num_draft_tokens=20, num_accepted_tokens=15, num_rejections=5, num_target_passes=10)
     base = [run(1.0, 10), run(2.0, 10)]                    # 0.1 s and 0.2 s per token
     spec = [run(0.5, 10, stats), run(0.5, 5, stats)]       # 0.05 s and 0.1 s per token
-    row = lesson.sweep_row("model draft", 3, base, spec, c=0.25, verify={1: 1.0, 3: 1.5, 5: 2.5})
-    assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75
-    assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.1
+    own = {"c": {"model draft": 0.25}, "ratio": {1: 1.0, 3: 1.5, 5: 2.5}}
+    shape = {"c": {"model draft": 0.5}, "ratio": {1: 1.0, 5: 1.2}, "c_predicted": {"model draft": 0.4},
+             "predicted_ratio": {1: 1.0, 5: 1.1}}
+    row = lesson.sweep_row("model draft", 3, base, spec, own, shape)
+    assert row["speedups"] == pytest.approx([2.0, 2.0]) and row["alpha"] == 0.75 and row["c"] == 0.25
+    assert row["guesses_per_pass"] == 2.0 and row["tokens_per_pass"] == 1.0   # the timed rounds' tokens ÷ passes
     per_pass = expected_tokens_per_pass(0.75, 2.0)   # (1 − α³) / (1 − α)
     assert row["formula_tokens_per_pass"] == pytest.approx(per_pass) == pytest.approx((1 - 0.75 ** 3) / 0.25)
     assert row["predicted"] == pytest.approx(per_pass / 1.5)   # ḡc + 1 = 1.5
     assert row["leviathan_at_gamma"] == pytest.approx(expected_tokens_per_pass(0.75, 3) / 1.75)
-    assert row["fit"] == pytest.approx([2.0 / row["predicted"]] * 2)
-    # its own counts and costs: 1.1 tokens per pass ÷ (2 guesses at c + a pass over 3 tokens: 1.5×)
-    assert row["modelled"] == pytest.approx(1.1 / (2 * 0.25 + 1.5))
-    other = lesson.sweep_row("model draft", 3, base, spec, c=0.25, verify={1: 1.0, 5: 2.0})   # 3 interpolated: 1.5
+    # its own counts and costs: 1 token per pass ÷ (2 guesses at c + a pass over 3 tokens: 1.5×); judged on it
+    assert row["modelled"] == pytest.approx(1.0 / (2 * 0.25 + 1.5))
+    assert row["fit"] == pytest.approx([2.0 / row["modelled"]] * 2)
+    # at the shape's: 2 guesses at 0.5 + a pass over 3, halfway from 1.0 to 1.2 (measured) or to 1.1 (predicted)
+    assert row["at_shape"] == pytest.approx(1.0 / (2 * 0.5 + 1.1)) and row["c_shape"] == 0.5
+    assert row["at_shape_predicted"] == pytest.approx(1.0 / (2 * 0.4 + 1.05))
+    other = lesson.sweep_row("model draft", 3, base, spec, {**own, "ratio": {1: 1.0, 5: 2.0}}, shape)  # 3: 1.5
     assert other["modelled"] == pytest.approx(row["modelled"])
 
 
-def figures(premise=(1.1,) * 5, fit=(1.0,) * 5, lookup=(1.8,) * 5):
-    """What the lesson writes: a premise predicted at 1.05, lookup at 3×, the given rounds."""
-    c = cost({1: 1.0, 2: 1.05, 5: 1.1}, [10, 10.5, 11], [8, 8.2, 8.5])
-    c["rounds"] = {lesson.PREMISE_K: list(premise)}
-    rows = [{**r, "fit": list(fit), "speedups": list(lookup)} for r in sweep(1.8, 1.8, 3.0)]
-    return {"verification": c, "sweep": rows, "premise_predicted": 1.05, "lookup_predicted": 3.0}
+def figures(premise=(1.1,) * 5, fit=(1.0,) * 5, lookup=(1.0,) * 5):
+    """What the lesson writes: the premise predicted at 1.05, its band 0.7–1.575, the given rounds; the pair's fits."""
+    shape = {**cost({1: 1.0, 2: 1.05, 5: 1.1}, [10, 10.5, 11], [8, 8.2, 8.5]), "premise_band": [0.7, 1.575],
+             "predicted_ratio": {1: 1.0, 5: 1.05}, "rounds": {lesson.PREMISE_K: list(premise)}}
+    rows = [{**r, "fit": list(lookup if r["draft"] == "prompt lookup" else fit)} for r in sweep(1.8, 1.8, 3.0)]
+    return {"model": "gpt2", "shape": shape, "sweep": rows}
 
 
 def test_each_check_can_fail():
-    """The premise over 1.3×, a fit under the band's low end or over its high end, lookup under 1.5×: each NOT
-    SUPPORTED, and only that check; the predictions ride along (the fits' is 1: they are ratios to S)."""
+    """The premise under its band's low end or over its high end; the model draft's fit to S at the pair's own costs
+    under FIT_BAND's low end or over its high end; lookup's fit under the low end: each NOT SUPPORTED, and only
+    that check; the predictions ride along (the fits' is 1: they are ratios to S)."""
     checks = lesson.checks(figures())
-    assert [c.outcome() for c in checks] == [HOLDS] * 4
-    assert [c.line for c in checks] == [1.3, pytest.approx(1 / (1.3 * 1.15)), 1.15, 1.5]
-    assert [c.predicted for c in checks] == [1.05, 1.0, 1.0, 3.0]
-    for i, bad in enumerate([{"premise": [1.5] * 5}, {"fit": [0.6] * 5}, {"fit": [1.3] * 5}, {"lookup": [1.2] * 5}]):
+    assert [c.outcome() for c in checks] == [HOLDS] * 5
+    low, high = 1 / (1.5 * 1.15), 1.15
+    assert [c.line for c in checks] == [0.7, 1.575, pytest.approx(low), high, pytest.approx(low)]
+    assert [c.predicted for c in checks] == [1.05, 1.05, 1.0, 1.0, 1.0]
+    assert [c.key for c in checks] == ["premise_low", "premise_high", "fit_low", "fit_high", "lookup"]
+    for i, bad in enumerate([{"premise": [0.6] * 5}, {"premise": [2.2] * 5}, {"fit": [0.5] * 5}, {"fit": [1.3] * 5},
+                             {"lookup": [0.5] * 5}]):
         outcomes = [c.outcome() for c in lesson.checks(figures(**bad))]
         assert {j for j, o in enumerate(outcomes) if o == NOT_SUPPORTED} == {i}, (bad, outcomes)
-    assert lesson.checks(figures(premise=[1.2, 1.25, 1.35, 1.4, 1.2]))[0].outcome() == INCONCLUSIVE
+    assert lesson.checks(figures(premise=[1.5, 1.55, 1.6, 1.65, 1.5]))[1].outcome() == INCONCLUSIVE
+
+
+def test_the_facts_report_c_the_pairs_own_cost_and_s_at_the_shape_never_judged():
+    f = {**figures(), "verification": {"ratio": {1: 1.0, 5: 2.2}, "predicted_ratio": {5: 1.04}}}
+    f["shape"].update(blocks=3, c={"model draft": 0.45, "prompt lookup": 0.001},
+                      c_predicted={"model draft": 0.48, "prompt lookup": 0.0})
+    for r in f["sweep"]:
+        r.update(at_shape=1.9, at_shape_predicted=2.0)
+    facts = lesson.facts(f)
+    assert [(x.value, x.predicted) for x in facts] == [(0.45, 0.48), (2.2, 1.04), (1.9, 2.0), (1.9, 2.0)]
+    assert facts[0].name == "c at gpt2's shape: a step of its first 3 blocks ÷ a step"
+    assert facts[2].name == "S at gpt2's shape, prompt lookup at γ = 4" and "≥ 1.5×" in facts[2].why
+    assert "α = 0.80 and ḡ = 3.00" in facts[2].why and "1.5" not in facts[3].why
 
 
 def test_without_trained_weights_the_lesson_trains_a_small_model_on_text_python_ships(monkeypatch):
@@ -162,33 +194,37 @@ def cost(ratio, pass_ms, matmul_ms):
 def sweep(speedup, predicted, guesses, speedups=(1.3, 1.4, 1.3, 1.35, 1.3)):
     return [{"draft": "prompt lookup", "gamma": 4, "speedup": speedup, "predicted": predicted, "modelled": speedup,
              "guesses_per_pass": guesses, "alpha": 0.8, "c": 0.01, "speedups": list(speedups),
-             "tokens_per_pass": 1.7, "leviathan_at_gamma": 3.0},
+             "tokens_per_pass": 1.7, "leviathan_at_gamma": 3.0, "at_shape": 1.6},
             {"draft": "model draft", "gamma": 4, "speedup": 0.9, "predicted": 1.0, "modelled": 0.8,
              "guesses_per_pass": 4.0, "tokens_per_pass": 1.2, "alpha": 0.9, "c": 0.4, "speedups": [0.85, 0.95] * 2 + [0.9],
-             "leviathan_at_gamma": 1.1}]
+             "leviathan_at_gamma": 1.1, "at_shape": 1.4}]
 
 
 def test_explain_reads_the_cause_from_the_numbers():
     ratio = {1: 1.0, 2: 1.1, 3: 1.15, 5: 2.0}
     explain = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 9, 10, 16]), sweep(1.3, 2.6, 1.9))
-    assert "up to k = 3" in explain[0] and "2.00×" in explain[0] and "80% of that in the matrix products" in explain[0]
-    assert "the matrix kernel" in explain[0] and "beats 2.50× at γ = 4" in explain[0]
-    assert "worst fit: prompt lookup at γ = 4, 1.30× against S = 2.60× (-50%)" in explain[1]
-    assert "for the 1.90 guesses it made per pass (at γ guesses the formula says 3.00×); with each pass at its " \
-           "measured cost, not 1, 1.30× (+0%)" in explain[1]
+    assert "on the shape a pass stays under 1.2× a step up to k = 3" in explain[0] and "2.00×" in explain[0]
+    assert "80% of that in the matrix products" in explain[0]
+    assert "the matrix kernel" in explain[0] and "beats 2.50× there at γ = 4" in explain[0]
+    assert "worst fit: model draft at γ = 4, 0.90× against S = 0.80× (+12%) at the pair's own costs (c = 0.400, " \
+           "4.00 guesses per pass); with each pass priced at one step, 1.00× (-10%), and at γ guesses 1.10×" \
+           in explain[1]
     assert "prompt lookup: best γ = 4, 1.30× (α = 0.80, c = 0.010; 1.70 tokens per pass" in explain[2]
-    assert "speculation pays" in explain[2] and "speculation does not pay" in explain[3] and len(explain) == 4
-    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), sweep(1.0, 1.05, 4.0, (0.9, 1.1, 0.95, 1.05, 1.0)))
+    assert "speculation pays" in explain[2] and "at the shape's costs S = 1.60×" in explain[2]
+    assert "speculation does not pay" in explain[3] and "S = 1.40×" in explain[3] and len(explain) == 4
+    rows = sweep(1.0, 1.05, 4.0, (0.9, 1.1, 0.95, 1.05, 1.0))
+    rows[0]["modelled"] = 2.0
+    other = lesson.explain(cost(ratio, [10, 11, 12, 20], [8, 8, 8, 9]), rows)
     assert "10% of that in the matrix products" in other[0] and "mostly outside them" in other[0]
-    assert "model draft at γ = 4" in other[1] and "1, 0.80× (+12%)" in other[1]
+    assert "prompt lookup at γ = 4, 1.00× against S = 2.00× (-50%)" in other[1]
     assert "may or may not pay" in other[2]
 
 
 def test_the_cost_rounds_add_up(target, one_thread):
     """Tiny shapes, two rounds: the figures are not the point, their bookkeeping is."""
     ks = [1, 3]
-    costs = interleave(lesson.cost_fns(target, drafts.shallow_draft(target, 1), ks, context=20), 2, warmup=0)
-    summary = lesson.summarise_costs(costs, ks)
+    costs = interleave(drafts.cost_fns(target, drafts.shallow_draft(target, 1), ks, context=20), 2, warmup=0)
+    summary = drafts.summarise_costs(costs, ks)
     assert summary["ratio"][1] == summary["matmul_ratio"][1] == 1.0
     assert summary["rounds"][3] == costs.ratio("pass 3", "pass 1") and summary["seconds"]["pass"][3] > 0
     assert summary["seconds"]["matmuls"][3] == costs.median("matmuls 3")

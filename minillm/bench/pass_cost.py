@@ -9,7 +9,7 @@ weights (lesson 04). FLOPs come from `cost.step_cost`; R is the measured peak
 (`roofline.py`). The model's own uncertainty sets the band a measurement is judged
 in (`band`): prefill kernels reach between RATE_FLOOR of the peak and all of it
 (lesson 02's share), and t₁, timed once on a shared machine, may be off by
-FIXED_SLACK either way. Lessons 13 and 15 predict with it.
+FIXED_SLACK either way. Lessons 13, 14 and 15 predict with it.
 
 Invariant (tests/test_lesson_13_prompt_caching.py): a ratio of two passes lies
 between 1 and the ratio of their FLOPs, and the band holds both ends' predictions.
@@ -25,6 +25,13 @@ FIXED_SLACK = 1.5  # t₁, timed once before measuring, may be off by this facto
 def pass_time(cfg, new: list[int], cached: list[int], fixed_s: float, flop_rate: float, dtype) -> float:
     """One pass pushing new[i] tokens through sequence i after cached[i] cached ones: t₁ + its FLOPs at flop_rate."""
     return fixed_s + step_cost(cfg, new, cached, dtype).flops / flop_rate
+
+
+def verify_ratio(cfg, k: int, cached: int, fixed_s: float, flop_rate: float, dtype) -> float:
+    """A pass over k new tokens after `cached` ones, logits at all k (as verifying k − 1 guesses needs), ÷ a
+    one-token step: (t₁ + FLOPs(k) / R) ÷ (t₁ + FLOPs(1) / R), between 1 and their FLOPs' ratio."""
+    t = lambda n: fixed_s + step_cost(cfg, [n], [cached], dtype, lm_head_rows=n).flops / flop_rate  # noqa: E731
+    return t(k) / t(1)
 
 
 def band(at_peak: float, at_floor: float) -> list[float]:
