@@ -27,7 +27,8 @@ floating dtype (a transient copy of each matrix; bf16 on a CPU, below) and multi
 widening and gains nothing. What it costs in accuracy is the rounding above; the tests bound it in logits.
 
 Which kernel computes the product (`int8_product`). On a CPU, whatever the model's dtype, a product takes the
-activations rounded to bf16, sums in fp32, and rounds its output to bf16 before the fp32 scales multiply it.
+activations rounded to bf16, sums in fp32, and rounds its output to bf16; one fp32 epilogue then multiplies it
+by the scales and adds the bias (`addcmul`, one pass over the output, rounded once to the model's dtype).
 Up to `FUSED_MAX_ROWS` rows (decode steps) go through torch's fused `_weight_int8pack_mm`, which reads the int8
 weights once and widens them in registers; it vectorises for bf16 activations only (in fp32 it is a scalar
 loop, slower than fp32's own product), and takes `in` 16 at a time (every GPT-2 width; other widths take the
@@ -64,6 +65,8 @@ gives the int8 model its own tokens; a row's logits do not depend on its batch; 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -99,18 +102,29 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[:, None]
 
 
-def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., in] · (q · scales)ᵀ → [..., out], in x's dtype. On a CPU in bf16 with fp32 sums: fused for a few
-    rows, a bf16 matmul over q widened for more; elsewhere q widened to x's dtype."""
+@functools.lru_cache(maxsize=None)
+def unit_scales(out: int) -> torch.Tensor:
+    """The fused kernel's own scales, all ones (bf16 [out]), made once per width: the real ones are applied
+    after, in fp32."""
+    return torch.ones(out, dtype=torch.bfloat16)
+
+
+def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype. On a CPU in bf16 with fp32 sums: fused for a
+    few rows, a bf16 matmul over q widened for more, then one fp32 epilogue (scales and bias in one pass);
+    elsewhere q widened to x's dtype."""
     if x.device.type != "cpu":
-        return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+        y = F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+        return y if bias is None else y + bias
     rows, xb = x.numel() // x.shape[-1], x.to(torch.bfloat16)
     if rows <= FUSED_MAX_ROWS and x.shape[-1] % 16 == 0:  # the kernel takes `in` 16 at a time
-        unit = torch.ones(q.shape[0], dtype=torch.bfloat16)  # the real scales are applied after, in full precision
-        y = torch.ops.aten._weight_int8pack_mm(xb.reshape(rows, -1), q, unit).view(*x.shape[:-1], -1)
+        y = torch.ops.aten._weight_int8pack_mm(xb.reshape(rows, -1), q, unit_scales(q.shape[0]))
+        y = y.view(*x.shape[:-1], -1)
     else:
         y = F.linear(xb, q.to(torch.bfloat16))
-    return y.to(x.dtype) * scales.to(x.dtype)
+    y = y * scales if bias is None else torch.addcmul(bias, y, scales)  # bf16 y, fp32 scales: in fp32
+    return y.to(x.dtype)
 
 
 class WeightOnlyInt8Linear(nn.Module):
@@ -128,8 +142,7 @@ class WeightOnlyInt8Linear(nn.Module):
         return cls(q, scales, conv.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_product(x, self.weight, self.scales)
-        return y if self.bias is None else y + self.bias
+        return int8_product(x, self.weight, self.scales, self.bias)
 
     def extra_repr(self) -> str:
         return f"int8 weight {tuple(self.weight.shape)} [out, in], per-channel scales"
