@@ -60,6 +60,8 @@ def scale_times(entry: dict, by: float) -> None:
 COUNTERFACTUALS = {  # check key → a measurement that puts it on the wrong side
     "decode_fp32_over_bf16": lambda f: scale_times(f["decode"]["bf16"][0], 2.0),      # bf16 no faster than fp32
     "decode_bf16_over_int8": lambda f: scale_times(f["decode"]["int8"][0], 2.0),      # int8 no faster than bf16
+    "decode_fp32_over_bf16_at_most": lambda f: scale_times(f["decode"]["bf16"][0], 0.5),  # bf16 beat its kernel
+    "decode_bf16_over_int8_at_most": lambda f: scale_times(f["decode"]["int8"][0], 0.5),  # int8 beat its kernel
     "prefill_bf16_over_int8": lambda f: scale_times(f["prefill"]["int8"], 0.5),       # prefill at the byte ratio
     "advantage_shrinks": lambda f: scale_times(f["decode"]["int8"][1], 0.5),          # still 2× at batch 64
     "context_sensitivity": lambda f: f["accuracy"].update(context_sensitivity=0.0),    # a model that ignores it
@@ -84,13 +86,26 @@ def test_each_check_can_fail():
         assert outcome[key] == NOT_SUPPORTED, f"{key}: {outcome}"
 
 
-def test_a_slow_decode_names_the_kernel_that_set_its_pace():
-    """A decode step far from its bytes' time is the one-row kernel's doing when that kernel streams slowly: the why
-    says how fast it streamed against the bandwidth, so a student can tell a kernel from the memory."""
+def test_a_slow_decode_names_its_kernel_and_the_rest_of_its_step():
+    """A batch-1 step slower than its kernel's bytes predict: the why gives the kernel's stream against the
+    bandwidth, and puts the rest on the step's other work, so a student can tell a kernel from the rest."""
     figures = copy.deepcopy(holding_figures())
     scale_times(figures["decode"]["int8"][0], 2.0)
     why = next(c.why for c in L06.checks(figures) if c.key == "decode_bf16_over_int8")
-    assert "int8's one-row product" in why and "11 GB/s of the 40 GB/s" in why, why
+    assert "one-row product's 11 GB/s of the 40 GB/s" in why and "the rest of int8's step" in why, why
+
+
+def test_the_prediction_reads_each_variants_bytes_at_its_own_kernels_stream():
+    """Batch-1 predictions divide each variant's bytes by its one-row kernel's stream (at most the bandwidth), the
+    ideal by the bandwidth; facts print the byte ratio and each kernel's stream ÷ the bandwidth."""
+    from minillm.bench.cost import decode_cost
+    model = context_model()
+    cost = decode_cost(model.config, 8, 1)
+    assert L06.predicted_s(cost, model, 1e30, 2.0) == cost.bytes / 2.0
+    f = holding_figures()
+    facts = {x.name: x.value for x in L06.facts(f)}
+    assert facts["batch-1 decode, fp32 step ÷ bf16 step at the bandwidth (the ideal: the byte ratio)"] == 2.0
+    assert facts["int8: its one-row kernel's stream ÷ the bandwidth"] == pytest.approx(1.1e10 / 4e10)
 
 
 def test_the_prefill_check_is_undecided_where_the_roofline_cannot_tell_bytes_from_arithmetic():

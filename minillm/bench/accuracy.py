@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..model import Conv1D
-from ..quantize import dequantize, quantize_per_channel
+from ..config import PRESETS
+from ..cpu_layout import choose_layout
+from ..model import GPT2, Conv1D
+from ..quantize import dequantize, quantize, quantize_per_channel
 
 ROUNDERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # W [out, in] fp32 → W as the variant stores it
     "bf16": lambda w: w.to(torch.bfloat16).float(),
@@ -84,3 +87,35 @@ def context_sensitivity(model, prompts: torch.Tensor) -> float:
     changed = prompts.clone()
     changed[:, 0] = (changed[:, 0] + 1) % model.config.vocab_size
     return (model(prompts)[:, -1].argmax(-1) != model(changed)[:, -1].argmax(-1)).float().mean().item()
+
+
+def accuracy_setup(n_prompts: int, std: float) -> dict:
+    """fp32, bf16 and int8 copies of one context-sensitive model, fp32's greedy generations through the engine,
+    and the noise model's prediction of each variant's figures (`noisy_copy`), before any variant runs."""
+    base = GPT2(PRESETS["tiny"], seed=None).eval()
+    base.init_weights(0, std=std)
+    models = {"fp32": choose_layout(copy.deepcopy(base)),
+              "bf16": choose_layout(copy.deepcopy(base).to(torch.bfloat16)),
+              "int8": choose_layout(quantize(copy.deepcopy(base).to(torch.bfloat16)))}
+    V, n = base.config.vocab_size, base.config.n_ctx - 8
+    prompts = torch.randint(0, V, (n_prompts, 8), generator=torch.Generator().manual_seed(1))
+    runs = greedy_runs(models["fp32"], prompts.tolist(), n)
+    ids = torch.cat([prompts, torch.tensor(runs)], dim=1)
+    with torch.inference_mode():
+        ref = models["fp32"](ids)[:, 7:-1]
+        predicted = {v: logit_error(ref, noisy_copy(base, [ROUNDERS[r] for r in rounders])(ids)[:, 7:-1], ids[:, 8:])
+                     for v, rounders in (("bf16", ["bf16"]), ("int8", ["int8", "bf16"]))}
+    return {"models": models, "prompts": prompts.tolist(), "runs": runs, "ids": ids, "ref": ref, "figures": {
+        "positions": n * len(runs), "predicted": predicted, "vocab": V,
+        "context_sensitivity": context_sensitivity(models["fp32"], prompts)}}
+
+
+def variant_accuracy(a: dict) -> dict:
+    """Each variant's logits along fp32's generations, and how far its own greedy generation follows fp32's."""
+    out = a["figures"]
+    for v in ("bf16", "int8"):
+        with torch.inference_mode():
+            out[v] = logit_error(a["ref"], a["models"][v](a["ids"])[:, 7:-1], a["ids"][:, 8:])
+        mine = greedy_runs(a["models"][v], a["prompts"], len(a["runs"][0]))
+        out[v]["first_divergence_median"] = statistics.median(first_divergence(a["runs"], mine))
+    return out
