@@ -124,3 +124,23 @@ def test_the_stand_in_tokenizer_has_the_checkpoints_vocabulary_size_and_round_tr
     text = "héllo, wörld 🦙"
     assert tok.decode(tok.encode(text).ids) == text and len(tok.encode("hello").ids) == 3  # byte pairs merged
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"] == peer_engines.END_OF_TEXT
+
+
+def test_ctranslate2_steps_take_the_best_of_repeats_so_a_slowed_short_run_does_not_make_a_step_negative(tmp_path,
+                                                                                                       monkeypatch):
+    clock = {"now": 0.0, "calls": 0}
+
+    class Generator:  # a stand-in: 10 ms a prompt, 1 ms a new token; the first timed prefill slowed 100 ms by load
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate_batch(self, prompts, max_length, **kwargs):
+            clock["calls"] += 1
+            clock["now"] += 0.010 + 0.001 * max_length + (0.100 if clock["calls"] == 2 else 0.0)
+
+    monkeypatch.setitem(__import__("sys").modules, "ctranslate2", type("ct2", (), {"Generator": Generator}))
+    monkeypatch.setattr(peer_engines.time, "perf_counter", lambda: clock["now"])
+    (tmp_path / "vocabulary.json").write_text(json.dumps(["a", "b", peer_engines.END_OF_TEXT]))
+    r = peer_engines.ct2_steps(tmp_path, "int8", 1, 4, [1], steps=16)
+    assert r["decode_ms"][1] == pytest.approx(1.0)  # a single timing each: (0.027 - 0.111) / 16 < 0
+    assert r["prefill_tok_s"] == pytest.approx(4 / 0.011)

@@ -189,11 +189,12 @@ def ct2_models(checkpoint: Path, out: Path) -> dict[str, Path]:
 
 
 def ct2_steps(path: Path, compute_type: str, threads: int, prompt_len: int, batches, steps: int = 16,
-              seed: int = 0) -> dict:
+              seed: int = 0, repeats: int = 3) -> dict:
     """{"decode_ms": {batch: ms per step}, "prefill_tok_s": …}: a step is (the time of a prompt and `steps` + 1
     new tokens − that of the prompt and 1) ÷ `steps`, and a prefill the prompt and 1 token (its first token
     comes from the prompt's forward pass), one sequence; greedy, every sequence held to its length (min_length),
-    on `threads` threads."""
+    on `threads` threads. Each of the two times is the best of `repeats`: a difference of single timings goes
+    negative when load slows the shorter one."""
     import ctranslate2
     import numpy as np
 
@@ -212,6 +213,6 @@ def ct2_steps(path: Path, compute_type: str, threads: int, prompt_len: int, batc
     decode, first = {}, {}
     for b in batches:
         timed(b, 1)  # warm-up
-        first[b] = timed(b, 1)  # the prompt's forward pass and its one token: a prefill
-        decode[b] = (timed(b, steps + 1) - first[b]) * 1e3 / steps
+        first[b] = min(timed(b, 1) for _ in range(repeats))  # the prompt's forward pass and its one token: a prefill
+        decode[b] = (min(timed(b, steps + 1) for _ in range(repeats)) - first[b]) * 1e3 / steps
     return {"decode_ms": decode, "prefill_tok_s": prompt_len / first[min(batches)]}
