@@ -86,7 +86,7 @@ THROUGHPUT_LINE = 0.90       # chunked output throughput ÷ unchunked's at the t
 SARATHI = "Sarathi-Serve: 2.6× the capacity of vLLM for Mistral-7B under a P99 target"
 UNCHUNKED_BUDGET = 2048      # vLLM without chunking: max(max_model_len, 2048)
 CPU_MODEL = "mini"           # on a CPU the lesson serves this shape, whatever --model says (the docstring says why)
-BELOW_KNEE, LOWEST_SHARE = 0.7, 0.15  # the lowest rate: 0.7 × unchunked's predicted knee, at most 0.15 × capacity
+BELOW_KNEE = 0.7             # the lowest rate: this share of unchunked's predicted knee, at most half the top rate
 TOP_SHARE = 0.75             # the top rate: this share of the capacity (the model ignores queueing)
 MODES = ("chunked", "unchunked")
 
@@ -99,9 +99,9 @@ def sizes(n_ctx: int, quick: bool) -> dict:
 
 
 def rate_grid(knee: float, capacity: float, n: int) -> list[float]:
-    """`n` rates in equal ratios from BELOW_KNEE × the knee (≤ LOWEST_SHARE × capacity) to TOP_SHARE × capacity."""
-    low, top = min(BELOW_KNEE * knee, LOWEST_SHARE * capacity), TOP_SHARE * capacity
-    return [round(low * (top / low) ** (i / (n - 1)), 2) for i in range(n)]
+    """`n` rates in equal ratios from BELOW_KNEE × the knee (at most half the top) to TOP_SHARE × the capacity."""
+    low, top = min(BELOW_KNEE * knee, TOP_SHARE * capacity / 2), TOP_SHARE * capacity
+    return [float(f"{low * (top / low) ** (i / (n - 1)):.3g}") for i in range(n)]
 
 
 def highest_sustained(points: list[dict], rates: list[float]) -> float:
@@ -127,8 +127,8 @@ def plan(lesson, urls: dict, logs: Path, work: Workload, s: dict) -> dict:
     print(f"targets: ITL ≤ k · decode = {K_ITL:g} · {ms(cost['decode'])} = {ms(targets['itl'])} (every gap); "
           f"TTFT ≤ m · long prefill = {M_TTFT:g} · {ms(cost['prefill_long'])} = {ms(targets['ttft'])}")
     print(f"rates: {', '.join(f'{r:g}' for r in rates)} requests/s, in equal ratios from {BELOW_KNEE:g} × "
-          f"unchunked's predicted knee λ* = {knee:.3g}/s (at most {LOWEST_SHARE:g} × the capacity) to {TOP_SHARE:g} × "
-          f"it; chunked budget {budget} tokens; {s['requests']} requests per point, {LONG_SHARE:.0%} with "
+          f"unchunked's predicted knee λ* = {knee:.3g}/s (at most half the top) to {TOP_SHARE:g} × the "
+          f"capacity; chunked budget {budget} tokens; {s['requests']} requests per point, {LONG_SHARE:.0%} with "
           f"{s['long']}-token prompts, the rest {s['short']}; {s['output']} tokens out\nexpected: a sweep of both "
           f"servers {sweep_s:.0f} s (arrivals {' + '.join(f'{a:.0f}' for a in arrivals)} s by rate, each point's drain "
           f"a request's life and a prefill), {sweeps} sweeps {sweeps * sweep_s / 60:.1f} min; while a check straddles "
