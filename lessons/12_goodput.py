@@ -8,8 +8,7 @@ course's one definition, `minillm/bench/goodput.py`, which lesson 15 uses too). 
 running streams, a server that prefills each prompt whole stalls every stream for that prefill (lesson 10), so as
 the request rate grows more and more streams miss the ITL target, while throughput hardly changes. Chunked prefill
 bounds the stall by one step of `max_num_batched_tokens` tokens, so the same server meets the targets up to a higher
-rate (Sarathi-Serve: 2.6× the capacity of vLLM for Mistral-7B under a P99 target). Judged here on this device, over
-HTTP.
+rate (Sarathi-Serve: 2.6× the capacity of vLLM for Mistral-7B under a P99 target), here on this device, over HTTP.
 
 What this lesson measures
 -------------------------
@@ -34,20 +33,19 @@ and on one core gpt2's chunk of a long prompt outlasts the ITL target (the model
 
 Before sweeping, the lesson predicts each mode's highest sustained rate from the step costs: a stream misses the ITL
 target when a step that carries a prefill is longer than the target (unchunked: the whole long prefill + a decode
-step; chunked: a chunk of the budget + a decode step, the prefill's time in proportion to its tokens), and at a rate
-λ a request decoding for D = output · decode step sees no long prompt arrive with probability exp(−λ · LONG_SHARE ·
-D) (Poisson arrivals), ≥ 90% up to the knee λ* = ln(1/0.9) / (LONG_SHARE · D). The goodput share predicted at each
-rate is that probability when the mode's stall misses the target, else 1 (queueing ignored: the rates stay under the
-capacity); each mode's predicted highest sustained rate is the grid's highest with a share ≥ 90%, the prediction
-chunked's ÷ unchunked's.
+step; chunked: a chunk of the budget + a decode step, the prefill's time in proportion to its tokens), and at a
+rate λ a request decoding for D = output · decode step sees no long prompt arrive with probability
+exp(−λ · LONG_SHARE · D) (Poisson arrivals), ≥ 90% up to the knee λ* = ln(1/0.9) / (LONG_SHARE · D). The goodput
+share predicted at each rate is that probability when the mode's stall misses the target, else 1 (queueing
+ignored: the rates stay under the capacity); each mode's predicted highest sustained rate is the grid's highest
+with a share ≥ 90%, the prediction chunked's ÷ unchunked's.
 
 The verdict, one value per sweep: chunked's highest rate ÷ unchunked's lies within one step of the rate grid of the
 prediction (the band: a rate read off a grid is known to one step either way), and chunked output throughput at the
 top rate is at least 90% of unchunked's (predicted 1: under the capacity, each serves what arrives). Sarathi-Serve's
 2.6× is the paper's figure, printed as context. Sweeps are rounds (at least five): while a check straddles its line,
 more are run, up to a printed cap. The client and the server it times each need a core: when other programs leave
-fewer free, both checks are INCONCLUSIVE whatever their intervals (the OS's time slices are as long as the ITL
-target).
+fewer free, both checks are INCONCLUSIVE whatever their intervals (the OS's time slices last as long as the target).
 
 Also measured: what HTTP adds. Each server logs the engine's own record of every request (`--request-log`); the
 client's TTFT minus the engine's (the request's way in, through the JSON parser, and the first token's way out),
@@ -216,7 +214,8 @@ def measure(lesson, urls: dict, work: Workload, p: dict):
             for mode in (MODES if (w + i) % 2 == 0 else MODES[::-1]):
                 results, duration = asyncio.run(benchmark(urls[mode], trace, show_progress=False))
                 swept[mode].append(point(results, duration, p["targets"]))
-                kept[mode] = results if i == len(p["rates"]) // 2 else kept.get(mode)
+                if i == len(p["rates"]) // 2:
+                    kept[mode] = results
             print(f"  sweep {w + 1}, {rate:g}/s ({time.perf_counter() - t0:.0f} s of {p['expected_s']:.0f} expected): "
                   + ", ".join(f"{m} goodput {swept[m][i]['goodput_share']:.0%}" for m in MODES), flush=True)
         return swept
