@@ -41,11 +41,11 @@ What this lesson measures
 Three servers, each in worker processes started once: colocated on both cores with 1 thread, colocated with
 2 threads, and disaggregated (prefill on one core, decode on the other, one thread each). In every round each
 serves, in turns, (1) lesson 10's trace (the servers with one thread per engine): K streams decode, and once
-each has `warm` tokens a long prompt of P tokens arrives (P = 512 on gpt2; 128 with --quick), and (2) a burst
+each has `warm` tokens a long prompt of P tokens arrives (P = 384 on gpt2; 128 with --quick), and (2) a burst
 of requests arriving together (all three). From the workers' own token times: the streams' p99 ITL in the
 window from the long prompt's arrival to its first token, their median ITL before it, the long request's TTFT
 (and, disaggregated, its split into prefill and transfer), the burst's tokens/s. Then (3) the same streams
-with 0, 2 (full run: 1 and 4 too) long prompts arriving evenly over their life: each request's TTFT and every
+with 0, 2 (full run: 4 too) long prompts arriving evenly over their life: each request's TTFT and every
 gap, against the targets. Every ratio is taken within a round (at least five rounds).
 
 Predict before you run: how long does the transfer of a 128-token gpt2 prompt
@@ -81,9 +81,10 @@ def sizes(n_ctx: int, quick: bool) -> dict:
         return {"streams": 4, "stream_prompt": 8, "warm": 3, "stream_tokens": 12, "long_prompt": min(128, n_ctx - 8),
                 "long_tokens": 2, "burst": 4, "burst_prompt": min(32, n_ctx - 16), "burst_tokens": 8, "repeats": 5,
                 "max_repeats": 6, "mixes": [0, 2]}
-    return {"streams": 4, "stream_prompt": 32, "warm": 6, "stream_tokens": 32, "long_prompt": min(512, n_ctx - 8),
+    # long prompts are two thirds of a round's prefill: at 384 tokens, three mixes, ≤ 7 rounds, a full run stays short
+    return {"streams": 4, "stream_prompt": 32, "warm": 6, "stream_tokens": 32, "long_prompt": min(384, n_ctx - 8),
             "long_tokens": 4, "burst": 8, "burst_prompt": min(128, n_ctx - 32), "burst_tokens": 32, "repeats": 5,
-            "max_repeats": None, "mixes": [0, 1, 2, 4]}
+            "max_repeats": 7, "mixes": [0, 2, 4]}
 
 
 def targets(runs: dict[str, list[dict]]) -> dict:

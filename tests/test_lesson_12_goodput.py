@@ -5,6 +5,7 @@ The run starts two servers in processes of their own and sweeps request rates, w
 fed numbers on both sides of each line.
 """
 import json
+import math
 
 import pytest
 
@@ -13,7 +14,7 @@ from lessons_support import load_lesson  # noqa: E402  (also puts lessons/ on sy
 
 from minillm.bench.goodput import goodput  # noqa: E402
 from minillm.bench.serve import RequestResult, meets  # noqa: E402
-from minillm.bench.verdict import HOLDS, INCONCLUSIVE, NOT_SUPPORTED  # noqa: E402
+from minillm.bench.verdict import HOLDS, INCONCLUSIVE, MIN_ROUNDS, NOT_SUPPORTED  # noqa: E402
 
 lesson = load_lesson("12_goodput")
 
@@ -66,6 +67,29 @@ def test_the_model_predicts_the_rate_each_mode_sustains():
     assert pr["highest"] == {"chunked": 8.0, "unchunked": 4.0} and pr["ratio"] == 2.0
     assert pr["band"] == [1.0, 4.0]  # one step of the grid either way: its widest step is 2× (1 → 2 → 4 → 8)
     assert plan(stall_s=0.012)["predicted"]["ratio"] == 1.0
+
+
+def test_the_rates_start_just_under_the_unchunked_knee_and_stop_under_the_capacity():
+    """λ* is where unchunked's predicted share falls to 90%; the grid runs in equal ratios from 0.7 λ* (a point the
+    model predicts sustained, the knee inside the first step) to 3/4 of the capacity. With no knee (a stall within
+    the target), or a knee too near the capacity, the grid starts at half its top."""
+    knee = lesson.unchunked_knee(stall=0.030, life=0.08, itl=0.015)
+    assert math.exp(-knee * lesson.LONG_SHARE * 0.08) == pytest.approx(lesson.GOOD_SHARE)
+    assert lesson.unchunked_knee(stall=0.012, life=0.08, itl=0.015) == math.inf
+    rates = lesson.rate_grid(knee, 100.0, 5)
+    assert rates[0] == pytest.approx(0.7 * knee, rel=1e-2) and rates[0] < knee < rates[1] and rates[-1] == 75.0
+    steps = [b / a for a, b in zip(rates, rates[1:])]
+    assert max(steps) == pytest.approx(min(steps), rel=1e-2)  # equal ratios
+    assert lesson.rate_grid(math.inf, 100.0, 3) == [37.5, 53.0, 75.0]
+    assert lesson.rate_grid(60.0, 100.0, 3)[0] == 37.5
+
+
+def test_the_full_size_is_larger_than_quick_where_the_verdict_needs_it():
+    """More requests per rate (the share's resolution), more rates (the grid's step, hence the band), at least five
+    sweeps; the same long prompt, so the prediction's stall is the same."""
+    quick, full = lesson.sizes(256, True), lesson.sizes(256, False)
+    assert full["requests"] > quick["requests"] and full["rates"] > quick["rates"] and full["long"] == quick["long"]
+    assert full["sweeps"] >= MIN_ROUNDS
 
 
 def sweep_points(chunked_best, unchunked_best, rates=(2.0, 4.0, 8.0), tput=1.0):

@@ -256,6 +256,28 @@ def test_each_check_can_fail():
     assert fact.value == fact.predicted == 1000
 
 
+def round_work(s: dict) -> tuple[int, int]:
+    """(prompt tokens prefilled, decode steps) of one traced server's round: the stall trace, the burst, the mixes."""
+    streams = s["streams"] * s["stream_prompt"]
+    tokens = streams + s["long_prompt"] + s["burst"] * s["burst_prompt"] + sum(streams + n * s["long_prompt"]
+                                                                               for n in s["mixes"])
+    return tokens, s["stream_tokens"] * (1 + len(s["mixes"])) + s["burst_tokens"]
+
+
+def test_the_full_run_is_a_bounded_multiple_of_the_quick_one():
+    """The quick run on gpt2 takes about a minute and a half on 2 cores, a third of it starting the workers; a full
+    round may cost at most 7× a quick one in prefilled tokens and 4× in decode steps, over at most 7 rounds, so the
+    full run stays under ten minutes there. Its heaviest mix still spaces its long prompts over the streams' life."""
+    from lessons_support import load_lesson
+    lesson = load_lesson("15_disaggregation")
+    quick, full = lesson.sizes(1024, True), lesson.sizes(1024, False)
+    (qt, qs), (ft, fs) = round_work(quick), round_work(full)
+    assert ft <= 7 * qt and fs <= 4 * qs, (ft / qt, fs / qs)
+    assert full["repeats"] <= full["max_repeats"] <= 7
+    assert full["mixes"][0] == 0 and (full["stream_tokens"] - full["warm"]) // full["mixes"][-1] >= 1
+    assert full["long_prompt"] > quick["long_prompt"] and full["mixes"][-1] > quick["mixes"][-1]
+
+
 def test_serve_disaggregated_streams_the_colocated_tokens_through_the_openai_client():
     """The front end of `serve --disaggregate`: prompts go to the prefill worker, tokens stream from the decode
     worker, over the same OpenAI API as one engine."""
