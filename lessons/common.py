@@ -143,15 +143,18 @@ def weights_layout(model) -> str:
     return kernels(model)
 
 
-def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
-    """Resolve device and dtype, load the model, read the machine's load, and measure the device's ceilings."""
+def start(name: str, args: argparse.Namespace, ceilings: bool = True, on_one_thread: bool = False) -> Lesson:
+    """Resolve device and dtype, load the model, read the machine's load, and measure the device's ceilings (on a
+    CPU on one thread with `on_one_thread`, for a lesson whose steps run on one)."""
     threads = apply_threads(choose_threads(getattr(args, "threads", None)))  # before our own work loads the CPU
     started = read_load()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model = quiet_load_model(args.model, device, dtype, getattr(args, "quantization", None))
-    ceil = measure_ceilings(device, dtype, quick=args.quick, quantization=getattr(args, "quantization", None)) \
-        if ceilings else None
+    one = on_one_thread and device.type == "cpu"
+    with one_thread() if one else contextlib.nullcontext():
+        ceil = measure_ceilings(device, dtype, quick=args.quick, quantization=getattr(args, "quantization", None)) \
+            if ceilings else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lesson = Lesson(name, args, model, device, dtype, ceil, out, started, threads)
@@ -160,7 +163,8 @@ def start(name: str, args: argparse.Namespace, ceilings: bool = True) -> Lesson:
           f"{f', {quantization} weights' if quantization else ''}{', quick' if args.quick else ''}")
     print(f"threads: {threads.reason}")
     if ceil is not None:
-        line = (f"this machine's limits, measured now with the kernels the model runs (results file: \"ceilings\"): "
+        line = (f"this machine's limits, measured now with the kernels the model runs{' on one thread' * one} "
+                f"(results file: \"ceilings\"): "
                 f"compute {si(ceil.matmul_flops, 'FLOP/s')}, memory {si(ceil.bandwidth, 'B/s')}; so a step that does "
                 f"fewer than {ceil.ridge:.1f} FLOPs per byte it reads waits on memory, more waits on arithmetic")
         if ceil.datasheet:

@@ -27,8 +27,9 @@ def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_
     v, points = doc["verdict"], doc["figures"]["points"]
     assert v["outcome"] in ("HOLDS", "NOT SUPPORTED", "INCONCLUSIVE")
     assert [p["name"] for p in points] == ["tiny", "mini"]
-    assert [c["holds_if"] for c in v["checks"]] == [">=", "<=", "<="] and all(c["timed"] for c in v["checks"])
-    assert [c["key"] for c in v["checks"]] == ["small_share", "large_share", "large_step_over_model"]
+    assert [c["holds_if"] for c in v["checks"]] == [">=", "<=", "<=", ">="] and all(c["timed"] for c in v["checks"])
+    assert [c["key"] for c in v["checks"]] == ["small_share", "large_share", "large_step_over_model",
+                                               "large_step_over_model_low"]
     assert [f["value"] for f in v["facts"][:2]] == [p["ops"]["eager"] for p in points]  # the twins' ops, a fact
     for p in points:
         assert set(p["step_s"]) == {"eager", "static", "twin"}  # no graph off CUDA
@@ -38,10 +39,27 @@ def test_quick_run_writes_one_verdict_over_a_ladder_of_two_shapes(tmp_path, one_
     assert points[1]["ops"]["eager"] > points[0]["ops"]["eager"]  # mini is deeper: more ops per step
     assert points[1]["weight_bytes"] > points[0]["weight_bytes"]
     rate = doc["ceilings"]["kernels"]["one-row product"]["rate"]  # the formula reads at the batch-1 kernel's rate,
-    assert rate < doc["ceilings"]["bandwidth"] or rate == doc["ceilings"]["bandwidth"]  # under its ceiling
     for p in points:
         assert p["floor_s"] == pytest.approx(weight_read_floor(PRESETS[p["name"]], torch.float32, rate))
     assert_lesson_results(doc)
+
+
+def test_on_a_cpu_its_ceilings_are_measured_on_one_thread_as_its_steps_run(tmp_path, monkeypatch):
+    import common
+
+    class Measured(Exception):
+        pass
+
+    def measure_ceilings(*args, **kwargs):  # the lesson stops here: only the threads it measures on matter
+        raise Measured(torch.get_num_threads())
+    monkeypatch.setattr(common, "measure_ceilings", measure_ceilings)
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(Measured) as measured:
+            lesson.main(["--model", "tiny", "--device", "cpu", "--quick", "--threads", "2", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(before)
+    assert measured.value.args == (1,)
 
 
 @pytest.mark.parametrize("name", ["tiny", "mini"])
@@ -104,10 +122,12 @@ def figures(small_share=(0.9, 0.95, 0.92, 0.9, 0.93), large_share=(0.1, 0.12, 0.
 def test_each_check_can_fail():
     """For each check in turn, a measurement on its wrong side: that check, and only it, is NOT SUPPORTED."""
     assert {c.key: c.outcome() for c in lesson.checks(figures())} == {
-        "small_share": "HOLDS", "large_share": "HOLDS", "large_step_over_model": "HOLDS"}
+        "small_share": "HOLDS", "large_share": "HOLDS", "large_step_over_model": "HOLDS",
+        "large_step_over_model_low": "HOLDS"}
     wrong = {"small_share": figures(small_share=(0.3, 0.35, 0.32, 0.3, 0.33)),
              "large_share": figures(large_share=(0.7, 0.75, 0.72, 0.7, 0.71)),
-             "large_step_over_model": figures(large_eager=(3e-3, 3.2e-3, 3.1e-3, 3e-3, 3.3e-3))}  # 3× twin + floor
+             "large_step_over_model": figures(large_eager=(3e-3, 3.2e-3, 3.1e-3, 3e-3, 3.3e-3)),  # 3× twin + floor
+             "large_step_over_model_low": figures(large_eager=(3e-4, 3.2e-4, 3.1e-4, 3e-4, 3.3e-4))}  # 0.3×
     for key, figs in wrong.items():
         outcomes = {c.key: c.outcome() for c in lesson.checks(figs)}
         assert outcomes.pop(key) == "NOT SUPPORTED", key
