@@ -14,7 +14,7 @@ without it, only minillm's servers and client run, and the script says so.
 
 The table gives each run's output tokens/s, TTFT p50 and ITL p50 (the clients' JSON: `output_throughput`,
 `median_ttft_ms`, `median_itl_ms`, the same names in both) and the load average before and after it, then
-minillm fp32's ITL p50 ÷ each vLLM server's, per round. `--offline` adds `serve_overhead` (the server ÷ its
+each minillm server's ITL p50 ÷ each vLLM server's, per round. `--offline` adds `serve_overhead` (the server ÷ its
 own engine offline, output tokens/s) on the same workload. docs/serving.md has what it measured.
 """
 from __future__ import annotations
@@ -281,8 +281,9 @@ def main(argv=None) -> list[dict]:
             finally:
                 stop(proc)
     print(table(runs, servers))
-    for line in itl_ratios(runs):
-        print(line)
+    for mine in (s for s in servers if SERVERS[s][0] == "minillm"):
+        for line in itl_ratios(runs, mine):
+            print(line)
     if args.offline:
         done = subprocess.run([sys.executable, "-m", "minillm.bench.serve_overhead", "--model", str(ckpt),
                                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
