@@ -1,4 +1,5 @@
 """The side by side with vLLM: its plan without vLLM, its commands, and its table (vLLM itself is never run here)."""
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,8 @@ def test_servers_listen_on_localhost_with_their_own_flags(tmp_path):
         assert (argv[argv.index("--dtype") + 1] == "float32") if server == "vllm-fp32" else "--dtype" not in argv
         assert ("VLLM_CPU_KVCACHE_SPACE" in env) == server.startswith("vllm")
     client = vllm_side.client_command("vllm-bench", 1234, float("inf"), tmp_path / "r.json", Path("/ck"), 50257, args)
-    assert client[:5] == [*vllm_side.vllm_cli(args.vllm), "bench", "serve"] and client[client.index("--request-rate") + 1] == "inf"
+    assert client[:5] == [*vllm_side.vllm_cli(args.vllm), "bench", "serve"]
+    assert client[client.index("--request-rate") + 1] == "inf"
     assert client[client.index("--result-filename") + 1] == "r.json" and "--ignore-eos" in client
 
 
@@ -90,3 +92,10 @@ def test_each_servers_log_gives_its_weights_and_threads():
     assert vllm_side.how_it_runs(minillm) == "float32, int8 weights, 1 thread"
     assert vllm_side.how_it_runs(vllm) == "bfloat16, core ids=[0]"
     assert vllm_side.how_it_runs("") == "its log names neither dtype nor threads"
+
+
+def test_a_server_that_cannot_start_is_an_error_naming_it(tmp_path):
+    with pytest.raises(RuntimeError, match="/no/such/python"):
+        vllm_side.start(["/no/such/python", "-c", "pass"], {}, vllm_side.free_port(), tmp_path / "log")
+    with pytest.raises(RuntimeError, match="(?s)exited with code 0; its log.*bad flag"):
+        vllm_side.start([sys.executable, "-c", "print('bad flag')"], {}, vllm_side.free_port(), tmp_path / "log")

@@ -212,7 +212,10 @@ def start(argv: list[str], env: dict, port: int, log: Path) -> subprocess.Popen:
     """Start a server and wait for its /health; a server that dies or never answers is a RuntimeError with its log."""
     import httpx
     with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        except OSError as e:
+            raise RuntimeError(f"`{argv[0]}` could not start ({e})") from None
     deadline = time.monotonic() + START_TIMEOUT_S
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -221,9 +224,11 @@ def start(argv: list[str], env: dict, port: int, log: Path) -> subprocess.Popen:
         except httpx.HTTPError:
             pass
         time.sleep(1)
+    why = f"exited with code {proc.returncode}" if proc.poll() is not None else f"did not answer in {START_TIMEOUT_S} s"
     stop(proc)
     tail = "\n".join(log.read_text().splitlines()[-15:])
-    raise RuntimeError(f"`{' '.join(argv[:3])}` did not start within {START_TIMEOUT_S} s; its log ({log}):\n{tail}")
+    shown = " ".join(a for a in argv[:5] if a != SHIM)
+    raise RuntimeError(f"`{shown} …` {why}; its log ({log}):\n{tail}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -264,7 +269,11 @@ def main(argv=None) -> list[dict]:
             port = free_port()
             argv_s, env = server_command(server, ckpt, port, args)
             t0 = time.monotonic()
-            proc = start(argv_s, env, port, out / f"{server}-round{rnd}.log")
+            try:
+                proc = start(argv_s, env, port, out / f"{server}-round{rnd}.log")
+            except RuntimeError as e:  # the others still run; its cells read "–"
+                print(f"round {rnd}: {e}", flush=True)
+                continue
             print(f"round {rnd}: {server} up in {time.monotonic() - t0:.0f} s "
                   f"({how_it_runs((out / f'{server}-round{rnd}.log').read_text(errors='replace'))})", flush=True)
             try:
