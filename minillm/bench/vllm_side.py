@@ -95,7 +95,7 @@ def plan(args: argparse.Namespace) -> tuple[list[str], list[str], str | None]:
 
 
 def order(servers: list[str], round_index: int) -> list[str]:
-    """Round r starts r servers further on, so no server always runs first (or right after the same one)."""
+    """Round r starts r servers further on, so no server always runs first, on the machine as it was left."""
     k = round_index % len(servers)
     return servers[k:] + servers[:k]
 
