@@ -150,7 +150,7 @@ def measure(lesson, models: dict, f: dict, s: dict) -> dict:
             + [("prefill", figures["prefill"])]]
     print_table(["batch", "fp32", "bf16", "int8", "fp32 pred.", "bf16 pred.", "int8 pred.", "fp32÷int8", "bf16÷int8"],
                 rows, f"Decode steps at context {s['context']} and a {s['prompt']}-token prefill, {lesson.args.model} "
-                      f"(medians of {rounds.count} rounds; pred.: the cost model at each kernel's stream, before measuring):")
+                      f"(medians of {rounds.count} rounds; pred.: at each kernel's stream, before measuring):")
     return {"figures": figures, "rounds": rounds}
 
 
@@ -189,15 +189,15 @@ def checks(figures: dict) -> list[Check]:
                          f"{rate[slow] / 1e9:.3g}) of the {bw / 1e9:.3g} GB/s a copy reads, so the kernels predict "
                          f"{pred:.2f}×, under {CLOSE} × the byte ratio {ideal:.2f}×: a kernel we have, not the "
                          "hardware, cannot show the byte ratio here",
-                         why=f"the bytes fall {ideal:.2f}× and the kernels predict {pred:.2f}×, but {fast}'s step ran "
-                             f"only {statistics.median(ratio):.2f}× as fast as {slow}'s"))
+                         why=f"the bytes fall {ideal:.2f}× and the kernels predict {pred:.2f}×, but {fast}'s step "
+                             f"ran only {statistics.median(ratio):.2f}× as fast as {slow}'s"))
     bytes_ratio = pre["bf16"]["bytes"] / pre["int8"]["bytes"]
     pred = pre["bf16"]["predicted_s"] / pre["int8"]["predicted_s"]
     out.append(Check("prefill, bf16 step ÷ int8 step (the same arithmetic)", per_round(pre["bf16"], pre["int8"]),
                      math.sqrt(bytes_ratio * pred), "<=", fmt="{:.2f}", predicted=pred, key="prefill_bf16_over_int8",
                      undecided="" if pred * 1.2 < bytes_ratio else
-                     f"the cost model predicts this prefill {pred:.2f}× faster in int8, about as much as the bytes fall "
-                     f"({bytes_ratio:.2f}×): it is not compute-bound, so this run cannot tell the two apart",
+                     f"the cost model predicts this prefill {pred:.2f}× faster in int8, about as much as the bytes "
+                     f"fall ({bytes_ratio:.2f}×): it is not compute-bound, so this run cannot tell the two apart",
                      why=f"prefill sped up by about the byte ratio ({bytes_ratio:.2f}×), not the {pred:.2f}× the "
                          "arithmetic predicts: it was not compute-bound at this prompt length"))
     last = len(d["int8"]) - 1
@@ -207,8 +207,8 @@ def checks(figures: dict) -> list[Check]:
     out.append(Check(f"bf16 ÷ int8 step at batch {d['int8'][last]['batch']}, over the same at batch 1",
                      [b / a for a, b in zip(one, big)], math.sqrt(pred), "<=", fmt="{:.2f}", predicted=pred,
                      key="advantage_shrinks", undecided="" if pred < 0.8 else
-                     f"the cost model predicts the sweep's largest batch to keep {pred:.2f} of int8's batch-1 advantage; "
-                     "sweep larger batches",
+                     f"the cost model predicts the sweep's largest batch to keep {pred:.2f} of int8's batch-1 "
+                     "advantage; sweep larger batches",
                      why=f"int8's advantage over bf16 held at batch {d['int8'][last]['batch']}: its step there was "
                          f"{statistics.median(big):.2f}× faster against {statistics.median(one):.2f}× at batch 1"))
     acc = figures["accuracy"]
@@ -255,7 +255,7 @@ def plot(lesson, f: dict, verdict) -> None:
     batches, d = [e["batch"] for e in f["decode"]["fp32"]], f["decode"]
     for v, color in zip(VARIANTS, ("C0", "C1", "C2")):
         axes[0].plot(batches, [statistics.median(e["times_s"]) * 1e3 for e in d[v]], "o-", color=color, label=v)
-        axes[0].plot(batches, [e["predicted_s"] * 1e3 for e in d[v]], "--", color=color, label=f"{v}, predicted (its kernel's stream)")
+        axes[0].plot(batches, [e["predicted_s"] * 1e3 for e in d[v]], "--", color=color, label=f"{v}, predicted")
         if v != "int8":
             axes[1].plot(batches, [statistics.median(per_round(e, i8)) for e, i8 in zip(d[v], d["int8"])], "o-",
                          color=color, label=f"{v} ÷ int8, measured")
@@ -263,7 +263,8 @@ def plot(lesson, f: dict, verdict) -> None:
                          color=color, label=f"{v} ÷ int8, predicted (the kernels' streams)")
     axes[1].axhline(1, color="k", lw=1)
     axes[1].axvline(f["ridge_batch"], color="grey", ls=":", label="bf16 decode reaches the ridge (roofline)")
-    axes[0].set(ylabel="decode step (ms, log)", title="decode step, medians (dashed: predicted)", yscale="log")
+    axes[0].set(ylabel="decode step (ms, log)", yscale="log",
+                title="decode step, medians (dashed: predicted, bytes at each kernel's stream or FLOPs at the peak)")
     axes[1].set(ylabel="step time ÷ int8's step", title="int8's advantage as the batch grows (medians)")
     for ax in axes[:2]:
         ax.set(xscale="log", xlabel="batch")
@@ -299,8 +300,8 @@ def main(argv=None) -> dict:
     f, pre = m["figures"], m["figures"]["prefill"]
     verdict = judge("a batch-1 decode step takes its bytes at its kernel's stream, and fewer bytes per weight make it "
                     "faster, close to the byte ratio (judged where this machine's kernels predict it); not prefill, "
-                    "and less so as the batch grows; at a bounded cost in the logits", checks(f), lesson.load(), [m["rounds"]],
-                    facts=facts(f))
+                    "and less so as the batch grows; at a bounded cost in the logits", checks(f), lesson.load(),
+                    [m["rounds"]], facts=facts(f))
     verdict.notes += [f"int8's prefill ran {statistics.median(per_round(pre['fp32'], pre['int8'])):.2f}× as fast as "
                       f"fp32's: its weights are widened to bf16 and multiplied there, at bf16's peak, "
                       f"{f['peak']['int8'] / f['peak']['fp32']:.2f}× fp32's" + ("" if f["native_bf16"] is None else

@@ -111,9 +111,9 @@ def unit_scales(out: int) -> torch.Tensor:
 
 def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype. The product: on a CPU in bf16 with fp32 sums,
-    fused for a few rows, a bf16 matmul over q widened for more; elsewhere q widened to x's dtype. Then, on every
-    device, one fp32 epilogue (scales and bias in one pass), rounded once to x's dtype."""
+    """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype. The product: on a CPU in bf16 with fp32
+    sums, fused for a few rows, a bf16 matmul over q widened for more; elsewhere q widened to x's dtype. Then, on
+    every device, one fp32 epilogue (scales and bias in one pass), rounded once to x's dtype."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu":
         y = F.linear(x, q.to(x.dtype))

@@ -58,8 +58,8 @@ def scale_times(entry: dict, by: float) -> None:
 
 
 def short_of_the_bytes(f: dict, fast: str) -> None:
-    """The kernels predict 1.82× (the byte ratio 2×, line 1.4×) and the step runs 1.33×: within CLOSE of its kernels'
-    prediction, short of the byte ratio."""
+    """The kernels predict 1.82× (the byte ratio 2×, line 1.4×) and the step runs 1.33×: within CLOSE of its
+    kernels' prediction, short of the byte ratio."""
     f["decode"][fast][0]["predicted_s"] *= 1.1
     scale_times(f["decode"][fast][0], 1.5)
 
