@@ -36,8 +36,8 @@ matmul). More rows (prefill) go through a bf16 matmul over q widened to bf16: th
 of the sums, so a row's logits do not depend on how many rows share its step. The two bf16 roundings err about
 a third as much as the weights' own; the tests bound the total. On a CPU without bf16 instructions that matmul
 is emulated, and prefill in int8 is slower than in fp32. On any other device (a GPU, where gpt-fast leaves the
-fusion to torch.compile) the product widens q to the activations' dtype: `F.linear(x, q.to(x.dtype)) · scale`,
-as gpt-fast writes it.
+fusion to torch.compile) the product widens q to the activations' dtype, `F.linear(x, q.to(x.dtype))` as
+gpt-fast writes it, and the same fp32 epilogue follows.
 
 The tied head. vLLM and gpt-fast keep embeddings in full precision, and so does this file: `wte` stays as it is
 for the lookup, which reads only one row per token. But the head, logits = x·wteᵀ, is the largest matmul in
@@ -106,24 +106,23 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def unit_scales(out: int) -> torch.Tensor:
     """The fused kernel's own scales, all ones (bf16 [out]), made once per width: the real ones are applied
     after, in fp32."""
-    return torch.ones(out, dtype=torch.bfloat16)
+    return torch.ones(out, dtype=torch.bfloat16, device="cpu")  # not the default device: the kernel is the CPU's
 
 
 def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype. On a CPU in bf16 with fp32 sums: fused for a
-    few rows, a bf16 matmul over q widened for more, then one fp32 epilogue (scales and bias in one pass);
-    elsewhere q widened to x's dtype."""
+    """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype. The product: on a CPU in bf16 with fp32
+    sums, fused for a few rows, a bf16 matmul over q widened for more; elsewhere q widened to x's dtype. Then, on
+    every device, one fp32 epilogue (scales and bias in one pass), rounded once to x's dtype."""
+    rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu":
-        y = F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
-        return y if bias is None else y + bias
-    rows, xb = x.numel() // x.shape[-1], x.to(torch.bfloat16)
-    if rows <= FUSED_MAX_ROWS and x.shape[-1] % 16 == 0:  # the kernel takes `in` 16 at a time
-        y = torch.ops.aten._weight_int8pack_mm(xb.reshape(rows, -1), q, unit_scales(q.shape[0]))
+        y = F.linear(x, q.to(x.dtype))
+    elif rows <= FUSED_MAX_ROWS and x.shape[-1] % 16 == 0:  # the kernel takes `in` 16 at a time
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).reshape(rows, -1), q, unit_scales(q.shape[0]))
         y = y.view(*x.shape[:-1], -1)
     else:
-        y = F.linear(xb, q.to(torch.bfloat16))
-    y = y * scales if bias is None else torch.addcmul(bias, y, scales)  # bf16 y, fp32 scales: in fp32
+        y = F.linear(x.to(torch.bfloat16), q.to(torch.bfloat16))
+    y = y.float() * scales if bias is None else torch.addcmul(bias.float(), y.float(), scales)
     return y.to(x.dtype)
 
 

@@ -9,7 +9,7 @@ import torch
 from minillm import PRESETS
 from minillm.bench.accuracy import (ROUNDERS, context_sensitivity, first_divergence, greedy_runs, logit_error,
                                     noisy_copy)
-from minillm.bench.verdict import NOT_SUPPORTED
+from minillm.bench.verdict import NOT_SUPPORTED, judge
 from minillm.cpu_layout import choose_layout
 from minillm.quantize import quantize
 from models import context_model, random_prompts
@@ -57,11 +57,20 @@ def scale_times(entry: dict, by: float) -> None:
     entry["times_s"] = [t * by for t in entry["times_s"]]
 
 
+def short_of_the_bytes(f: dict, fast: str) -> None:
+    """The kernels predict 1.82× (the byte ratio 2×, line 1.4×) and the step runs 1.33×: within CLOSE of its
+    kernels' prediction, short of the byte ratio."""
+    f["decode"][fast][0]["predicted_s"] *= 1.1
+    scale_times(f["decode"][fast][0], 1.5)
+
+
 COUNTERFACTUALS = {  # check key → a measurement that puts it on the wrong side
     "decode_fp32_over_bf16": lambda f: scale_times(f["decode"]["bf16"][0], 2.0),      # bf16 no faster than fp32
     "decode_bf16_over_int8": lambda f: scale_times(f["decode"]["int8"][0], 2.0),      # int8 no faster than bf16
     "decode_fp32_over_bf16_at_most": lambda f: scale_times(f["decode"]["bf16"][0], 0.5),  # bf16 beat its kernel
     "decode_bf16_over_int8_at_most": lambda f: scale_times(f["decode"]["int8"][0], 0.5),  # int8 beat its kernel
+    "decode_fp32_over_bf16_by_bytes": lambda f: short_of_the_bytes(f, "bf16"),
+    "decode_bf16_over_int8_by_bytes": lambda f: short_of_the_bytes(f, "int8"),
     "prefill_bf16_over_int8": lambda f: scale_times(f["prefill"]["int8"], 0.5),       # prefill at the byte ratio
     "advantage_shrinks": lambda f: scale_times(f["decode"]["int8"][1], 0.5),          # still 2× at batch 64
     "context_sensitivity": lambda f: f["accuracy"].update(context_sensitivity=0.0),    # a model that ignores it
@@ -93,6 +102,62 @@ def test_a_slow_decode_names_its_kernel_and_the_rest_of_its_step():
     scale_times(figures["decode"]["int8"][0], 2.0)
     why = next(c.why for c in L06.checks(figures) if c.key == "decode_bf16_over_int8")
     assert "one-row product's 11 GB/s of the 40 GB/s" in why and "the rest of int8's step" in why, why
+
+
+@pytest.mark.parametrize("fast", ["bf16", "int8"])
+def test_short_of_the_byte_ratio_within_its_kernels_prediction_fails_only_the_claim(fast):
+    figures = copy.deepcopy(holding_figures())
+    short_of_the_bytes(figures, fast)
+    slow = {"bf16": "fp32", "int8": "bf16"}[fast]
+    outcome = {c.key: c.outcome() for c in L06.checks(figures)}
+    assert outcome[f"decode_{slow}_over_{fast}"] == outcome[f"decode_{slow}_over_{fast}_at_most"] == "HOLDS"
+    assert outcome[f"decode_{slow}_over_{fast}_by_bytes"] == NOT_SUPPORTED
+
+
+def test_a_kernel_too_slow_for_the_byte_ratio_leaves_the_claim_undecided_naming_it():
+    """int8's kernel streams half as fast as bf16's, so the kernels predict int8 1.5× slower, and it is: the
+    mechanism holds, the byte ratio is undecided (never NOT SUPPORTED for a kernel's reason), so is the verdict."""
+    figures = copy.deepcopy(holding_figures())
+    int8 = figures["decode"]["int8"]
+    int8[0]["predicted_s"], int8[1]["predicted_s"] = 3.0, 30.0
+    scale_times(int8[0], 3.0)
+    scale_times(int8[1], 3.0)
+    checks = {c.key: c for c in L06.checks(figures)}
+    claim = checks["decode_bf16_over_int8_by_bytes"]
+    assert claim.outcome() == "INCONCLUSIVE" and checks["decode_bf16_over_int8"].outcome() == "HOLDS"
+    assert "one-row int8 kernel streams 11 GB/s (bf16's 12) of the 40 GB/s a copy reads" in claim.undecided
+    assert "a kernel we have, not the hardware" in claim.undecided
+    assert judge("claim", list(checks.values()), None).outcome == "INCONCLUSIVE"
+    scale_times(int8[0], 10.0)  # far slower still: the claim stays undecided; the mechanism check says why
+    outcome = {c.key: c.outcome() for c in L06.checks(figures)}
+    assert outcome["decode_bf16_over_int8_by_bytes"] == "INCONCLUSIVE"
+    assert outcome["decode_bf16_over_int8"] == NOT_SUPPORTED
+
+
+def test_plan_predicts_each_batch_1_step_from_its_bytes_at_its_own_kernels_rate():
+    """plan() on fake ceilings: each variant's batch-1 step is its bytes ÷ its one-row kernel's rate (not the
+    bandwidth), the ideal its bytes ÷ the best bandwidth; a kernel faster than the bandwidth is held to it."""
+    from types import SimpleNamespace
+    model = context_model()
+    models = {"fp32": model, "bf16": copy.deepcopy(model).to(torch.bfloat16),
+              "int8": quantize(copy.deepcopy(model).to(torch.bfloat16))}
+    rates = {"fp32": 3e10, "bf16": 1.2e10, "int8": 5e9}
+
+    def ceiling(v, bandwidth):
+        kernel = ("int8 " if v == "int8" else "") + "one-row product"
+        return SimpleNamespace(bandwidth=bandwidth, matmul_flops=1e30, kernels={kernel: {"rate": rates[v]}})
+    ceil = {"fp32": ceiling("fp32", 4e10), "bf16": ceiling("bf16", 2.5e10), "int8": ceiling("int8", 3e10)}
+    s = {"context": 8, "prompt": 16, "batches": [1, 4]}
+    f = L06.plan(SimpleNamespace(config=model.config), models, ceil, s)["figures"]
+    assert f["one_row_stream"] == rates and f["bandwidth"] == 4e10
+    for v in L06.VARIANTS:
+        one = f["decode"][v][0]
+        assert one["batch"] == 1 and one["predicted_s"] == one["bytes"] / rates[v], v
+        assert one["ideal_s"] == one["bytes"] / 4e10, v
+    rates["fp32"] = 9e10  # faster than any bandwidth: the bandwidth bounds it
+    ceil["fp32"] = ceiling("fp32", 4e10)
+    f = L06.plan(SimpleNamespace(config=model.config), models, ceil, s)["figures"]
+    assert f["decode"]["fp32"][0]["predicted_s"] == f["decode"]["fp32"][0]["bytes"] / 4e10
 
 
 def test_the_prediction_reads_each_variants_bytes_at_its_own_kernels_stream():

@@ -20,8 +20,8 @@ from minillm.cpu_layout import choose_layout, kernels, lay_out
 from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
 from minillm.model import Conv1D, LMHead
-from minillm.quantize import (WeightOnlyInt8Linear, WeightOnlyInt8LMHead, dequantize, int8_product, quantization_of,
-                              quantize, quantize_per_channel)
+from minillm.quantize import (FUSED_MAX_ROWS, WeightOnlyInt8Linear, WeightOnlyInt8LMHead, dequantize, int8_product,
+                              quantization_of, quantize, quantize_per_channel, unit_scales)
 from minillm.scheduler import SchedulerConfig
 from models import context_model, random_prompts
 
@@ -93,6 +93,37 @@ def test_the_fused_and_the_widened_product_agree_on_the_cpu():
     odd_x = torch.randn(3, 40, generator=g)
     assert torch.allclose(int8_product(odd_x, odd_q, odd_scales), odd_x @ dequantize(odd_q, odd_scales).t(), rtol=2e-2,
                           atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # the fused kernel, then the bf16 matmul
+def test_the_epilogue_applies_scales_and_bias_in_fp32_and_rounds_once(rows):
+    """Scales bf16 cannot represent and a non-zero bias: the product, then scales and bias in fp32, one cast to
+    bf16 (exactly); for fp32 activations, within fp32's rounding of that sum (addcmul may fuse it: one rounding)."""
+    g = torch.Generator().manual_seed(3)
+    q, scales = quantize_per_channel(torch.randn(64, 48, generator=g))
+    scales = scales * (1 + 2 ** -12)  # between two bf16 values: rounding them first would show
+    assert not torch.equal(scales.bfloat16().float(), scales)
+    x, bias = torch.randn(rows, 48, generator=g), torch.randn(64, generator=g) * 3
+    xb, ones = x.to(torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    y = torch.ops.aten._weight_int8pack_mm(xb, q, ones) if rows <= FUSED_MAX_ROWS else xb @ q.to(torch.bfloat16).t()
+    bf16 = (y.float() * scales + bias.bfloat16().float()).to(torch.bfloat16)
+    assert torch.equal(int8_product(xb, q, scales, bias.bfloat16()), bf16)
+    assert torch.equal(int8_product(xb, q, scales), (y.float() * scales).to(torch.bfloat16))
+    exact = y.double() * scales.double() + bias.double()
+    bound = 2 ** -23 * (y.double() * scales.double()).abs() + 2 ** -24 * exact.abs()  # the product, then the sum
+    assert ((int8_product(x, q, scales, bias).double() - exact).abs() <= bound).all()
+
+
+def test_the_fused_kernels_unit_scales_stay_on_the_cpu_whatever_the_default_device():
+    """A first call under another default device (here meta; a GPU's alike) must not cache scales off the CPU."""
+    g = torch.Generator().manual_seed(4)
+    q, scales = quantize_per_channel(torch.randn(80, 32, generator=g))
+    x = torch.randn(2, 32, generator=g)
+    unit_scales.cache_clear()
+    with torch.device("meta"):
+        assert unit_scales(80).device.type == "cpu"
+        under = int8_product(x, q, scales)
+    assert torch.equal(under, int8_product(x, q, scales))
 
 
 # ---- the model ----------------------------------------------------------------------------------------------------
@@ -244,6 +275,23 @@ def test_int8_on_cuda_gives_the_cpu_int8_logits_within_bf16(fp32):
         ref, got = fp32(ids), gpu(ids.cuda()).cpu()
     assert (ref - got).abs().max() <= MAX_ABS_DIFF and kl(ref, got).mean() <= MEAN_KL
     assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu.state_dict().values(), cpu.state_dict().values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with -m gpu on a GPU machine)")
+def test_on_cuda_the_epilogue_is_fp32_too():
+    """Elsewhere than a CPU: q widened to x's dtype, then scales bf16 cannot represent and the bias in fp32, rounded
+    once to bf16: within half a bf16 step of the exact sum (however the device fuses it), which a bf16 epilogue
+    (scales rounded, then the product, then the sum) exceeds."""
+    g = torch.Generator().manual_seed(5)
+    q, scales = quantize_per_channel(torch.randn(64, 48, generator=g))
+    scales = scales * (1 + 2 ** -12)
+    x, bias = torch.randn(5, 48, generator=g).bfloat16().cuda(), torch.randn(64, generator=g).bfloat16().cuda()
+    q, scales = q.cuda(), scales.cuda()
+    y = torch.nn.functional.linear(x, q.to(x.dtype)).double()
+    got, exact = int8_product(x, q, scales, bias), y * scales.double() + bias.double()
+    half_step = 2.0 ** (torch.frexp(got.float())[1] - 9).double()  # bf16: 8 significant bits
+    assert ((got.double() - exact).abs() <= half_step + 2 ** -22 * exact.abs()).all()
 
 
 def test_bench_counts_the_weight_bytes_a_step_reads_as_stored(fp32, int8):
