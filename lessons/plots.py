@@ -55,7 +55,11 @@ def plot_checks(ax, verdict: Verdict) -> None:
                     label="predicted (the cost model)" if c is next(d for d in checks if d.predicted is not None)
                     else None)
     ax.axhline(1.0, color="k", ls="--", lw=1, label="the claim's line")
-    ax.set_xticks(range(len(checks)), [textwrap_fill(c.name, 22) for c in checks], fontsize=7)
+    if len(checks) <= 5:  # names fit side by side; more are named by their keys (the JSON's), slanted
+        ax.set_xticks(range(len(checks)), [textwrap_fill(c.name, 22) for c in checks], fontsize=7)
+    else:
+        ax.set_xticks(range(len(checks)), [c.key or textwrap_fill(c.name, 30) for c in checks], fontsize=7,
+                      rotation=30, ha="right", rotation_mode="anchor")
     ax.set_xlim(-0.6, len(checks) - 0.4)
     ax.set_ylabel("value ÷ the claim's line")
     ax.set_title("the checks: rounds, median, interval\n(≥ checks hold above 1, ≤ checks below)", fontsize=9)
