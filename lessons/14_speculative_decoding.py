@@ -22,9 +22,9 @@ Each part is judged where it applies:
 - The speedup to expect at the --model's shape is S from the pair's α and ḡ with that shape's measured v and c
   (the loop's seconds carried over): a prediction, reported. What runs end to end is the pair: its measured
   speedup ÷ S (the formula's tokens per pass, not the run's) at the pair's OWN v, c, ℓ and ℓ₀ is judged, within
-  15% either way (timing), for every γ and for lookup at γ = 4; ℓ, ℓ₀: time outside the passes of a generation
-  clocked apart from the judged rounds, ÷ a 1-token pass timed alone. A small pair's step is host-bound, its v
-  far from 1: it is held to its own costs, not to the premise. Lookup's ≥ 1.5× on a repeating prompt is context.
+  15% either way (timing), for every γ and for lookup at γ = 4; ℓ, ℓ₀: time outside the passes and lookups of a
+  generation clocked apart from the judged rounds, ÷ a 1-token pass timed alone. A small pair's step is host-bound,
+  its v far from 1: held to its own costs, not to the premise. Lookup's ≥ 1.5× on a repeating prompt is context.
 
 What this lesson measures
 -------------------------
@@ -227,11 +227,11 @@ def predict_costs(lesson, target: GPT2, s: dict) -> dict:
             f"{part:.0%} of the weights a step reads",
             f"the pair's own pass over {PREMISE_K}, by the same model (t₁ = {ms(p['verification']['fixed_s'])}): "
             f"{p['verification']['predicted_ratio'][PREMISE_K]:.2f} steps. Speculation pays its tokens per pass, "
-            f"(1 − α^(ḡ+1)) / (1 − α) for ḡ guesses per pass, ÷ what a pass costs, ḡc + v; on the pair, measured ÷ "
-            f"that S at its own measured costs (ℓ, ℓ₀ clocked before the judged rounds) lies in "
-            f"{FIT_BAND[0]:.2f}–{FIT_BAND[1]:.2f}", expect={**({"premise_low": premise} if lo > 1 else {}),
-                                                             "premise_high": premise, "fit_low": 1.0, "fit_high": 1.0,
-                                                             "lookup": 1.0})
+            "(1 − α^(ḡ+1)) / (1 − α) for ḡ guesses per pass, ÷ what a pass costs in target-alone steps, (ḡc + v + ℓ) "
+            "÷ (1 + ℓ₀); on the pair, measured ÷ that S at its own measured costs (ℓ, ℓ₀ clocked before the judged "
+            f"rounds) lies in {FIT_BAND[0]:.2f}–{FIT_BAND[1]:.2f}",
+            expect={**({"premise_low": premise} if lo > 1 else {}), "premise_high": premise, "fit_low": 1.0,
+                    "fit_high": 1.0, "lookup": 1.0})
     return {"ks": ks, **p}
 
 

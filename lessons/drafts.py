@@ -186,10 +186,12 @@ class Run(NamedTuple):
 
 @contextlib.contextmanager
 def forward_clock(models: list[GPT2], device):
-    """Yields [seconds] spent so far inside the models' forward passes and every KV cache's `prepare` (a pass's
-    metadata, which the passes timed alone include), the device synchronised at each boundary: the rest of a span
-    is the loop's own work (sampling, verifying, bookkeeping)."""
-    spent, open_, prepare = [0.0], [], KVCache.prepare   # open_: the clock's start, once per call still running
+    """Yields [seconds] spent so far inside the models' forward passes, every KV cache's `prepare` (a pass's
+    metadata) and prompt lookup's `propose` (what the passes and the lookup timed alone include), the device
+    synchronised at each boundary: the rest of a span is the loop's own work (sampling, verifying, bookkeeping)."""
+    spent, open_ = [0.0], []   # open_: the clock's start, once per clocked call still running
+    methods = [(KVCache, "prepare"), (NgramProposer, "propose")]
+    saved = [getattr(cls, name) for cls, name in methods]
 
     def enter(*_):
         if not open_:
@@ -202,18 +204,22 @@ def forward_clock(models: list[GPT2], device):
             synchronize(device)
             spent[0] += time.perf_counter() - start
 
-    def clocked_prepare(cache, *args, **kwargs):
-        enter()
-        try:
-            return prepare(cache, *args, **kwargs)
-        finally:
-            leave()
+    def clocked(method):
+        def call(self, *args, **kwargs):
+            enter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                leave()
+        return call
     hooks = [h for m in models for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    KVCache.prepare = clocked_prepare
+    for (cls, name), method in zip(methods, saved):
+        setattr(cls, name, clocked(method))
     try:
         yield spent
     finally:
-        KVCache.prepare = prepare
+        for (cls, name), method in zip(methods, saved):
+            setattr(cls, name, method)
         for h in hooks:
             h.remove()
 
@@ -268,7 +274,8 @@ def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], clocked: 
     against: `fit`), and at the shape's: each S from the formula's tokens per pass, not the run's."""
     stats = runs[0].stats   # of the timed rounds; greedy: every round made the same tokens, so the same counts
     speedups = [(b.decode_s / b.decode_tokens) / (r.decode_s / r.decode_tokens) for b, r in zip(base, runs)]
-    per_pass, guesses = runs[0].decode_tokens / stats.num_target_passes, stats.num_draft_tokens / stats.num_target_passes
+    passes = stats.num_target_passes
+    per_pass, guesses = runs[0].decode_tokens / passes, stats.num_draft_tokens / passes
     formula, c, c_predicted = expected_tokens_per_pass(stats.alpha, guesses), own["c"][name], shape["c_predicted"][name]
     (b, r), t1 = clocked, own["seconds"]["pass"][1]
     alone_s, loop_s = (b.decode_s - b.inside_s) / b.decode_tokens, (r.decode_s - r.inside_s) / r.stats.num_target_passes

@@ -42,7 +42,8 @@ def test_quick_run_on_tiny_writes_one_verdict(tmp_path, one_thread):
         assert 0 <= r["alpha"] <= 1 and 1 <= r["tokens_per_pass"] <= r["gamma"] + 1 and len(r["speedups"]) >= 5
         assert r["fit"] == pytest.approx([x / r["modelled"] for x in r["speedups"]]) and r["at_shape"] > 0
         assert r["loop"] > 0 and r["loop_alone"] > 0   # the loop's own work, clocked
-        assert r["formula_tokens_per_pass"] == pytest.approx(expected_tokens_per_pass(r["alpha"], r["guesses_per_pass"]))
+        formula = expected_tokens_per_pass(r["alpha"], r["guesses_per_pass"])   # what S takes, not the run's own
+        assert r["formula_tokens_per_pass"] == pytest.approx(formula)
     for who, blocks in (("verification", None), ("shape", 1)):   # the pair, and tiny's shape (2 blocks: a draft of 1)
         cost = doc["figures"][who]
         assert cost["ratio"]["1"] == 1.0 and set(cost["ratio"]) == {"1", "5"} and cost["context"] <= 128 - 5
@@ -143,8 +144,8 @@ def test_a_sweep_row_judges_leviathans_formula_in_alpha_not_the_runs_own_tokens_
 
 
 def test_the_clock_splits_a_generation_into_its_passes_and_the_loops_own_work(target, monkeypatch, one_thread):
-    """Work put inside the forward passes counts as inside; work put in the loop (the acceptance rule) as outside;
-    the hooks and the clocked `prepare` are gone afterwards."""
+    """Work put inside the forward passes or a lookup's proposal (drafting, priced by c) counts as inside; work put
+    in the loop (the acceptance rule) as outside; the hooks and the clocked methods are gone afterwards."""
     import time
 
     import minillm.speculative as spec
@@ -155,10 +156,14 @@ def test_the_clock_splits_a_generation_into_its_passes_and_the_loops_own_work(ta
     assert plain.stats is None and 0 < plain.inside_s < plain.decode_s
     assert loop.decode_s - loop.inside_s >= nap * loop.stats.num_target_passes   # the rule's nap: outside
     assert kv_cache.KVCache.prepare is prepare and not target._forward_hooks and not target._forward_pre_hooks
-    handle = target.register_forward_pre_hook(lambda *_: None)   # a pass made slower by its own nap: inside
-    monkeypatch.setattr(target, "forward", lambda *a, forward=target.forward, **k: (time.sleep(nap), forward(*a, **k))[1])
-    slow = drafts.timed(target, None, prompt, GREEDY, clock=True)()
-    handle.remove()
+    propose = NgramProposer.propose   # a lookup is drafting (its c), not the loop's own work: inside
+    monkeypatch.setattr(NgramProposer, "propose", lambda *a, propose=propose: (time.sleep(nap), propose(*a))[1])
+    lookup = drafts.timed(target, NgramProposer(), prompt, GREEDY, 3, clock=True)()
+    assert lookup.inside_s >= nap * (lookup.stats.num_target_passes - 1)   # the last round may propose nothing
+    assert NgramProposer.propose is not propose and NgramProposer.propose.__name__ == "<lambda>"   # restored
+    monkeypatch.setattr(target, "forward",
+                        lambda *a, forward=target.forward, **k: (time.sleep(nap), forward(*a, **k))[1])
+    slow = drafts.timed(target, None, prompt, GREEDY, clock=True)()   # a pass made slower by a nap: inside
     assert slow.inside_s >= nap * slow.decode_tokens and slow.decode_s - slow.inside_s < slow.inside_s
     assert drafts.timed(target, None, prompt, GREEDY)().inside_s is None   # unclocked: not measured
 
@@ -205,7 +210,8 @@ def test_the_facts_report_c_the_pairs_own_cost_the_loops_work_and_s_at_the_shape
                                                        (0.5, None), (0.6, None), (1.9, 2.0), (1.9, 2.0)]
     assert facts[0].name == "c at gpt2's shape: a step of its first 3 blocks ÷ a step"
     assert facts[2].name.startswith("on gpt2's shape, a pass over 5") and "low end, 0.70, not judged" in facts[2].name
-    assert facts[3].name.startswith("ℓ₀") and facts[4].name == "ℓ, the pair's prompt lookup at γ = 4: loop work per pass"
+    assert facts[3].name.startswith("ℓ₀")
+    assert facts[4].name == "ℓ, the pair's prompt lookup at γ = 4: loop work per pass"
     assert facts[6].name == "S at gpt2's shape, prompt lookup at γ = 4" and "≥ 1.5×" in facts[6].why
     assert "α = 0.80 and ḡ = 3.00" in facts[6].why and "1.5" not in facts[7].why
     judged = {**f, "shape": {**f["shape"], "premise_band": [1.2, 2.7]}}   # a low end over 1: a check, no fact
