@@ -1,5 +1,7 @@
 """Lesson 14's models: the pair it speculates with (a target with trained weights and its draft), and why; and
-what their passes cost and their generations take, timed (`cost_fns`, `summarise_costs`, `timed`).
+what their passes cost and their generations take, timed (`cost_fns`, `summarise_costs`, `timed`); how much of
+a generation is the loop's own work, outside its forward passes (`forward_clock`); and a sweep's row, with S
+priced at measured costs (`priced`, `sweep_row`).
 
 Acceptance rates need trained weights: a random init's next token barely depends
 on its context, so its α says nothing about speculation. With a checkpoint on disk
@@ -24,16 +26,19 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from minillm.bench.steps import decode_step
 from minillm.checkpoints.load import load_model, locate
 from minillm.config import GPT2Config
 from minillm.cpu_layout import choose_layout  # as the loader lays out every model it loads
+from minillm.device import synchronize
 from minillm.kv_cache import KVCache, Segment, generate
 from minillm.model import GPT2, Conv1D
 from minillm.sampling_params import SamplingParams
-from minillm.speculative import NgramProposer, SpecDecodingStats, SpeculativeDecoder
+from minillm.speculative import (NgramProposer, SpecDecodingStats, SpeculativeDecoder, expected_speedup,
+                                 expected_tokens_per_pass)
 
 TEXT_MODULES = ("argparse", "textwrap", "statistics", "difflib", "fractions", "calendar", "string", "shlex")
 SMALL = GPT2Config(n_layer=2, n_head=4, n_embd=64, n_ctx=128, vocab_size=256, eos_token_id=None)  # bytes in, bytes out
@@ -176,30 +181,111 @@ class Run(NamedTuple):
     decode_s: float       # the decode phase: from the first token (the prefill's) to the last
     decode_tokens: int    # tokens made in it
     stats: object         # SpecDecodingStats of the same rounds (the prefill's left out); None for the target alone
+    inside_s: float | None = None   # of decode_s, inside forward passes and their `prepare` (`timed(clock=True)`)
 
 
-def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0, generations: int = 1):
+@contextlib.contextmanager
+def forward_clock(models: list[GPT2], device):
+    """Yields [seconds] spent so far inside the models' forward passes, every KV cache's `prepare` (a pass's
+    metadata) and prompt lookup's `propose` (what the passes and the lookup timed alone include), the device
+    synchronised at each boundary: the rest of a span is the loop's own work (sampling, verifying, bookkeeping)."""
+    spent, open_ = [0.0], []   # open_: the clock's start, once per clocked call still running
+    methods = [(KVCache, "prepare"), (NgramProposer, "propose")]
+    saved = [getattr(cls, name) for cls, name in methods]
+
+    def enter(*_):
+        if not open_:
+            synchronize(device)
+        open_.append(time.perf_counter())
+
+    def leave(*_):
+        start = open_.pop()
+        if not open_:   # the outermost call ended (one model hooked twice, a draft that is the target)
+            synchronize(device)
+            spent[0] += time.perf_counter() - start
+
+    def clocked(method):
+        def call(self, *args, **kwargs):
+            enter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                leave()
+        return call
+    hooks = [h for m in models for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    for (cls, name), method in zip(methods, saved):
+        setattr(cls, name, clocked(method))
+    try:
+        yield spent
+    finally:
+        for (cls, name), method in zip(methods, saved):
+            setattr(cls, name, method)
+        for h in hooks:
+            h.remove()
+
+
+def timed(target: GPT2, draft, prompt: list[int], params: SamplingParams, gamma: int = 0, generations: int = 1,
+          clock: bool = False):
     """`generations` generations in a row, their decode phases timed and counted (not the prefill's round) and
     summed, so that a round lasts long enough for a moment's load to be a small share of it: the target alone if
-    draft is None."""
+    draft is None. clock: also the seconds inside the forward passes (`forward_clock`), in `inside_s`."""
+    models = [target] + ([draft] if isinstance(draft, GPT2) else [])
+
     def one() -> Run:
-        if draft is None:
-            marks = []   # on_step fires after the prefill, then after every decode step
-            out = generate(target, [prompt], params, on_step=lambda *_: marks.append(time.perf_counter()))[0]
-            return Run(out, marks[-1] - marks[0], len(out) - 1, None)
-        decoder = SpeculativeDecoder(target, draft, prompt, params, gamma)
-        first, t0 = len(decoder.step()), time.perf_counter()   # the first round is the prefill pass
-        before = dataclasses.astuple(decoder.stats)
-        while decoder.finish_reason is None:
-            decoder.step()
-        seconds, after = time.perf_counter() - t0, dataclasses.astuple(decoder.stats)
+        with forward_clock(models, target.device) if clock else contextlib.nullcontext([None]) as inside:
+            if draft is None:
+                marks = []   # on_step fires after the prefill, then after every decode step
+                out = generate(target, [prompt], params,
+                               on_step=lambda *_: marks.append((time.perf_counter(), inside[0])))[0]
+                (t0, in0), (t1, in1) = marks[0], marks[-1]
+                return Run(out, t1 - t0, len(out) - 1, None, None if in0 is None else in1 - in0)
+            decoder = SpeculativeDecoder(target, draft, prompt, params, gamma)
+            first, t0, in0 = len(decoder.step()), time.perf_counter(), inside[0]   # the first round: the prefill
+            before = dataclasses.astuple(decoder.stats)
+            while decoder.finish_reason is None:
+                decoder.step()
+            seconds, in1, after = time.perf_counter() - t0, inside[0], dataclasses.astuple(decoder.stats)
         return Run(decoder.output, seconds, len(decoder.output) - first,
-                   SpecDecodingStats(*(a - b for a, b in zip(after, before))))
+                   SpecDecodingStats(*(a - b for a, b in zip(after, before))), None if in0 is None else in1 - in0)
 
     def once() -> Run:   # greedy: every generation makes the same tokens; times and counts are summed
         runs = [one() for _ in range(generations)]
         stats = None if draft is None else SpecDecodingStats(*map(sum, zip(*(dataclasses.astuple(r.stats)
                                                                              for r in runs))))
         return runs[-1]._replace(decode_s=sum(r.decode_s for r in runs), stats=stats,
-                                 decode_tokens=sum(r.decode_tokens for r in runs))
+                                 decode_tokens=sum(r.decode_tokens for r in runs),
+                                 inside_s=None if not clock else sum(r.inside_s for r in runs))
     return once
+
+
+def priced(per_pass: float, guesses: float, c: float, ratio: dict, loop: float = 0.0, alone: float = 0.0) -> float:
+    """S: tokens per pass ÷ a pass's cost in target-alone steps (1 + ℓ₀ passes timed alone): ḡ draft steps of c,
+    v(ḡ + 1) read between the measured k, and ℓ of the loop's own work."""
+    ks = sorted(ratio)
+    return per_pass * (1 + alone) / (guesses * c + float(np.interp(guesses + 1, ks, [ratio[k] for k in ks])) + loop)
+
+
+def sweep_row(name: str, gamma: int, base: list[Run], runs: list[Run], clocked: tuple[Run, Run], own: dict,
+              shape: dict) -> dict:
+    """One draft at one γ on the pair: α, tokens and guesses per pass (ḡ: lookup may propose fewer than γ), the
+    speedup per round (per-token time ratio); ℓ₀ and ℓ, the loop's seconds outside the passes per step (target
+    alone) and per pass (speculating) in the `clocked` runs, ÷ a pass over 1 token timed alone; S at v = 1
+    (Leviathan's, beside its value at γ), S at the pair's own costs (`modelled`, which the speedup is judged
+    against: `fit`), and at the shape's: each S from the formula's tokens per pass, not the run's."""
+    stats = runs[0].stats   # of the timed rounds; greedy: every round made the same tokens, so the same counts
+    speedups = [(b.decode_s / b.decode_tokens) / (r.decode_s / r.decode_tokens) for b, r in zip(base, runs)]
+    passes = stats.num_target_passes
+    per_pass, guesses = runs[0].decode_tokens / passes, stats.num_draft_tokens / passes
+    formula, c, c_predicted = expected_tokens_per_pass(stats.alpha, guesses), own["c"][name], shape["c_predicted"][name]
+    (b, r), t1 = clocked, own["seconds"]["pass"][1]
+    alone_s, loop_s = (b.decode_s - b.inside_s) / b.decode_tokens, (r.decode_s - r.inside_s) / r.stats.num_target_passes
+    modelled, at = priced(formula, guesses, c, own["ratio"], loop_s / t1, alone_s / t1), shape["seconds"]["pass"][1]
+    return {"draft": name, "gamma": gamma, "alpha": stats.alpha, "c": c, "speedups": speedups,
+            "speedup": statistics.median(speedups), "low": min(speedups), "high": max(speedups),
+            "tokens_per_pass": per_pass, "formula_tokens_per_pass": formula, "guesses_per_pass": guesses,
+            "loop": loop_s / t1, "loop_alone": alone_s / t1, "predicted": expected_speedup(stats.alpha, guesses, c),
+            "leviathan_at_gamma": expected_speedup(stats.alpha, gamma, c), "modelled": modelled,
+            "fit": [x / modelled for x in speedups], "c_shape": shape["c"][name],
+            "at_shape": priced(formula, guesses, shape["c"][name], shape["ratio"], loop_s / at, alone_s / at),
+            "at_shape_predicted": priced(formula, guesses, c_predicted, shape["predicted_ratio"], loop_s / at,
+                                         alone_s / at)}
