@@ -11,7 +11,8 @@ maximum batch `max_num_seqs`, continuous batching serves at least 1.5× the outp
 tokens per second of static batching, with identical greedy tokens. Static
 batching is run two ways: the engine's own static mode, on the same kernels
 (`SchedulerConfig(batching_type="static")`, `minillm/static_batching.py`), and
-transformers' padded `generate`, batch after batch, where transformers is installed.
+transformers' padded `generate`, batch after batch, where installed (a CPU's --quick
+leaves it to the full run: its loop is slower per step than the engine's).
 
 The cost model, in steps (a step costs about the same whatever its batch):
 
@@ -22,11 +23,10 @@ The cost model, in steps (a step costs about the same whatever its batch):
 So the win grows with the spread of output lengths, none when all are equal (the control). The
 workload: one request in `max_num_seqs` long, the rest short, the mean fixed; spread = long ÷ short.
 
-And the memory wall: a KV pool of `pool_blocks` blocks holds at most
-pool_blocks ÷ blocks per sequence sequences at their longest (the knee,
-predicted before measuring). Past it, a higher `max_num_seqs` buys nothing:
-throughput flattens and preemptions appear (the newest sequence gives its
-blocks back and is recomputed, `scheduler.py`).
+And the memory wall: a KV pool of `pool_blocks` blocks holds at most pool_blocks ÷
+blocks per sequence sequences at their longest (the knee, predicted before measuring).
+Past it a higher `max_num_seqs` buys nothing: throughput flattens and preemptions
+appear (the newest sequence gives its blocks back and is recomputed, `scheduler.py`).
 
 What this lesson measures
 -------------------------
@@ -35,9 +35,10 @@ per second, each request's end-to-end latency, each step's sampled tokens; then 
 uniform workload through a small pool at rising `max_num_seqs`. A speedup is
 judged round by round, and so is the mechanism: measured ÷ predicted ≥ 0.5 (a
 step of fewer rows costs less, not nothing: static's near-empty tail is cheaper).
---quick on a CPU serves the `mini` shape in place of a larger --model (as lesson 12
-does; the header and the JSON's "model" say so): the claim and its prediction are
-counts of steps, which do not depend on the shape, and gpt2's steps there take minutes.
+--quick on a CPU keeps the --model's width and vocabulary and one layer (said at
+the start; "layers" in the JSON): the prediction counts steps, and holds while a
+step costs the same whatever its batch (memory-bound: one gpt2 layer and its head
+still read 180 MB); a host-bound shape (`mini`) pays per sequence and shows less.
 
 Predict before you run: at max_num_seqs 8, with one request in 8 asking for
 seven times the tokens of the others, how much faster is continuous batching?
@@ -53,6 +54,7 @@ from minillm.bench.gpu_targets import reference_model
 from minillm.bench.replay import replay
 from minillm.bench.verdict import MIN_ROUNDS, Check, Fact, interleave, judge, print_verdict, settled
 from minillm.bench.workloads import Request
+from minillm.checkpoints.load import random_model
 from minillm.device import resolve_device
 from minillm.engine import LLMEngine
 from minillm.kv_pool import CacheConfig
@@ -66,12 +68,12 @@ RISE_LINE = 1.5      # throughput at the knee ÷ at a quarter of it
 MODEL_BAND = 0.5     # measured ÷ predicted speedup at least this: fewer rows make a step cheaper, not free
 FLAT_LINE = 1.25     # throughput at 4× the knee ÷ at the knee: 4× the seats buy at most a quarter more
 BLOCK_SIZE = 16
-QUICK_CPU_MODEL = "mini"  # --quick on a CPU serves this shape in place of a larger --model (tiny, the tests', stays)
+QUICK_CPU_LAYERS = 1  # --quick on a CPU: the --model's width and vocabulary, this many layers (tiny, the tests', stays)
 
 
-def quick_shape(model: str, quick: bool, device) -> str:
-    """The shape the run serves: QUICK_CPU_MODEL for --quick on a CPU, unless --model names tiny; else --model."""
-    return QUICK_CPU_MODEL if quick and resolve_device(device).type == "cpu" and model != "tiny" else model
+def quick_layers(model: str, quick: bool, device) -> int | None:
+    """The layers the run keeps: QUICK_CPU_LAYERS for --quick on a CPU, unless --model names tiny; else all (None)."""
+    return QUICK_CPU_LAYERS if quick and resolve_device(device).type == "cpu" and model != "tiny" else None
 
 
 def sizes(n_ctx: int, quick: bool) -> dict:
@@ -108,8 +110,7 @@ def reference(model):
 
 
 def measure_spreads(lesson, s: dict, hf) -> dict:
-    """Each spread's workload in both modes (and transformers' on the widest), in turns (rounds added while a
-    check of theirs is undecided)."""
+    """Each spread's workload in both modes (and transformers' on the widest), in turns, rounds added while undecided."""
     model, seats = lesson.model, s["max_num_seqs"]
     traces = {d: long_and_short(s["requests"], seats, s["mean"], d, lesson.config.vocab_size) for d in s["spreads"]}
     fns, judged = {}, s["spreads"][-1]
@@ -141,19 +142,17 @@ def measure_spreads(lesson, s: dict, hf) -> dict:
              "spreads": [row(r, d, [q.max_tokens for q in t]) for d, t in traces.items()],
              "per_step": {m: last[m]["per_step"] for m in last}, "latency": {m: last[m]["latency"] for m in last}}
         if hf is not None:
-            gen = r.results("transformers")
+            gen = r.results("transformers")[-1]
             f["transformers"] = {"s": r.times("transformers"), "speedup": r.ratio("transformers", f"continuous {judged}"),
-                                 "requests_differing": sum(a != b for a, b in zip(last["continuous"]["tokens"],
-                                                                                  gen[-1]["tokens"]))}
-            f["latency"]["transformers"] = gen[-1]["latency"]
+                                 "requests_differing": sum(a != b for a, b in zip(last["continuous"]["tokens"], gen["tokens"]))}
+            f["latency"]["transformers"] = gen["latency"]
         return f
     return figures(interleave(fns, 5, device=lesson.device, desc="continuous against static",
                               until=settled(lambda r: spread_checks(figures(r)))))
 
 
 def measure_knee(lesson, s: dict) -> dict:
-    """A uniform workload through a pool of `pool_seqs` sequences' blocks, at each max_num_seqs, in turns (rounds
-    added while a knee check is undecided)."""
+    """A uniform workload through a pool of `pool_seqs` sequences' blocks at each max_num_seqs, in turns."""
     k = s["knee"]
     per_seq = -(-(k["prompt"] + k["output"] - 1) // BLOCK_SIZE)  # blocks of one sequence at its longest
     pool, tokens, rng = k["pool_seqs"] * per_seq, k["requests"] * k["output"], random.Random(1)
@@ -251,7 +250,7 @@ def report(s: dict, f: dict) -> None:
                 f"A uniform workload through a pool of {kn['pool_blocks']} blocks ({kn['blocks_per_sequence']} a "
                 f"sequence: the knee at {kn['predicted_knee']}):")
     if f["transformers"] is None:
-        print("transformers is not installed: static batching is judged on the engine's static mode alone\n")
+        print("static batching judged on the engine's static mode alone (transformers absent, or a CPU's --quick)\n")
 
 
 def plot(lesson, f: dict, verdict) -> None:
@@ -284,11 +283,12 @@ def plot(lesson, f: dict, verdict) -> None:
 
 def main(argv=None) -> dict:
     args = make_parser(__doc__).parse_args(argv)
-    asked, args.model = args.model, quick_shape(args.model, args.quick, args.device)
+    layers = quick_layers(args.model, args.quick, args.device)
     lesson = start(NAME, args, ceilings=False)
-    if args.model != asked:
-        print(f"--quick on a CPU: the {args.model} shape in place of {asked} (the claim counts steps, whatever the "
-              f"shape; run without --quick for {asked})\n")
+    if layers is not None and layers < (cfg := lesson.config).n_layer:
+        lesson.model = random_model(cfg.with_(n_layer=layers), lesson.device, lesson.dtype)
+        print(f"--quick on a CPU: {args.model}'s width and vocabulary, {layers} of its {cfg.n_layer} layers: a step still "
+              f"reads {lesson.config.weight_bytes(lesson.dtype) / 1e6:.0f} MB, memory-bound (all: without --quick)\n")
     s = sizes(lesson.config.n_ctx, args.quick)
     seats, kn = s["max_num_seqs"], s["knee"]
     outs = [r.max_tokens for r in long_and_short(s["requests"], seats, s["mean"], s["spreads"][-1], 1)]
@@ -301,10 +301,10 @@ def main(argv=None) -> dict:
     steps = sum(max(finish_steps([r.max_tokens for r in long_and_short(s["requests"], seats, s["mean"], d, 1)], seats, m))
                 for d in s["spreads"] for m in (True, False))
     print(f"this run: {steps} engine steps a round over the spreads (both modes), at least {MIN_ROUNDS} rounds, then the "
-          "knee and transformers' generate, each with a progress bar (in full, on gpt2's shape on a CPU: minutes)\n")
-    hf = reference(lesson.model)
+          "knee, each with a progress bar (in full, on gpt2's shape on a CPU: minutes)\n")
+    hf = reference(lesson.model) if layers is None else None  # quick on a CPU: generate's loop would be half the run
     figures = measure_spreads(lesson, s, hf)
-    figures["knee"], figures["model_asked"] = measure_knee(lesson, s), asked
+    figures["knee"], figures["layers"] = measure_knee(lesson, s), lesson.config.n_layer
     report(s, figures)
     verdict = judge(f"at max_num_seqs {seats}, continuous batching serves ≥ {SPEEDUP_LINE}× the tokens/s of static "
                     "batching on mixed output lengths, with the same tokens; the win grows with the spread, vanishes "

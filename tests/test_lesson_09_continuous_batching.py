@@ -2,6 +2,7 @@
 two modes give the same tokens on a model whose tokens depend on their context; each check can fail."""
 import copy
 
+import pytest
 import torch
 
 from minillm.bench.batching import finish_steps, long_and_short
@@ -90,20 +91,22 @@ def test_without_transformers_the_lesson_judges_the_engines_static_mode_alone():
     assert all(c.outcome() == "HOLDS" for c in L09.checks(f))
 
 
-def test_quick_on_a_cpu_serves_the_mini_shape_in_place_of_a_larger_one(monkeypatch):
+def test_quick_on_a_cpu_keeps_the_models_width_and_one_layer():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert L09.quick_shape("gpt2", True, cpu) == L09.QUICK_CPU_MODEL == "mini"
-    assert L09.quick_shape("tiny", True, cpu) == "tiny"  # the tests' shape is smaller still
-    assert L09.quick_shape("gpt2", False, cpu) == "gpt2" and L09.quick_shape("gpt2", True, cuda) == "gpt2"
+    assert L09.quick_layers("gpt2", True, cpu) == L09.QUICK_CPU_LAYERS == 1
+    assert L09.quick_layers("tiny", True, cpu) is None  # the tests' shape is smaller still
+    assert L09.quick_layers("gpt2", False, cpu) is None and L09.quick_layers("gpt2", True, cuda) is None
+
+
+def test_quick_on_a_cpu_serves_the_one_layer_model_it_says(tmp_path, monkeypatch):
     served = []
 
-    def stop(name, args, ceilings):  # main's start: the shape it was handed, and nothing run
-        served.append(args.model)
+    def measure(lesson, s, hf):  # main's measurement: the model it was handed, and nothing run
+        served.append((lesson.config.n_layer, lesson.config.n_embd, lesson.config.vocab_size))
         raise SystemExit
-    monkeypatch.setattr(L09, "start", stop)
-    for argv in (["--quick", "--device", "cpu"], ["--device", "cpu"], ["--quick", "--device", "cpu", "--model", "tiny"]):
-        try:
-            L09.main(argv)
-        except SystemExit:
-            pass
-    assert served == ["mini", "gpt2", "tiny"]
+    monkeypatch.setattr(L09, "measure_spreads", measure)
+    monkeypatch.setattr(L09, "quick_layers", lambda model, quick, device: 1 if quick else None)  # tiny stands in
+    for argv in (["--quick"], []):
+        with pytest.raises(SystemExit):
+            L09.main([*argv, "--device", "cpu", "--model", "tiny", "--out", str(tmp_path)])
+    assert served[0][0] == 1 and served[1][0] > 1 and served[0][1:] == served[1][1:]
