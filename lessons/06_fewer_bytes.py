@@ -70,14 +70,15 @@ def sizes(n_ctx: int, quick: bool) -> dict:
             "batches": [1, 4, 16, 32] if quick else [1, 2, 4, 8, 16, 32, 64, 128], "prompts": 8 if quick else 16}
 
 
-def predicted_s(cost, model, peak: float, stream: float) -> float:
+def predicted_s(cost, model, peak: float, stream: float, bandwidth: float) -> float:
     """The step's time: max(FLOPs ÷ peak, bytes ÷ stream), `stream` the bytes/s at which the variant's own one-row
-    kernel reads its weights (bandwidth for the ideal); an int8 model's bytes include widening its weights to
-    bf16 before the product (2 written + 2 read back a weight) on a CPU above FUSED_MAX_ROWS rows, elsewhere always."""
+    kernel reads its weights (bandwidth for the ideal); where an int8 model widens its weights to bf16 before the
+    product (on a CPU above FUSED_MAX_ROWS rows, elsewhere always), that copy comes first, at the bandwidth:
+    2 bytes written and 2 read back a weight."""
     wide = lambda rows: model.device.type != "cpu" or rows > FUSED_MAX_ROWS  # noqa: E731
     widened = sum(4 * m.weight.numel() for m in model.modules() if isinstance(m, WeightOnlyInt8Linear) and
                   wide(cost.tokens) or isinstance(m, WeightOnlyInt8LMHead) and wide(cost.lm_head_rows))
-    return max(cost.flops / peak, (cost.bytes + widened) / stream)
+    return max(cost.flops / peak, cost.bytes / stream) + widened / bandwidth
 
 
 def plan(lesson, models: dict, ceil: dict, s: dict) -> dict:
@@ -91,8 +92,8 @@ def plan(lesson, models: dict, ceil: dict, s: dict) -> dict:
         costs = {b: decode_cost(cfg, s["context"], b, VARIANTS[v][0]) for b in s["batches"]}
         for b, cost in {**costs, "prefill": prefill_cost(cfg, s["prompt"], 1, VARIANTS[v][0])}.items():
             cost = as_stored(cost, model)
-            e = {"bytes": cost.bytes, "flops": cost.flops, "predicted_s": predicted_s(cost, model, peak[v], stream[v]),
-                 "ideal_s": predicted_s(cost, model, peak[v], bw)}
+            e = {"bytes": cost.bytes, "flops": cost.flops, "ideal_s": predicted_s(cost, model, peak[v], bw, bw),
+                 "predicted_s": predicted_s(cost, model, peak[v], stream[v], bw)}
             f["decode"][v].append({"batch": b, **e}) if b != "prefill" else f["prefill"].update({v: e})
     p1 = {v: f["decode"][v][0]["predicted_s"] for v in VARIANTS}
     pre = {v: e["predicted_s"] for v, e in f["prefill"].items()}

@@ -166,7 +166,7 @@ def test_the_prediction_reads_each_variants_bytes_at_its_own_kernels_stream():
     from minillm.bench.cost import decode_cost
     model = context_model()
     cost = decode_cost(model.config, 8, 1)
-    assert L06.predicted_s(cost, model, 1e30, 2.0) == cost.bytes / 2.0
+    assert L06.predicted_s(cost, model, 1e30, 2.0, 4.0) == cost.bytes / 2.0
     f = holding_figures()
     facts = {x.name: x.value for x in L06.facts(f)}
     assert facts["batch-1 decode, fp32 step ÷ bf16 step at the bandwidth (the ideal: the byte ratio)"] == 2.0
@@ -196,9 +196,9 @@ def test_the_roofline_counts_int8_widening_above_the_fused_rows():
     cfg = model.config
     small, large = decode_cost(cfg, 8, 2, torch.bfloat16), prefill_cost(cfg, 64, 1, torch.bfloat16)
     huge_peak = 1e30  # bytes alone decide
-    assert L06.predicted_s(small, model, huge_peak, 1.0) == small.bytes
-    projections = 12 * cfg.n_layer * cfg.n_embd ** 2
-    assert L06.predicted_s(large, model, huge_peak, 1.0) == large.bytes + 4 * projections  # the head: one row
+    assert L06.predicted_s(small, model, huge_peak, 1.0, 2.0) == small.bytes
+    projections = 12 * cfg.n_layer * cfg.n_embd ** 2  # widened at the bandwidth, after the product's own bytes
+    assert L06.predicted_s(large, model, huge_peak, 1.0, 2.0) == large.bytes + 4 * projections / 2.0  # head: 1 row
 
 
 # ---- int8 and bf16 decode against fp32, within the chapter's bounds ---------------------------------------------
