@@ -38,7 +38,7 @@ step of fewer rows costs less, not nothing: static's near-empty tail is cheaper)
 --quick on a CPU keeps the --model's width and vocabulary and one layer (said at
 the start; "layers" in the JSON): the prediction counts steps, and holds while a
 step costs the same whatever its batch (memory-bound: one gpt2 layer and its head
-still read 180 MB); a host-bound shape (`mini`) pays per sequence and shows less.
+still read 186 MB in fp32); a host-bound shape (`mini`) pays per sequence and shows less.
 
 Predict before you run: at max_num_seqs 8, with one request in 8 asking for
 seven times the tokens of the others, how much faster is continuous batching?
