@@ -58,10 +58,25 @@ state_dict of a quantized model: each projection's `weight` (int8 [out, in]), `s
 quantized the same way (strict: a plain state_dict lacks the scales and is refused); the checkpoint format is
 the plain model's, so `save_pretrained` refuses a quantized model.
 
+Int8 activations too (`--quantization w8a8`). Widening an int8 weight costs the product a conversion per
+weight (≈ 3 instructions per 16 weights), so weight-only int8 stops being memory-bound well before the byte floor
+on a CPU core, and its time grows with the rows. llama.cpp's Q8_0 and CTranslate2's int8 also round the
+activations to int8, so that the product itself is integer (VNNI on x86: 64 int8 multiply-adds an instruction).
+`w8a8` does that with the same stored weights: each row of x gets its own symmetric scale, by the very rule the
+weights get one per output channel (`quantize_per_channel` on x [rows, in]), and `torch._int_mm` sums in int32:
+
+    y = (x_q · qᵀ) · s_x[:, None] · scale + b       x_q int8 [rows, in], s_x fp32 [rows]; the sum is exact
+
+Its costs: each activation errs by up to s_x / 2 too (a row with one outlier spends most of its 255 levels on
+it), and each call pays ~5 small ops to quantize x. Its gains: the sum is integer, so a row's logits are the
+same bits alone, in any batch and in any chunk, and a prefill's rows run integer arithmetic too. vLLM runs this
+scheme (W8A8 int8, dynamic per-token) from a compressed-tensors checkpoint; here it is made at load time.
+
 Invariants held by the tests: the round trip errs by at most scale/2 per element, with one scale per output
 channel; on a context-sensitive model the int8 logits stay within a stated max |diff| and KL of fp32's, and int8's
 greedy choice agrees with fp32's along a long generation at a stated rate; the engine (paged, batched, chunked)
-gives the int8 model its own tokens; a row's logits do not depend on its batch; `cpu_layout` leaves int8 alone.
+gives the int8 model its own tokens; a row's logits do not depend on its batch (w8a8: bit for bit, and its int32
+sums equal int64 ones); `cpu_layout` leaves int8 alone.
 """
 from __future__ import annotations
 
@@ -73,7 +88,7 @@ import torch.nn.functional as F
 
 from .model import GPT2, Conv1D, LMHead
 
-QUANTIZATIONS = ("int8",)  # vLLM's knob, --quantization; None: the weights stay in the model's dtype
+QUANTIZATIONS = ("int8", "w8a8")  # vLLM's knob, --quantization; None: the weights stay in the model's dtype
 FUSED_MAX_ROWS = 16  # on a CPU, the fused kernel up to this many rows; above, the bf16 matmul (docs/quantize.md)
 
 
@@ -126,6 +141,22 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
+def w8a8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype, with x rounded to int8 row by row (one
+    symmetric scale each) and the sums in int32, then one fp32 epilogue (both scales and bias)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    # quantize_per_channel's rule for each row, in fewer calls: |x| / s_x ≤ 127 up to rounding, so no clamp
+    sx = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30).div_(127)
+    xq = torch.round(rows / sx).to(torch.int8)
+    pad = 17 - len(xq) if x.device.type == "cuda" and len(xq) <= 16 else 0  # CUDA's _int_mm wants > 16 rows
+    acc = torch._int_mm(F.pad(xq, (0, 0, 0, pad)) if pad else xq, q.t())[:len(xq)]
+    y = acc.float().mul_(sx).mul_(scales)
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 class WeightOnlyInt8Linear(nn.Module):
     """y = x·W + b, with W held as int8 [out, in] and an fp32 scale per output channel (`int8_product`)."""
 
@@ -145,6 +176,16 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"int8 weight {tuple(self.weight.shape)} [out, in], per-channel scales"
+
+
+class W8A8Int8Linear(WeightOnlyInt8Linear):
+    """The same int8 weights and scales, with the activations rounded to int8 per row too (`w8a8_product`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_product(x, self.weight, self.scales, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"int8 weight {tuple(self.weight.shape)} [out, in], per-channel scales; int8 activations, per row"
 
 
 class WeightOnlyInt8LMHead(nn.Module):
@@ -167,22 +208,34 @@ class WeightOnlyInt8LMHead(nn.Module):
         return f"int8 copy of wte {tuple(self.weight.shape)}, per-token scales"
 
 
+class W8A8Int8LMHead(WeightOnlyInt8LMHead):
+    """The head's int8 copy of wte, multiplied by int8 activations (`w8a8_product`)."""
+
+    def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
+        return w8a8_product(x, self.weight, self.scales)
+
+
+MODULES = {"int8": (WeightOnlyInt8Linear, WeightOnlyInt8LMHead), "w8a8": (W8A8Int8Linear, W8A8Int8LMHead)}
+
+
 @torch.no_grad()
 def quantize(model: GPT2, quantization: str | None = "int8") -> GPT2:
-    """Swap every Conv1D (a CPU layout's included) and the head for its int8 module, from the weights as they
-    are now; None leaves the model as it is. Call it once the weights are final, before `choose_layout`."""
+    """Swap every Conv1D (a CPU layout's included) and the head for `quantization`'s int8 module, from the weights
+    as they are now; None leaves the model as it is. Call it once the weights are final, before `choose_layout`."""
     check_quantization(quantization)
     if quantization is None:
         return model
+    linear, head = MODULES[quantization]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Conv1D):
-                setattr(parent, name, WeightOnlyInt8Linear.from_conv1d(child))
+                setattr(parent, name, linear.from_conv1d(child))
     if isinstance(model.lm_head, LMHead):
-        model.lm_head = WeightOnlyInt8LMHead.from_wte(model.wte.weight)
+        model.lm_head = head.from_wte(model.wte.weight)
     return model
 
 
 def quantization_of(model: GPT2) -> str | None:
-    """"int8" if this model's projections are int8, None if they are in the model's dtype."""
-    return "int8" if isinstance(model.h[0].mlp.c_fc, WeightOnlyInt8Linear) else None
+    """The method this model's projections were quantized with ("int8", "w8a8"), or None for the model's dtype."""
+    return next((name for name, (linear, _) in reversed(MODULES.items())  # w8a8 first: its module is an int8 one
+                 if isinstance(model.h[0].mlp.c_fc, linear)), None)

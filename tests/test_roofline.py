@@ -1,4 +1,4 @@
-"""Ceilings that are ceilings: on the tiny shapes, in fp32, bf16 and int8, no share of a ceiling that `bench` (its sweep
+"""Ceilings that are ceilings: on the tiny shapes, in fp32, bf16, int8 and w8a8, no share of a ceiling that `bench` (its sweep
 included) or lesson 02 computes exceeds 100%, and none had to be raised to a step's own rate; a ceiling measured with
 a deliberately slow kernel makes that check fail."""
 import time
@@ -100,7 +100,7 @@ def test_the_ceilings_bound_the_engine_s_own_kernels_at_the_tiny_shapes():
     assert_under_ceilings(ceilings.as_dict())
 
 
-DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")]
+DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8"), (torch.float32, "w8a8")]
 
 
 def bench_tiny(dtype, quantization) -> dict:
@@ -113,12 +113,13 @@ def bench_tiny(dtype, quantization) -> dict:
     return r
 
 
-@pytest.mark.parametrize("dtype, quantization", DTYPES, ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype, quantization", DTYPES, ids=["fp32", "bf16", "int8", "w8a8"])
 def test_no_share_that_bench_prints_exceeds_its_ceiling(dtype, quantization):
     r = bench_tiny(dtype, quantization)
     assert r["ceilings"]["dtype"] == str(dtype).removeprefix("torch.") and r["ceilings"]["quantization"] == quantization
-    if quantization == "int8":  # the int8 kernels the engine runs are among those that measure the ceilings
+    if quantization:  # the int8 kernels the engine runs are among those that measure the ceilings
         assert {"int8 product", "int8 one-row product"} <= r["ceilings"]["kernels"].keys()
+        assert ("_int_mm" in r["ceilings"]["kernels"]["int8 one-row product"]["what"]) == (quantization == "w8a8")
     assert_under_ceilings(r)
     printed = "\n".join(bench.report(r, on_gpu=False) + bench.sweep_report(r["sweep"]))
     assert "of peak" in printed and "of bw" in printed and "*" not in printed and "raised" not in printed

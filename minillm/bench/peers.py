@@ -3,7 +3,8 @@
     python -m minillm.bench.peers                       # gpt2's shape, 2 threads, 3 rounds
 
 The same random-init checkpoint (`peer_engines.write_checkpoint`) goes to every engine: minillm loads it
-in fp32, int8 weight-only (`--quantization int8`) and bf16; llama.cpp reads it as f32 and Q8_0 GGUF;
+in fp32, int8 weight-only (`--quantization int8`), int8 with int8 activations (`w8a8`, as Q8_0 and
+CTranslate2's int8 compute) and bf16; llama.cpp reads it as f32 and Q8_0 GGUF;
 CTranslate2 as float32 and int8. Each round times, in each engine and in an order that rotates from
 round to round, a decode step of 1, 4 and 16 sequences after `--context` cached tokens and a prefill of
 `--prompt-len` tokens; the table holds the medians over rounds. minillm's step
@@ -30,7 +31,8 @@ from pathlib import Path
 from .peer_engines import (LLAMA_SDIST, PeerMissing, ct2_models, ct2_steps, llama_cpp, llama_steps, to_gguf,
                            write_checkpoint)
 
-MINILLM = {"minillm fp32": ("fp32", None), "minillm int8": ("fp32", "int8"), "minillm bf16": ("bf16", None)}
+MINILLM = {"minillm fp32": ("fp32", None), "minillm int8": ("fp32", "int8"), "minillm w8a8": ("fp32", "w8a8"),
+           "minillm bf16": ("bf16", None)}
 LLAMA = {"llama.cpp f32": "f32", "llama.cpp Q8_0": "Q8_0"}
 CT2 = {"CTranslate2 float32": "float32", "CTranslate2 int8": "int8"}
 # (what is compared, numerator (engine, batch or "prefill"), denominator, the issue's target, which way)
@@ -39,7 +41,11 @@ RATIOS = [("fp32 batch 1 ÷ llama.cpp f32", ("minillm fp32", 1), ("llama.cpp f32
           ("int8 batch 16 ÷ llama.cpp Q8_0", ("minillm int8", 16), ("llama.cpp Q8_0", 16), 1.0, "≤"),
           ("int8 batch 16 ÷ CTranslate2 int8", ("minillm int8", 16), ("CTranslate2 int8", 16), 1.0, "≤"),
           ("fp32 prefill ÷ llama.cpp f32 (tok/s)", ("minillm fp32", "prefill"), ("llama.cpp f32", "prefill"),
-           1.0, "≥")]
+           1.0, "≥"),
+          # like for like: Q8_0 and CTranslate2's int8 round the activations to int8 too
+          ("w8a8 batch 1 ÷ llama.cpp Q8_0", ("minillm w8a8", 1), ("llama.cpp Q8_0", 1), 1.2, "≤"),
+          ("w8a8 batch 16 ÷ llama.cpp Q8_0", ("minillm w8a8", 16), ("llama.cpp Q8_0", 16), 1.0, "≤"),
+          ("w8a8 batch 16 ÷ CTranslate2 int8", ("minillm w8a8", 16), ("CTranslate2 int8", 16), 1.0, "≤")]
 BUILD_MIN, CONVERT_MIN, ROUND_S = 20, 3, 160  # the first run's build and conversions, a round: on 2 busy cores
 
 

@@ -57,7 +57,7 @@ from ..device import set_num_threads
 from .. import cpu_layout
 from ..cpu_layout import linear_in_layout, numpy_blas_pays, packing_pays
 from ..model import Conv1D
-from ..quantize import WeightOnlyInt8Linear, check_quantization
+from ..quantize import MODULES, check_quantization
 from .cost import StepCost
 from .timing import device_name, time_fn
 
@@ -80,7 +80,7 @@ class Ceilings:
     copy_bytes: int            # bytes of each read stream's buffer
     datasheet: dict = field(default_factory=dict)
     kernels: dict = field(default_factory=dict)  # name → {"roof", "rate", "what"}: every kernel's best
-    quantization: str | None = None  # the weight format the kernels ran ("int8"; None: the dtype's own)
+    quantization: str | None = None  # the weight format the kernels ran ("int8", "w8a8"; None: the dtype's own)
     raised: list = field(default_factory=list)  # names of steps that beat a measured kernel (`raised_to`)
 
     @property
@@ -161,8 +161,8 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
     compute: "matmul" (torch.matmul of two n × n matrices), "product" (n rows through the engine's projection
     module of an n × n W) and, on a CPU with several threads, "product, one thread"; memory: "copy", "sum" and "matrix-vector" over a buffer far larger than
     any cache, and "one-row product" (one row through a stack of the engine's [1024, 4096] projection modules,
-    as large). With quantization="int8", "int8 product" and "int8 one-row product" too: the same, through
-    `quantize.py`'s module, the weights' bytes counted as stored (int8, with their scales and biases).
+    as large). With a quantization ("int8", "w8a8"), "int8 product" and "int8 one-row product" too: the same,
+    through `quantize.py`'s module for it, the weights' bytes counted as stored (int8, with scales and biases).
     """
     check_quantization(quantization)
     device = torch.device(device)
@@ -176,7 +176,7 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
     def module(shape, int8=False):  # drawn on the device itself: a CPU would take seconds to draw a GPU's gigabytes
         with torch.device(device):
             conv = Conv1D(*shape).to(dtype)
-            return (WeightOnlyInt8Linear.from_conv1d(conv) if int8 else
+            return (MODULES[quantization][0].from_conv1d(conv) if int8 else
                     linear_in_layout(conv, layout["packed"], layout["numpy_one_row"]))
     src = torch.ones(nbytes // b, device=device, dtype=dtype)
     dst = torch.empty_like(src)
@@ -211,13 +211,15 @@ def ceiling_kernels(device: torch.device | str, dtype: torch.dtype, quick: bool 
     if device.type == "cpu" and threads > 1:  # a busy core stalls every barrier of a product on all threads: one
         kernels["product, one thread"] = Kernel(on_one_thread(product, threads), 2 * n ** 3, 3 * n * n * b, "compute",
                                                 "the engine's projection as above, on one thread")
-    if quantization == "int8":
+    if quantization is not None:
         product, one_row, count, stack_bytes = products(int8=True)
-        fused = "torch's fused int8 kernel" if device.type == "cpu" else "F.linear over q widened"
+        fused = ("int8 activations, torch._int_mm" if quantization == "w8a8" else
+                 "torch's fused int8 kernel" if device.type == "cpu" else "F.linear over q widened")
+        many = ("x rounded to int8, then torch._int_mm" if quantization == "w8a8" else
+                f"q widened, then a {'bf16' if device.type == 'cpu' else name} matmul")
         kernels |= {
             "int8 product": Kernel(product, 2 * n ** 3, n * n * (2 * b + 1), "compute",
-                                   f"the engine's int8 projection, {n} rows × [{n}, {n}] (q widened, then a "
-                                   f"{'bf16' if device.type == 'cpu' else name} matmul)"),
+                                   f"the engine's {quantization} projection, {n} rows × [{n}, {n}] ({many})"),
             "int8 one-row product": Kernel(one_row, 2 * count * width[0] * width[1], stack_bytes, "memory",
                                            f"one row through {count} int8 [{width[0]}, {width[1]}] projections "
                                            f"({stack_bytes >> 20} MiB as stored) via {fused}")}

@@ -3,7 +3,7 @@
 What a checkpoint folder holds, and what its config.json may say, is checkpoint.py's;
 this file finds the folder (a path, or `<weights dir>/<preset>/`), checks it is
 complete, places its tensors on a device in a dtype, quantizes its weights if asked
-(`quantize.py`: `quantization="int8"`, vLLM's `--quantization`), and hands the model to
+(`quantize.py`: `quantization="int8"` or `"w8a8"`, vLLM's `--quantization`), and hands the model to
 `cpu_layout.choose_layout`, which lays out for this device's kernels what is still model.py's.
 
 What it costs
@@ -93,8 +93,8 @@ def _open(path: Path, device: torch.device):
 
 def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
                     dtype: str | torch.dtype = "auto", quantization: str | None = None) -> GPT2:
-    """Load a GPT-2 checkpoint folder onto `device` in `dtype` (its projections in int8 if quantization="int8"),
-    or raise a CheckpointError."""
+    """Load a GPT-2 checkpoint folder onto `device` in `dtype` (its projections in int8 if `quantization` is a
+    method of quantize.py), or raise a CheckpointError."""
     check_quantization(quantization)
     folder = Path(folder)
     check_folder(folder, folder.name)
@@ -234,8 +234,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, weights_dir: bool = Tru
 def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
     """--quantization, vLLM's flag: the commands whose `load_model` call passes it on take it."""
     parser.add_argument("--quantization", default=None, metavar="METHOD",
-                        help=f"weights in fewer bytes: {', '.join(QUANTIZATIONS)} (int8 weight-only, per-channel "
-                             "scales; minillm/quantize.py); default: the weights stay in --dtype")
+                        help=f"weights in fewer bytes: {', '.join(QUANTIZATIONS)} (int8: weight-only, per-channel "
+                             "scales; w8a8: the same weights, activations rounded to int8 per row and integer sums; "
+                             "minillm/quantize.py); default: the weights stay in --dtype")
 
 
 def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
@@ -250,7 +251,7 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "auto",
       no real weights to miss).
     `weights_dir` defaults to `default_weights_dir()`. The model's
     `weights_source` says where its values came from, for lessons to record.
-    `quantization` ("int8" or None) is checked before anything is read.
+    `quantization` ("int8", "w8a8" or None) is checked before anything is read.
     """
     check_quantization(quantization)
     folder, preset = locate(name_or_path, weights_dir)

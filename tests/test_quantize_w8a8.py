@@ -1,0 +1,179 @@
+"""Int8 activations too (`--quantization w8a8`, minillm/quantize.py): exact integer sums, one activation scale per
+row, and what it costs on a model whose next token depends on its context (tests/models.py).
+
+w8a8 keeps int8's stored weights and rounds each row of activations too, so it errs a little more than weight-only
+int8; this file holds it to int8's own bounds (tests/test_quantize.py):
+
+    logits against fp32:   max |diff| ≤ 2.0, mean KL(fp32 ‖ w8a8) ≤ 0.01 nats, max KL ≤ 0.25
+    greedy agreement:      w8a8's greedy choice equals fp32's at ≥ 90% of the positions of a long fp32 generation
+"""
+import copy
+
+import pytest
+import torch
+
+from minillm import PRESETS, SamplingParams, kv_cache
+from minillm.bench.cost import weight_bytes_read
+from minillm.checkpoints.load import load_model, random_model, save_pretrained
+from minillm.cli import main
+from minillm.cpu_layout import choose_layout, kernels
+from minillm.engine import LLMEngine
+from minillm.kv_pool import CacheConfig
+from minillm.quantize import (W8A8Int8Linear, W8A8Int8LMHead, dequantize, quantization_of, quantize,
+                              quantize_per_channel, w8a8_product)
+from minillm.scheduler import SchedulerConfig
+from models import context_model, random_prompts
+
+MAX_ABS_DIFF, MEAN_KL, MAX_KL, GREEDY_AGREEMENT = 2.0, 0.01, 0.25, 0.90
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return context_model()
+
+
+@pytest.fixture(scope="module")
+def w8a8(fp32):
+    return choose_layout(quantize(copy.deepcopy(fp32), "w8a8"))
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    p, q = reference.log_softmax(-1), other.log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+# ---- the product --------------------------------------------------------------------------------------------------
+
+def test_the_integer_sums_are_exact_at_the_extremes():
+    """±127 · ±127 over 3,072 inputs is 49.5M, past fp32's 2²⁴ and int16's range: the int32 sums must equal int64's
+    (a kernel that saturates pairs in int16, or sums in fp32, would not)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.full((3, 3072), 127, dtype=torch.int8)
+    x[1] = -127
+    x[2] = torch.randint(-127, 128, (3072,), generator=g, dtype=torch.int8)
+    q = torch.full((24, 3072), -127, dtype=torch.int8)
+    q[1::2] = torch.randint(-127, 128, (12, 3072), generator=g, dtype=torch.int8)
+    assert torch.equal(torch._int_mm(x, q.t()).long(), x.long() @ q.long().t())
+    w = dequantize(q, torch.full((24,), 0.5))
+    rows = x.float() * 2.0  # one scale per row, 2/127: rounding gives x back
+    got = w8a8_product(rows, q, torch.full((24,), 0.5))
+    exact = rows.double() @ w.double().t()
+    assert ((got.double() - exact).abs() <= 2 ** -22 * exact.abs() + 1e-6).all()
+
+
+def test_the_product_sums_in_integers_where_floating_sums_round():
+    """65,536 inputs of ±127·127 that cancel to a small result: the partial sums pass 2²⁴ by far, where fp32 (and
+    bf16) sums round; integer sums give the exact result, which w8a8_product returns through scales of 1."""
+    k = 1 << 16
+    x = torch.full((2, k), 127.0)
+    x[:, 0], x[1, 1::2] = 1.0, -127.0  # each row's largest |x| is 127: its scale is 1, and x_q = x
+    q = torch.full((16, k), 127, dtype=torch.int8)
+    q[:, k // 2:] = -127
+    q[1::2, 3::7] = 5
+    exact = x.long() @ q.long().t()
+    assert (exact.abs() < 2 ** 24).all() and not torch.equal((x @ q.float().t()).long(), exact), \
+        "the case must be one that fp32 sums get wrong"
+    assert torch.equal(w8a8_product(x, q, torch.ones(16)).long(), exact)
+
+
+def test_each_row_of_activations_gets_its_own_scale():
+    """Rows of magnitude 1e-3 to 1e3 side by side: each row errs within its own rounding, which one scale for the
+    whole batch would exceed by orders of magnitude for the small rows (they would round to zero)."""
+    g = torch.Generator().manual_seed(1)
+    q, scales = quantize_per_channel(torch.randn(64, 96, generator=g))
+    w = dequantize(q, scales).double()
+    x = torch.randn(5, 96, generator=g) * torch.tensor([1e-3, 1e-1, 1.0, 1e1, 1e3])[:, None]
+    got, exact = w8a8_product(x, q, scales).double(), x.double() @ w.t()
+    step = x.abs().amax(dim=1, keepdim=True).double() / 127  # each row's own step
+    bound = step / 2 * w.abs().sum(dim=1) + 1e-5 * exact.abs()  # half a step per input, through |w|
+    assert ((got - exact).abs() <= bound).all()
+    assert (got[0] != 0).all(), "the smallest row must keep its values"
+
+
+def test_a_row_gets_the_same_bits_alone_in_a_batch_and_in_chunks():
+    """Integer sums do not depend on their order: a row's output is the same bits whatever rows share its call."""
+    g = torch.Generator().manual_seed(2)
+    q, scales = quantize_per_channel(torch.randn(80, 64, generator=g))
+    x, bias = torch.randn(40, 64, generator=g), torch.randn(80, generator=g)
+    many = w8a8_product(x, q, scales, bias)
+    assert torch.equal(many, torch.cat([w8a8_product(x[i:i + 7], q, scales, bias) for i in range(0, 40, 7)]))
+    assert torch.equal(many[13], w8a8_product(x[13:14], q, scales, bias)[0])
+    assert torch.equal(w8a8_product(x.bfloat16(), q, scales).float(), w8a8_product(x.bfloat16().float(), q, scales)
+                       .bfloat16().float()), "a bf16 model's rows: the same sums, rounded once to bf16"
+
+
+# ---- the model ----------------------------------------------------------------------------------------------------
+
+def test_quantize_swaps_in_the_w8a8_modules_over_the_same_int8_weights(fp32, w8a8):
+    assert quantization_of(w8a8) == "w8a8" and isinstance(w8a8.lm_head, W8A8Int8LMHead)
+    assert sum(isinstance(m, W8A8Int8Linear) for m in w8a8.modules()) == 4 * fp32.config.n_layer
+    int8 = quantize(copy.deepcopy(fp32), "int8")
+    assert quantization_of(int8) == "int8"
+    a, b = w8a8.state_dict(), int8.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the stored weights are int8's"
+    assert weight_bytes_read(w8a8) == weight_bytes_read(int8)
+
+
+@pytest.mark.parametrize("shape", [(1, 12), (4, 32)])
+def test_w8a8_logits_stay_within_the_stated_bounds_of_fp32(fp32, w8a8, shape):
+    ids = torch.tensor(random_prompts(shape[0], [shape[1]], seed=3))
+    with torch.no_grad():
+        ref, got = fp32(ids), w8a8(ids)
+    divergence = kl(ref, got)
+    assert (ref - got).abs().max() <= MAX_ABS_DIFF
+    assert divergence.mean() <= MEAN_KL and divergence.max() <= MAX_KL
+    with torch.no_grad():
+        int8 = quantize(copy.deepcopy(fp32), "int8")(ids)
+    assert (got - int8).abs().max() > 1e-3, "w8a8 must differ from weight-only int8: are the activations rounded?"
+
+
+def test_greedy_agreement_over_a_long_generation_through_the_engine(fp32, w8a8):
+    prompts = random_prompts(6, [6, 20], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    outs = LLMEngine(fp32, cache_config=CacheConfig(block_size=8)).generate(prompts, params)
+    agree = total = 0
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            choices = w8a8(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1].argmax(-1)
+        agree += (choices == torch.tensor(tokens)).sum().item()
+        total += len(tokens)
+    assert agree / total >= GREEDY_AGREEMENT, f"w8a8 agreed with fp32 at {agree / total:.1%} of {total} positions"
+
+
+@pytest.mark.parametrize("block_size,chunked", [(5, True), (16, False)])
+def test_the_engine_paged_and_batched_gives_the_w8a8_model_its_own_tokens(w8a8, block_size, chunked):
+    prompts = random_prompts(6, [5, 20, 40], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = [kv_cache.generate(w8a8, [p], params)[0] for p in prompts]
+    scheduler = SchedulerConfig(max_num_batched_tokens=24 if chunked else 128, max_num_seqs=8,
+                                enable_chunked_prefill=chunked)
+    engine = LLMEngine(w8a8, scheduler, cache_config=CacheConfig(block_size=block_size))
+    outs = engine.generate(prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_loader_and_the_cli_take_w8a8(tmp_path, capsys):
+    plain = random_model(PRESETS["tiny"], "cpu", "fp32", seed=3)
+    save_pretrained(plain, tmp_path / "tiny")
+    model = load_model(tmp_path / "tiny", "cpu", "fp32", quantization="w8a8")
+    assert quantization_of(model) == "w8a8" and "W8A8Int8Linear" in kernels(model)
+    twin = quantize(context_model(seed=7), "w8a8")  # a state_dict of w8a8 loads into w8a8's modules
+    twin.load_state_dict(quantize(context_model(), "w8a8").state_dict(), strict=True)
+    assert main(["generate", "--model", "tiny", "--device", "cpu", "--prompt", "hello", "--max-tokens", "4",
+                 "--temperature", "0", "--quantization", "w8a8"]) == 0
+    assert "w8a8" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run with -m gpu on a GPU machine)")
+def test_w8a8_on_cuda_gives_the_cpu_w8a8_logits(fp32):
+    """The same int8 sums on both devices (CUDA's _int_mm takes more than 16 rows: the product pads); the
+    LayerNorms, attention and epilogue may round differently, so within a small fraction of int8's bound."""
+    cpu = quantize(copy.deepcopy(fp32), "w8a8")
+    gpu = quantize(copy.deepcopy(fp32).to("cuda"), "w8a8")
+    for rows in (1, 20):
+        ids = torch.tensor(random_prompts(rows, [12], seed=6))
+        with torch.no_grad():
+            assert (cpu(ids) - gpu(ids.cuda()).cpu()).abs().max() <= MAX_ABS_DIFF / 20
