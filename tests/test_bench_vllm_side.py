@@ -17,7 +17,7 @@ def fake_vllm(tmp_path) -> str:
 def test_without_vllm_only_minillms_servers_and_client_run_and_it_says_so(monkeypatch):
     monkeypatch.setenv("PATH", "")
     servers, clients, note = vllm_side.plan(vllm_side.parse_args([]))
-    assert servers == ["minillm", "minillm-int8"] and clients == ["bench-serve"]
+    assert servers == ["minillm", "minillm-int8", "minillm-w8a8"] and clients == ["bench-serve"]
     assert "vLLM is not installed" in note and "--vllm" in note
 
 
@@ -46,7 +46,8 @@ def test_servers_listen_on_localhost_with_their_own_flags(tmp_path):
         argv, env = vllm_side.server_command(server, Path("/ck"), 1234, args)
         assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "1234"
         assert argv[argv.index("--served-model-name") + 1] == vllm_side.SERVED_NAME
-        assert ("--quantization" in argv) == (server == "minillm-int8")
+        assert ("--quantization" in argv) == (server in ("minillm-int8", "minillm-w8a8"))
+        assert server not in ("minillm-int8", "minillm-w8a8") or argv[argv.index("--quantization") + 1] == server[8:]
         assert (argv[argv.index("--dtype") + 1] == "float32") if server == "vllm-fp32" else "--dtype" not in argv
         assert ("VLLM_CPU_KVCACHE_SPACE" in env) == server.startswith("vllm")
     client = vllm_side.client_command("vllm-bench", 1234, float("inf"), tmp_path / "r.json", Path("/ck"), 50257, args)

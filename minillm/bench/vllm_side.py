@@ -1,4 +1,4 @@
-"""Beside vLLM: `minillm serve` (fp32, int8 weights) and `vllm serve`, one checkpoint, both clients, in turns.
+"""Beside vLLM: `minillm serve` (fp32, int8 weights, w8a8) and `vllm serve`, one checkpoint, both clients, in turns.
 
     python -m minillm.bench.vllm_side --vllm /path/to/vllm-venv/bin/vllm
     python -m minillm.bench.vllm_side --servers minillm minillm-int8      # no vLLM: minillm's side alone
@@ -34,6 +34,7 @@ from pathlib import Path
 SERVERS = {  # name -> (engine, extra flags)
     "minillm": ("minillm", []),
     "minillm-int8": ("minillm", ["--quantization", "int8"]),
+    "minillm-w8a8": ("minillm", ["--quantization", "w8a8"]),  # int8 activations too, as Q8_0 computes
     "vllm": ("vllm", []),                        # its CPU default dtype (bf16 where the CPU has it)
     "vllm-fp32": ("vllm", ["--dtype", "float32"]),
 }
