@@ -70,7 +70,8 @@ weights get one per output channel (`quantize_per_channel` on x [rows, in]), and
 Its costs: each activation errs by up to s_x / 2 too (a row with one outlier spends most of its 255 levels on
 it), and each call pays ~5 small ops to quantize x. Its gains: the sum is integer, so a row's logits are the
 same bits alone, in any batch and in any chunk, and a prefill's rows run integer arithmetic too. vLLM runs this
-scheme (W8A8 int8, dynamic per-token) from a compressed-tensors checkpoint; here it is made at load time.
+scheme (W8A8 int8, dynamic per-token) from a compressed-tensors checkpoint; here it is made at load time, on a
+CPU only (CUDA's `_int_mm` takes more than 16 rows, and widths in multiples of 8).
 
 Invariants held by the tests: the round trip errs by at most scale/2 per element, with one scale per output
 channel; on a context-sensitive model the int8 logits stay within a stated max |diff| and KL of fp32's, and int8's
@@ -147,13 +148,11 @@ def w8a8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     symmetric scale each) and the sums in int32, then one fp32 epilogue (both scales and bias)."""
     rows = x.reshape(-1, x.shape[-1]).float()
     # quantize_per_channel's rule for each row, in fewer calls: |x| / s_x ≤ 127 up to rounding, so no clamp
-    sx = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30).div_(127)
-    xq = torch.round(rows / sx).to(torch.int8)
-    pad = 17 - len(xq) if x.device.type == "cuda" and len(xq) <= 16 else 0  # CUDA's _int_mm wants > 16 rows
-    acc = torch._int_mm(F.pad(xq, (0, 0, 0, pad)) if pad else xq, q.t())[:len(xq)]
-    y = acc.float().mul_(sx).mul_(scales)
-    if bias is not None:
-        y.add_(bias.float())
+    sx = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30).div_(127)  # s_x [rows, 1]
+    xq = (rows / sx).round_().to(torch.int8)
+    acc = torch._int_mm(xq, q.t())  # [rows, out] int32: VNNI's int8 multiply-adds where the CPU has them
+    y = acc * sx  # int32 · fp32 → fp32
+    y = y.mul_(scales) if bias is None else torch.addcmul(bias.float(), y, scales)
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
@@ -225,6 +224,11 @@ def quantize(model: GPT2, quantization: str | None = "int8") -> GPT2:
     check_quantization(quantization)
     if quantization is None:
         return model
+    device = model.wte.weight.device
+    if quantization == "w8a8" and device.type != "cpu":
+        raise ValueError(f"--quantization w8a8 runs on a CPU, and this model is on {device}: torch._int_mm on CUDA "
+                         "takes more than 16 rows and widths in multiples of 8 (gpt2's vocabulary is 50,257); use "
+                         "--quantization int8 there, or --device cpu")
     linear, head = MODULES[quantization]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
