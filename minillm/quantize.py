@@ -71,7 +71,7 @@ Its costs: each activation errs by up to s_x / 2 too (a row with one outlier spe
 it), and each call pays ~5 small ops to quantize x. Its gains: the sum is integer, so a row's logits are the
 same bits alone, in any batch and in any chunk, and a prefill's rows run integer arithmetic too. vLLM runs this
 scheme (W8A8 int8, dynamic per-token) from a compressed-tensors checkpoint; here it is made at load time, on a
-CPU only (CUDA's `_int_mm` takes more than 16 rows, and widths in multiples of 8).
+CPU only (`check_quantization`).
 
 Invariants held by the tests: the round trip errs by at most scale/2 per element, with one scale per output
 channel; on a context-sensitive model the int8 logits stay within a stated max |diff| and KL of fp32's, and int8's
@@ -93,11 +93,16 @@ QUANTIZATIONS = ("int8", "w8a8")  # vLLM's knob, --quantization; None: the weigh
 FUSED_MAX_ROWS = 16  # on a CPU, the fused kernel up to this many rows; above, the bf16 matmul (docs/quantize.md)
 
 
-def check_quantization(quantization: str | None) -> None:
-    """A ValueError naming the value and the choices, for anything but None or a method this file implements."""
+def check_quantization(quantization: str | None, device: torch.device | str = "cpu") -> None:
+    """A ValueError naming the value and the choices, for anything but None or a method this file implements,
+    and for w8a8 off a CPU (CUDA's `_int_mm` takes more than 16 rows, and widths in multiples of 8)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r} is not a method minillm implements; choose one of "
                          f"{', '.join(QUANTIZATIONS)}, or leave it out to keep the weights in the model's dtype")
+    if quantization == "w8a8" and torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization w8a8 runs on a CPU, and this model is on {device}: torch._int_mm on CUDA "
+                         "takes more than 16 rows and widths in multiples of 8 (gpt2's vocabulary is 50,257); use "
+                         "--quantization int8 there, or --device cpu")
 
 
 def quantize_per_channel(weight_out_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,14 +226,9 @@ MODULES = {"int8": (WeightOnlyInt8Linear, WeightOnlyInt8LMHead), "w8a8": (W8A8In
 def quantize(model: GPT2, quantization: str | None = "int8") -> GPT2:
     """Swap every Conv1D (a CPU layout's included) and the head for `quantization`'s int8 module, from the weights
     as they are now; None leaves the model as it is. Call it once the weights are final, before `choose_layout`."""
-    check_quantization(quantization)
+    check_quantization(quantization, model.wte.weight.device)
     if quantization is None:
         return model
-    device = model.wte.weight.device
-    if quantization == "w8a8" and device.type != "cpu":
-        raise ValueError(f"--quantization w8a8 runs on a CPU, and this model is on {device}: torch._int_mm on CUDA "
-                         "takes more than 16 rows and widths in multiples of 8 (gpt2's vocabulary is 50,257); use "
-                         "--quantization int8 there, or --device cpu")
     linear, head = MODULES[quantization]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

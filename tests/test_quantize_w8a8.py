@@ -14,6 +14,7 @@ import torch
 
 from minillm import PRESETS, SamplingParams, kv_cache
 from minillm.bench.cost import weight_bytes_read
+from minillm.checkpoints import load as load_module
 from minillm.checkpoints.load import load_model, random_model, save_pretrained
 from minillm.cli import main
 from minillm.cpu_layout import choose_layout, kernels
@@ -166,7 +167,13 @@ def test_the_loader_and_the_cli_take_w8a8(tmp_path, capsys):
     assert "w8a8" in capsys.readouterr().out
 
 
-def test_w8a8_off_a_cpu_is_refused_naming_the_device_and_the_fix(fp32):
-    """CUDA's _int_mm takes more than 16 rows and widths in multiples of 8: w8a8 is a CPU method, said at load."""
+def test_w8a8_off_a_cpu_is_refused_naming_the_device_and_the_fix(fp32, monkeypatch, tmp_path):
+    """CUDA's _int_mm takes more than 16 rows and widths in multiples of 8: w8a8 is a CPU method, said by
+    quantize and by the loader before it builds or reads anything."""
     with pytest.raises(ValueError, match=r"w8a8 runs on a CPU, and this model is on meta.*--quantization int8"):
         quantize(copy.deepcopy(fp32).to("meta"), "w8a8")
+    save_pretrained(random_model(PRESETS["tiny"], "cpu", "fp32"), tmp_path / "tiny")
+    monkeypatch.setattr(load_module, "resolve_device", lambda device: torch.device("cuda"))
+    for folder in (tmp_path / "tiny", tmp_path / "absent"):  # a checkpoint, and a random init of tiny's shape
+        with pytest.raises(ValueError, match=r"w8a8 runs on a CPU, and this model is on cuda"):
+            load_model(folder if folder.exists() else "tiny", "cuda", quantization="w8a8", weights_dir=folder)

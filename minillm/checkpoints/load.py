@@ -95,10 +95,10 @@ def load_checkpoint(folder: str | Path, device: str | torch.device = "auto",
                     dtype: str | torch.dtype = "auto", quantization: str | None = None) -> GPT2:
     """Load a GPT-2 checkpoint folder onto `device` in `dtype` (its projections in int8 if `quantization` is a
     method of quantize.py), or raise a CheckpointError."""
-    check_quantization(quantization)
     folder = Path(folder)
     check_folder(folder, folder.name)
     device = resolve_device(device)
+    check_quantization(quantization, device)  # before a byte is read
     dtype = resolve_dtype(dtype, device)
     config = read_config(folder)
     path = folder / WEIGHTS_FILE
@@ -135,6 +135,7 @@ def random_model(config: GPT2Config, device: str | torch.device = "auto",
     tensor from one CPU generator in fp32 and casts it into place.
     """
     device = resolve_device(device)
+    check_quantization(quantization, device)
     dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
         model = GPT2(config, seed=None)
