@@ -38,6 +38,12 @@ def int8(fp32):
     return choose_layout(quantize(copy.deepcopy(fp32)))
 
 
+@pytest.fixture(scope="module", params=["int8", "w8a8"])
+def quantized(fp32, request):
+    """Either method: w8a8 keeps int8's weights and rounds the activations too (tests/test_quantize_w8a8.py)."""
+    return choose_layout(quantize(copy.deepcopy(fp32), request.param))
+
+
 def kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """KL(reference ‖ other) per position, in nats."""
     p, q = reference.log_softmax(-1), other.log_softmax(-1)
@@ -155,9 +161,9 @@ def test_a_row_gets_the_same_logits_alone_and_in_a_batch(int8):
         assert torch.allclose(int8(ids)[1], int8(ids[1:2])[0], atol=1e-2)
 
 
-def test_greedy_agreement_over_a_long_generation_through_the_engine(fp32, int8):
-    """fp32's engine generates 96 tokens for each of 6 prompts; int8's greedy choice at each of those positions
-    agrees with fp32's at the stated rate (free-running, the first disagreement sends the two apart)."""
+def test_greedy_agreement_over_a_long_generation_through_the_engine(fp32, quantized):
+    """fp32's engine generates 96 tokens for each of 6 prompts; the quantized model's greedy choice at each of those
+    positions agrees with fp32's at the stated rate (free-running, the first disagreement sends the two apart)."""
     prompts = random_prompts(6, [6, 20], seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     outs = LLMEngine(fp32, cache_config=CacheConfig(block_size=8)).generate(prompts, params)
@@ -166,20 +172,21 @@ def test_greedy_agreement_over_a_long_generation_through_the_engine(fp32, int8):
         tokens = list(out.outputs[0].token_ids)
         ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
-            choices = int8(ids)[0, len(prompt) - 1:-1].argmax(-1)
+            choices = quantized(ids)[0, len(prompt) - 1:-1].argmax(-1)
         agree += (choices == torch.tensor(tokens)).sum().item()
         total += len(tokens)
-    assert agree / total >= GREEDY_AGREEMENT, f"int8 agreed with fp32 at {agree / total:.1%} of {total} positions"
+    assert agree / total >= GREEDY_AGREEMENT, f"{quantization_of(quantized)} agreed with fp32 at {agree / total:.1%} " \
+                                              f"of {total} positions"
 
 
 @pytest.mark.parametrize("block_size,chunked", [(5, True), (16, False)])
-def test_the_engine_paged_and_batched_gives_the_int8_model_its_own_tokens(int8, block_size, chunked):
+def test_the_engine_paged_and_batched_gives_the_quantized_model_its_own_tokens(quantized, block_size, chunked):
     prompts = random_prompts(6, [5, 20, 40], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    reference = [kv_cache.generate(int8, [p], params)[0] for p in prompts]
+    reference = [kv_cache.generate(quantized, [p], params)[0] for p in prompts]
     scheduler = SchedulerConfig(max_num_batched_tokens=24 if chunked else 128, max_num_seqs=8,
                                 enable_chunked_prefill=chunked)
-    engine = LLMEngine(int8, scheduler, cache_config=CacheConfig(block_size=block_size))
+    engine = LLMEngine(quantized, scheduler, cache_config=CacheConfig(block_size=block_size))
     outs = engine.generate(prompts, params)
     assert [list(o.outputs[0].token_ids) for o in outs] == reference
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
