@@ -1,4 +1,4 @@
-"""Fewer bytes per token: weight-only int8, swapped into a loaded model.
+"""Fewer bytes per token: int8 weights (and with `w8a8`, int8 activations), swapped into a loaded model.
 
 A decode step reads every weight once to push one token per sequence through the model: about 2 FLOPs per
 weight read, far left of any device's ridge point, so its time is the bytes it reads ÷ the bandwidth. The one
@@ -55,29 +55,34 @@ quantizes MoE expert weights to per-channel int8 as they load; here every projec
 
 state_dict of a quantized model: each projection's `weight` (int8 [out, in]), `scales` (fp32 [out]) and `bias`,
 `lm_head.weight` (int8 [V, C]) and `lm_head.scales`, and the rest as the plain model's. It loads into a model
-quantized the same way (strict: a plain state_dict lacks the scales and is refused); the checkpoint format is
-the plain model's, so `save_pretrained` refuses a quantized model.
+quantized either way, int8 or w8a8: the method is the modules' class, not the state_dict (strict: a plain
+state_dict lacks the scales and is refused); the checkpoint format is the plain model's, so `save_pretrained`
+refuses a quantized model.
 
 Int8 activations too (`--quantization w8a8`). Widening an int8 weight costs the product a conversion per
-weight (≈ 3 instructions per 16 weights), so weight-only int8 stops being memory-bound well before the byte floor
-on a CPU core, and its time grows with the rows. llama.cpp's Q8_0 and CTranslate2's int8 also round the
-activations to int8, so that the product itself is integer (VNNI on x86: 64 int8 multiply-adds an instruction).
-`w8a8` does that with the same stored weights: each row of x gets its own symmetric scale, by the very rule the
-weights get one per output channel (`quantize_per_channel` on x [rows, in]), and `torch._int_mm` sums in int32:
+weight before each multiply-add, so on a CPU core weight-only int8 can run out of arithmetic before it runs out
+of bandwidth, and its time grows with the rows (docs/quantize.md measures where). llama.cpp's Q8_0 and
+CTranslate2's int8 round the activations to int8 too (Q8_0 in blocks of 32 inputs, a scale each; CTranslate2
+per row), so that the product itself is integer (VNNI on x86: 64 int8 multiply-adds an instruction). `w8a8`
+does that with the same stored weights: each row of x gets its own symmetric scale, by the rule the weights
+get one per output channel (`quantize_per_channel`'s, with a floor of 1e-30 on max |x|), and `torch._int_mm`
+sums in int32 (on a CPU without VNNI its pairs would saturate in int16: there, `int8_sums_in_two_parts`):
 
     y = (x_q · qᵀ) · s_x[:, None] · scale + b       x_q int8 [rows, in], s_x fp32 [rows]; the sum is exact
 
 Its costs: each activation errs by up to s_x / 2 too (a row with one outlier spends most of its 255 levels on
-it), and each call pays ~5 small ops to quantize x. Its gains: the sum is integer, so a row's logits are the
-same bits alone, in any batch and in any chunk, and a prefill's rows run integer arithmetic too. vLLM runs this
-scheme (W8A8 int8, dynamic per-token) from a compressed-tensors checkpoint; here it is made at load time, on a
-CPU only (`check_quantization`).
+it, and inputs far below the outlier round to 0), and each call pays 7 small ops to quantize x. Its gains: the
+sum is integer, so a row's product is the same bits alone, in any batch and in any chunk (attention's sums are
+still floating, so the logits need not be), and a prefill's rows run integer arithmetic too. vLLM runs this
+scheme (W8A8 int8, dynamic per-token) from a compressed-tensors checkpoint, torchao calls it
+Int8DynamicActivationInt8Weight; here it is made at load time, on a CPU only (`check_quantization`).
 
 Invariants held by the tests: the round trip errs by at most scale/2 per element, with one scale per output
 channel; on a context-sensitive model the int8 logits stay within a stated max |diff| and KL of fp32's, and int8's
 greedy choice agrees with fp32's along a long generation at a stated rate; the engine (paged, batched, chunked)
-gives the int8 model its own tokens; a row's logits do not depend on its batch (w8a8: bit for bit, and its int32
-sums equal int64 ones); `cpu_layout` leaves int8 alone.
+gives the int8 model its own tokens; a row's logits do not depend on its batch (w8a8's product: bit for bit,
+its int32 sums equal int64 ones at any row count, on a CPU whose kernel saturates too); `cpu_layout` leaves int8
+alone.
 """
 from __future__ import annotations
 
@@ -147,15 +152,41 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def int_mm_is_exact() -> bool:
+    """Whether this CPU's `torch._int_mm` sums int8 products exactly at full range, tried once on the worst case.
+    With VNNI it does (4 products added straight into int32). Without it, oneDNN shifts the left operand to u8
+    (+128) and adds each pair of u8·s8 products in int16, which saturates: 255·127 + 255·127 = 64,770 > 32,767."""
+    x = torch.full((32, 64), 127, dtype=torch.int8)
+    q = torch.full((16, 64), 127, dtype=torch.int8)
+    q[1::2] = -127
+    return all(torch.equal(torch._int_mm(rows, q.t()).long(), rows.long() @ q.long().t()) for rows in (x[:1], x))
+
+
+def int8_sums(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """xq [rows, in] (integers in [-127, 127]) · qᵀ → int32 [rows, out], where `int_mm_is_exact()`."""
+    return torch._int_mm(xq.to(torch.int8), q.t())
+
+
+def int8_sums_in_two_parts(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The same sums, exact on any CPU: q as the shifted operand, and each activation as 64·h + l with h in [-2, 1]
+    and l in [0, 63], so that no pair of products leaves int16 (255·64·2 = 32,640). Both parts ride one call as
+    2·rows columns: q is read once, and the arithmetic doubles."""
+    high = torch.div(xq, 64, rounding_mode="floor")
+    acc = torch._int_mm(q, torch.cat([high, xq - 64 * high]).to(torch.int8).t())  # [out, 2·rows]
+    return (acc[:, :len(xq)] * 64 + acc[:, len(xq):]).t()
+
+
 def w8a8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] · (q · scales)ᵀ + bias → [..., out], in x's dtype, with x rounded to int8 row by row (one
     symmetric scale each) and the sums in int32, then one fp32 epilogue (both scales and bias)."""
+    check_quantization("w8a8", x.device)  # a model moved off the CPU after quantizing
     rows = x.reshape(-1, x.shape[-1]).float()
     # quantize_per_channel's rule for each row, in fewer calls: |x| / s_x ≤ 127 up to rounding, so no clamp
     sx = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30).div_(127)  # s_x [rows, 1]
-    xq = (rows / sx).round_().to(torch.int8)
-    acc = torch._int_mm(xq, q.t())  # [rows, out] int32: VNNI's int8 multiply-adds where the CPU has them
+    xq = (rows / sx).round_()  # integers in [-127, 127], still fp32
+    acc = int8_sums(xq, q) if int_mm_is_exact() else int8_sums_in_two_parts(xq, q)
     y = acc * sx  # int32 · fp32 → fp32
     y = y.mul_(scales) if bias is None else torch.addcmul(bias.float(), y, scales)
     return y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -218,6 +249,9 @@ class W8A8Int8LMHead(WeightOnlyInt8LMHead):
     def forward(self, x: torch.Tensor, wte: torch.Tensor) -> torch.Tensor:
         return w8a8_product(x, self.weight, self.scales)
 
+    def extra_repr(self) -> str:
+        return f"int8 copy of wte {tuple(self.weight.shape)}, per-token scales; int8 activations, per row"
+
 
 MODULES = {"int8": (WeightOnlyInt8Linear, WeightOnlyInt8LMHead), "w8a8": (W8A8Int8Linear, W8A8Int8LMHead)}
 
@@ -229,6 +263,9 @@ def quantize(model: GPT2, quantization: str | None = "int8") -> GPT2:
     check_quantization(quantization, model.wte.weight.device)
     if quantization is None:
         return model
+    if quantization_of(model) not in (None, quantization):
+        raise ValueError(f"--quantization {quantization}: this model's projections are already "
+                         f"{quantization_of(model)}; quantize the plain model (load it without --quantization)")
     linear, head = MODULES[quantization]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

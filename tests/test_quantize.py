@@ -256,14 +256,15 @@ def test_the_cli_refuses_an_unknown_method_naming_the_value_and_the_choices(caps
     assert "'q4'" in err and "int8" in err, err
 
 
-def test_serve_refuses_int8_weights_with_disaggregated_workers(capsys, monkeypatch):
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_serve_refuses_int8_weights_with_disaggregated_workers(capsys, monkeypatch, method):
     """The prefill and decode workers load their own weights in --dtype: int8 there would be a flag ignored."""
     def loaded(*args, **kwargs):
         raise AssertionError("serve loaded a model for --quantization int8 --disaggregate instead of refusing it")
     monkeypatch.setattr(load_module, "random_model", loaded)
-    assert main(["serve", "--model", "tiny", "--device", "cpu", "--quantization", "int8", "--disaggregate"]) == 2
+    assert main(["serve", "--model", "tiny", "--device", "cpu", "--quantization", method, "--disaggregate"]) == 2
     err = capsys.readouterr().err
-    assert "--quantization int8 with --disaggregate" in err and "without --disaggregate" in err, err
+    assert f"--quantization {method} with --disaggregate" in err and f"serve {method} weights without" in err, err
 
 
 def test_generate_runs_on_int8_weights(capsys):

@@ -10,18 +10,25 @@ int8; this file holds it to int8's own bounds (tests/test_quantize.py):
 (the greedy agreement and the engine's tokens are tests/test_quantize.py's, run on both methods).
 """
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import minillm.cli as cli
+import minillm.quantize as qz
+
 from minillm import PRESETS
+from minillm.bench import peers, roofline
 from minillm.bench.cost import weight_bytes_read
 from minillm.checkpoints import load as load_module
 from minillm.checkpoints.load import load_model, random_model, save_pretrained
 from minillm.cli import main
 from minillm.cpu_layout import choose_layout, kernels
-from minillm.quantize import (W8A8Int8Linear, W8A8Int8LMHead, dequantize, quantization_of, quantize,
-                              quantize_per_channel, w8a8_product)
+from minillm.quantize import (W8A8Int8Linear, W8A8Int8LMHead, dequantize, int8_product, quantization_of,
+                              quantize, quantize_per_channel, w8a8_product)
 from models import context_model, random_prompts
 
 MAX_ABS_DIFF, MEAN_KL, MAX_KL = 2.0, 0.01, 0.25
@@ -45,20 +52,42 @@ def kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 # ---- the product --------------------------------------------------------------------------------------------------
 
 def test_the_integer_sums_are_exact_at_the_extremes():
-    """±127 · ±127 over 3,072 inputs is 49.5M, past fp32's 2²⁴ and int16's range: the int32 sums must equal int64's
-    (a kernel that saturates pairs in int16, or sums in fp32, would not)."""
+    """±127 · ±127 over 3,072 inputs is 49.5M, past fp32's 2²⁴ and int16's range: the product's int32 sums must equal
+    int64's on any CPU, straight from torch._int_mm where `int_mm_is_exact()` found it exact, in two parts where it
+    did not (without VNNI it adds pairs of products in int16, which saturates). The probe must tell the truth at a
+    model's width, and the two-part sums are exact everywhere."""
     g = torch.Generator().manual_seed(0)
     x = torch.full((3, 3072), 127, dtype=torch.int8)
     x[1] = -127
     x[2] = torch.randint(-127, 128, (3072,), generator=g, dtype=torch.int8)
     q = torch.full((24, 3072), -127, dtype=torch.int8)
     q[1::2] = torch.randint(-127, 128, (12, 3072), generator=g, dtype=torch.int8)
-    assert torch.equal(torch._int_mm(x, q.t()).long(), x.long() @ q.long().t())
+    sums = x.long() @ q.long().t()
+    assert qz.int_mm_is_exact() == torch.equal(torch._int_mm(x, q.t()).long(), sums), "the probe is wrong here"
+    assert torch.equal(qz.int8_sums_in_two_parts(x.float(), q).long(), sums)
     w = dequantize(q, torch.full((24,), 0.5))
     rows = x.float() * 2.0  # one scale per row, 2/127: rounding gives x back
     got = w8a8_product(rows, q, torch.full((24,), 0.5))
     exact = rows.double() @ w.double().t()
     assert ((got.double() - exact).abs() <= 2 ** -22 * exact.abs() + 1e-6).all()
+
+
+def test_on_a_cpu_whose_int8_kernel_saturates_the_sums_are_still_exact():
+    """oneDNN told to use AVX2 at most (ONEDNN_MAX_CPU_ISA, read when it starts: a process of its own) runs the
+    int8 kernel of a CPU without VNNI, which saturates: the probe must see it, and w8a8's sums stay exact. (On a
+    CPU that is not x86 the variable means nothing; the sums must be exact all the same.)"""
+    code = ("import torch, minillm.quantize as qz\n"
+            "x = torch.full((2, 768), 127.0); x[1, ::2] = -127.0\n"
+            "q = torch.full((8, 768), 127, dtype=torch.int8); q[1::2] = -127\n"
+            "got = qz.w8a8_product(x, q, torch.ones(8))\n"
+            "print(qz.int_mm_is_exact(), torch.equal(got.long(), x.long() @ q.long().t()), torch.equal(\n"
+            "      torch._int_mm(x.to(torch.int8), q.t()).long(), x.long() @ q.long().t()))\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    probe, exact, kernel_exact = out.stdout.split()
+    assert exact == "True", f"w8a8's sums under AVX2 are not exact (probe {probe}, the kernel alone {kernel_exact})"
+    assert probe == kernel_exact, f"the probe said {probe} where the kernel's exactness is {kernel_exact}"
 
 
 def test_the_product_sums_in_integers_where_floating_sums_round():
@@ -142,10 +171,87 @@ def test_the_loader_and_the_cli_take_w8a8(tmp_path, capsys):
 def test_w8a8_off_a_cpu_is_refused_naming_the_device_and_the_fix(fp32, monkeypatch, tmp_path):
     """CUDA's _int_mm takes more than 16 rows and widths in multiples of 8: w8a8 is a CPU method, said by
     quantize and by the loader before it builds or reads anything."""
-    with pytest.raises(ValueError, match=r"w8a8 runs on a CPU, and this model is on meta.*--quantization int8"):
+    with pytest.raises(ValueError, match=r"w8a8 runs on a CPU, and this model is on meta.*int8 there, or --device cpu"):
         quantize(copy.deepcopy(fp32).to("meta"), "w8a8")
     save_pretrained(random_model(PRESETS["tiny"], "cpu", "fp32"), tmp_path / "tiny")
     monkeypatch.setattr(load_module, "resolve_device", lambda device: torch.device("cuda"))
     for folder in (tmp_path / "tiny", tmp_path / "absent"):  # a checkpoint, and a random init of tiny's shape
         with pytest.raises(ValueError, match=r"w8a8 runs on a CPU, and this model is on cuda"):
             load_model(folder if folder.exists() else "tiny", "cuda", quantization="w8a8", weights_dir=folder)
+
+
+# ---- what an adversary found the tests above let through ------------------------------------------------------
+
+def test_the_epilogue_adds_the_bias_once_after_both_scales():
+    """context_model's biases are zero: only a product-level test sees the bias."""
+    g = torch.Generator().manual_seed(4)
+    q, scales = quantize_per_channel(torch.randn(48, 64, generator=g))
+    x, bias = torch.randn(5, 64, generator=g), torch.randn(48, generator=g) * 10
+    assert torch.allclose(w8a8_product(x, q, scales, bias) - w8a8_product(x, q, scales), bias.expand(5, -1),
+                          atol=1e-4)
+
+
+def test_the_sums_are_integer_past_16_rows_too():
+    """The 65,536-input case at 40 rows: a path that sums in floats above some row count gives itself away."""
+    k = 1 << 16
+    x = torch.full((2, k), 127.0)
+    x[:, 0], x[1, 1::2] = 1.0, -127.0
+    x = x.repeat(20, 1)  # 40 rows
+    q = torch.full((16, k), 127, dtype=torch.int8)
+    q[:, k // 2:] = -127
+    q[1::2, 3::7] = 5
+    assert torch.equal(w8a8_product(x, q, torch.ones(16)).long(), x.long() @ q.long().t())
+
+
+def test_each_w8a8_module_runs_the_w8a8_product():
+    """The head and every projection, each against w8a8_product on its own weights (and not int8_product's)."""
+    model = quantize(context_model(), "w8a8")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, model.config.n_embd, generator=g)
+    head = model.lm_head
+    assert torch.equal(head(x, model.wte.weight), w8a8_product(x, head.weight, head.scales))
+    assert not torch.equal(head(x, model.wte.weight), int8_product(x, head.weight, head.scales))
+    for m in (m for m in model.modules() if isinstance(m, W8A8Int8Linear)):
+        xi = torch.randn(3, m.weight.shape[1], generator=g)
+        assert torch.equal(m(xi), w8a8_product(xi, m.weight, m.scales, m.bias))
+        assert not torch.equal(m(xi), int8_product(xi, m.weight, m.scales, m.bias))
+
+
+def test_the_w8a8_ceilings_run_w8a8_s_module(monkeypatch):
+    calls = []
+    real = qz.w8a8_product
+    monkeypatch.setattr(qz, "w8a8_product", lambda *a: calls.append(a[0].shape) or real(*a))
+    kernels = roofline.ceiling_kernels("cpu", torch.float32, True, "w8a8")
+    kernels["int8 one-row product"].fn()
+    kernels["int8 product"].fn()
+    assert calls and all(shape[0] == 1 for shape in calls[:-1]) and calls[-1][0] > 16
+
+
+def test_each_minillm_row_of_peers_loads_the_method_it_is_named_for():
+    for name, (dtype, quantization) in peers.MINILLM.items():
+        assert name == f"minillm {quantization or dtype}"
+    for label, (engine, _), *_ in peers.RATIOS:
+        assert engine == f"minillm {label.split()[0]}", label
+
+
+def test_the_cli_generates_with_the_w8a8_model(monkeypatch, capsys):
+    seen = []
+    real = cli.load_model
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    assert cli.main(["generate", "--model", "tiny", "--device", "cpu", "--prompt", "hello", "--max-tokens", "2",
+                     "--temperature", "0", "--quantization", "w8a8"]) == 0
+    assert [qz.quantization_of(m) for m in seen] == ["w8a8"]
+
+
+def test_a_w8a8_model_moved_off_the_cpu_is_refused_at_its_first_product():
+    model = quantize(context_model(), "w8a8").to("meta")
+    with pytest.raises(ValueError, match=r"w8a8 runs on a CPU, and this model is on meta.*--device cpu"):
+        model(torch.tensor([[1, 2, 3]], device="meta"))
+
+
+@pytest.mark.parametrize("first, then", [("int8", "w8a8"), ("w8a8", "int8")])
+def test_quantizing_a_quantized_model_another_way_is_refused(first, then):
+    with pytest.raises(ValueError, match=rf"--quantization {then}: this model's projections are already {first}"):
+        quantize(quantize(context_model(), first), then)
+    model = quantize(context_model(), first)
+    assert quantize(model, first) is model  # the same method again: nothing to do

@@ -42,7 +42,7 @@ RATIOS = [("fp32 batch 1 ÷ llama.cpp f32", ("minillm fp32", 1), ("llama.cpp f32
           ("int8 batch 16 ÷ CTranslate2 int8", ("minillm int8", 16), ("CTranslate2 int8", 16), 1.0, "≤"),
           ("fp32 prefill ÷ llama.cpp f32 (tok/s)", ("minillm fp32", "prefill"), ("llama.cpp f32", "prefill"),
            1.0, "≥"),
-          # like for like: Q8_0 and CTranslate2's int8 round the activations to int8 too
+          # like for like: Q8_0 (blocks of 32) and CTranslate2's int8 (per row) round the activations to int8 too
           ("w8a8 batch 1 ÷ llama.cpp Q8_0", ("minillm w8a8", 1), ("llama.cpp Q8_0", 1), 1.2, "≤"),
           ("w8a8 batch 16 ÷ llama.cpp Q8_0", ("minillm w8a8", 16), ("llama.cpp Q8_0", 16), 1.0, "≤"),
           ("w8a8 batch 16 ÷ CTranslate2 int8", ("minillm w8a8", 16), ("CTranslate2 int8", 16), 1.0, "≤")]

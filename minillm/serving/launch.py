@@ -185,7 +185,7 @@ def run(args) -> int:
     device = resolve_device(args.device)
     if args.disaggregate and args.quantization:
         raise ValueError(f"--quantization {args.quantization} with --disaggregate: the workers load the weights in "
-                         "--dtype; serve int8 weights without --disaggregate")
+                         f"--dtype; serve {args.quantization} weights without --disaggregate")
     model = load_model(args.model, device, resolve_dtype(args.dtype, device), args.weights_dir,
                        quantization=args.quantization)
     tokenizer = load_tokenizer(args.model, args.weights_dir)
