@@ -1,12 +1,17 @@
 """What the engine's decode step is made of, at batch 8, 16 and 32 (docs/serving.md quotes it).
 
     PYTHONPATH=$PWD python docs/decode_step_profile.py --threads 2 [--gather-bytes N]
+    PYTHONPATH=$PWD python docs/decode_step_profile.py --threads 1 --turns 16777216,4194304 --rounds 9
 
 For each batch, B random prompts of 128 tokens go through a fresh `LLMEngine` on gpt2's shape (random init,
 fp32, the loader's CPU layout); once all are prefilled, the 64 decode steps (contexts 129-192) are timed
 unprofiled, then the same run again under torch.profiler, whose self CPU time per op is summed into the parts
 below (ms per step, and their share of the profiled step). "Outside any op" is the profiled step less every
 op's self time: Python, dispatch, and the profiler's own cost.
+
+`--turns A,B` instead times one fixed decode step (B rows at 150 cached tokens, `engine.decoder.run`) under
+the two gather bounds in turns, each turn one warm step then two timed, and prints the per-round ratios'
+median and quartiles, B ÷ A; on one thread it asserts every turn's logits equal to the first (same bits).
 """
 import argparse
 import os
@@ -20,6 +25,7 @@ from minillm.bench.replay import greedy
 from minillm.bench.threads import apply_threads, choose_threads
 from minillm.checkpoints.load import load_model
 from minillm.engine import LLMEngine
+from minillm.kv_cache import Segment
 from minillm.scheduler import SchedulerConfig
 
 PARTS = {"projections (oneDNN)": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm"),
@@ -31,24 +37,58 @@ PARTS = {"projections (oneDNN)": ("mkldnn::_linear_pointwise", "aten::addmm", "a
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--threads", type=int, default=None)
 p.add_argument("--gather-bytes", type=int, default=None, help="the paged cache's bound (default: its own)")
+p.add_argument("--turns", default=None, help="two bounds, A,B: the fixed step under each, in turns")
+p.add_argument("--rounds", type=int, default=9)
 args = p.parse_args()
 threads = apply_threads(choose_threads(args.threads)).threads
 model = load_model("gpt2", "auto", "auto")
 
 
-def engine(batch: int) -> LLMEngine:
+def engine(batch: int, prompt_len: int = 128, output_len: int = 64) -> LLMEngine:
     eng = LLMEngine(model, SchedulerConfig(max_num_seqs=32), record_timeline=False)
     if args.gather_bytes is not None:
         eng.cache.gather_bytes = args.gather_bytes
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
-        eng.add_request(torch.randint(0, model.config.vocab_size, (128,), generator=g).tolist(), greedy(64))
-    while eng.scheduler.waiting or any(s.num_computed_tokens < 128 for s in eng.scheduler.running):
+        eng.add_request(torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist(),
+                        greedy(output_len))
+    while eng.scheduler.waiting or any(s.num_computed_tokens < prompt_len for s in eng.scheduler.running):
         eng.step()
     return eng
 
 
-for batch in (8, 16, 32):
+@torch.inference_mode()
+def turns(batch: int, bounds: list[int], rounds: int) -> None:
+    eng = engine(batch, 128, 256)
+    while min(s.num_computed_tokens for s in eng.scheduler.running) < 150:  # then each row decodes its 151st
+        eng.step()                                                          # token, again and again
+    segments = [Segment(s.seq_id, s.num_computed_tokens, 1, True) for s in eng.scheduler.running]
+    tokens = [s.output_token_ids[-1] for s in eng.scheduler.running]
+    kept = {}
+    for bound in bounds:
+        eng.cache.gather_bytes = bound
+        kept[bound] = eng.cache.gather_bytes, eng.cache.scratch
+    first, times = None, {bound: [] for bound in bounds}
+    for r in range(rounds):
+        for bound in bounds if r % 2 == 0 else bounds[::-1]:
+            eng.cache._gather_bytes, eng.cache.scratch = kept[bound]
+            eng.decoder.run(segments, tokens)
+            t0 = time.perf_counter()
+            for _ in range(2):
+                logits = eng.decoder.run(segments, tokens)
+            times[bound].append((time.perf_counter() - t0) / 2)
+            first = logits.clone() if first is None else first
+            assert threads > 1 or torch.equal(logits, first), "one thread: the groups changed a bit"
+    ratios = [b / a for a, b in zip(times[bounds[0]], times[bounds[1]])]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    print(f"batch {batch}, {threads} thread(s): step {1e3 * statistics.median(times[bounds[0]]):.1f} ms at "
+          f"{bounds[0]} B, {1e3 * statistics.median(times[bounds[1]]):.1f} at {bounds[1]}; ratio {q2:.3f} "
+          f"({q1:.3f}-{q3:.3f}, {rounds} rounds)", os.popen("uptime").read().strip(), flush=True)
+
+
+for batch in (8, 16, 32) if args.turns else ():
+    turns(batch, [int(b) for b in args.turns.split(",")], args.rounds)
+for batch in () if args.turns else (8, 16, 32):
     eng, walls = engine(batch), []
     while eng.has_unfinished_requests():
         t0 = time.perf_counter()
