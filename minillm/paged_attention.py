@@ -40,14 +40,17 @@ it when freed, so the kernel faults its pages in one by one, every time. And
 each call costs a fixed price: every parallel kernel wakes torch's sleeping
 OpenMP threads (bench/threads.py). So on a CPU the decodes are gathered and
 attended in groups of rows whose copies stay within `gather_bytes`
-(`GATHER_BYTES`, 16 MiB; a row whose context alone passes it goes alone), each
+(`GATHER_BYTES`, 4 MiB; a row whose context alone passes it goes alone), each
 group into the same scratch buffer, which the cache keeps from layer to layer
 and step to step: no page is faulted in twice, and a group's copy is still in
-the core's cache when attention reads it (so groups much larger than the cache
-lose). `python -m minillm.bench.gather --gather-bytes N` times both ways on a
-served workload; docs/bench.md has what it measured. A GPU gathers in one call,
-into a fresh buffer: its allocator caches blocks, and each group would cost
-launches.
+the cores' own caches (1–2 MiB of L2 a core) when attention reads it back; a
+last-level cache shared with neighbours may not keep a larger one.
+Grouping is a matter of speed: on one thread a row's output is the same bits
+in any group; on several, torch's kernel may round a row's heads in its last
+bit differently as they land on another thread. `python -m minillm.bench.gather
+--gather-bytes N` serves a workload so; docs/serving.md and docs/bench.md have
+what it measured. A GPU gathers in one call, into a fresh buffer: its allocator
+caches blocks, and each group would cost launches.
 
 One step
 --------
@@ -80,8 +83,8 @@ from .model import causal_attention, causal_mask
 from .device import to_device
 
 # On a CPU, the most bytes of gathered K and V one decode attention call copies, into a buffer the cache keeps:
-# few calls (each wakes torch's threads), and a copy that one core's cache still holds when attention reads it.
-GATHER_BYTES = 16 * 2**20
+# few calls (each wakes torch's threads), and a copy that the cores' own caches still hold when attention reads it.
+GATHER_BYTES = 4 * 2**20
 
 
 @dataclass

@@ -125,8 +125,11 @@ def test_a_cpu_cache_bounds_its_gathers_and_other_devices_gather_at_once():
     blocks = BlockManager(num_blocks=8, block_size=4)
     cpu = PagedKVCache(CFG, blocks)
     assert cpu.gather_bytes == GATHER_BYTES and cpu.bytes_per_key == 2 * 64 * 4
-    assert [(r.start, r.stop) for r in cpu.decode_groups(700, 100)] == [(0, 327), (327, 654), (654, 981)]  # 16 MiB
-    assert cpu.decode_groups(3, 100) == [slice(0, 327)]
+    assert [(r.start, r.stop) for r in cpu.decode_groups(200, 100)] == [(0, 81), (81, 162), (162, 243)]  # 4 MiB
+    assert cpu.decode_groups(3, 100) == [slice(0, 81)]
+    gpt2 = PagedKVCache(PRESETS["gpt2"], BlockManager(num_blocks=1, block_size=16))  # 6 KiB of K and V a key
+    assert [(r.start, r.stop) for r in gpt2.decode_groups(32, 160)] == [(a, a + 4) for a in range(0, 32, 4)], \
+        "32 rows of 160 keys: groups of 4 rows (3.75 MiB), a copy the cores' own caches keep, not 2 of 15 MiB"
     assert len(cpu.decode_groups(7, GATHER_BYTES)) == 7  # a row past the bound goes alone, copied whole
     assert PagedKVCache(CFG, blocks, dtype=torch.bfloat16).bytes_per_key == 2 * 64 * 2
     assert PagedKVCache(CFG, blocks, device="meta").gather_bytes is None  # a GPU's allocator keeps its blocks
@@ -156,3 +159,32 @@ def test_a_step_must_list_its_decodes_first():
     blocks.append_slots(Holder(1), 2)
     with pytest.raises(ValueError, match="decodes first"):
         cache.prepare([Segment(0, 0, 2), Segment(1, 1, 1, True)])
+
+
+@pytest.mark.parametrize("rows_per_gather", [1, 2])
+@torch.inference_mode()
+def test_on_one_thread_the_groups_change_no_bit(rows_per_gather):
+    """Grouping is speed only: on one thread five ragged decodes give the same bits gathered a group of rows at
+    a time as in one copy (on several, torch's kernel may round a row's heads differently on another thread)."""
+    model = context_model()
+    g = torch.Generator().manual_seed(2)
+    lens = (20, 7, 33, 12, 26)
+    seqs = [torch.randint(0, CFG.vocab_size, (n + 1,), generator=g).tolist() for n in lens]
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    cache = PagedKVCache(CFG, blocks, gather_bytes=None)
+    holders = [_fill(model, cache, blocks, sid, seqs[sid][:n]) for sid, n in enumerate(lens)]
+    segments = [Segment(i, n, 1, True) for i, n in enumerate(lens)]
+    for h in holders:
+        blocks.append_slots(h, 1)
+    ids, threads = torch.tensor([[seqs[i][n] for i, n in enumerate(lens)]]), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        logits = []
+        for bound in (None, rows_per_gather * 36 * 2 * CFG.n_embd * 4):  # 36: the longest context in blocks of 4
+            cache.gather_bytes = bound
+            meta = cache.prepare(segments)  # the same slots each time: the step rewrites its own K and V
+            logits.append(model(ids, meta.positions, cache=cache))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(cache.decode_groups(5, 36)) == -(-5 // rows_per_gather)
+    assert torch.equal(logits[0], logits[1])
