@@ -4,7 +4,7 @@
 
 `PagedKVCache` gathers the decodes' K and V every layer of every step
 (paged_attention.py). On a CPU it takes the rows in groups of at most
-`GATHER_BYTES` (16 MiB), each into one scratch buffer it keeps; `--gather-bytes
+`GATHER_BYTES` (4 MiB), each into one scratch buffer it keeps; `--gather-bytes
 0` takes every row in one copy, into a fresh buffer (as on a GPU).
 Each side serves the same seeded workload (every request at once, greedy,
 `ignore_eos`) in a fresh process, the sides in turns, round after round, and

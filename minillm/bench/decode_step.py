@@ -1,8 +1,8 @@
 """What the engine's decode step is made of, at batch 8, 16 and 32 (docs/serving.md quotes it).
 
-    PYTHONPATH=$PWD python docs/decode_step_profile.py --threads 2 [--gather-bytes N]
-    PYTHONPATH=$PWD python docs/decode_step_profile.py --threads 1 --turns 16777216,4194304 --rounds 9
-    PYTHONPATH=$PWD python docs/decode_step_profile.py --threads 2 --checks
+    python -m minillm.bench.decode_step --threads 2 [--gather-bytes N]
+    python -m minillm.bench.decode_step --threads 1 --turns 16777216,4194304 --rounds 9
+    python -m minillm.bench.decode_step --threads 2 --checks
 
 For each batch, B random prompts of 128 tokens go through a fresh `LLMEngine` on gpt2's shape (random init,
 fp32, the loader's CPU layout); once all are prefilled, the 64 decode steps (contexts 129-192) are timed
