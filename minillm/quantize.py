@@ -157,8 +157,8 @@ def int_mm_is_exact() -> bool:
     """Whether this CPU's `torch._int_mm` sums int8 products exactly at full range, tried once on the worst case.
     With VNNI it does (4 products added straight into int32). Without it, oneDNN shifts the left operand to u8
     (+128) and adds each pair of u8·s8 products in int16, which saturates: 255·127 + 255·127 = 64,770 > 32,767."""
-    x = torch.full((32, 64), 127, dtype=torch.int8)
-    q = torch.full((16, 64), 127, dtype=torch.int8)
+    x = torch.full((32, 64), 127, dtype=torch.int8, device="cpu")  # not the default device: the CPU's kernel
+    q = torch.full((16, 64), 127, dtype=torch.int8, device="cpu")
     q[1::2] = -127
     return all(torch.equal(torch._int_mm(rows, q.t()).long(), rows.long() @ q.long().t()) for rows in (x[:1], x))
 

@@ -255,3 +255,14 @@ def test_quantizing_a_quantized_model_another_way_is_refused(first, then):
         quantize(quantize(context_model(), first), then)
     model = quantize(context_model(), first)
     assert quantize(model, first) is model  # the same method again: nothing to do
+
+
+def test_the_probe_runs_on_the_cpu_whatever_the_default_device():
+    """A first product under another default device (here meta; a GPU's alike) must still probe the CPU's kernel."""
+    qz.int_mm_is_exact.cache_clear()
+    try:
+        with torch.device("meta"):
+            under = qz.int_mm_is_exact()
+    finally:
+        qz.int_mm_is_exact.cache_clear()
+    assert under == qz.int_mm_is_exact()
